@@ -1,0 +1,316 @@
+"""Mega's chunked single-head attention, attention functions and relative position biases.
+
+    O = f(Q Kᵀ / τ + b_rel) V                         (Mega, eq. 11)
+
+computed independently inside chunks of length c (Mega-chunk, §3.5), with f, τ and masking
+exactly as in the authors' code (facebookresearch/mega):
+
+- `softmax`: τ = √z (the Q/K width, not d); additive −inf masks on padded keys, except in a
+  chunk whose keys are all padding, which the code leaves unmasked; the causal mask is additive.
+  Runs on `scaled_dot_product_attention`.
+- `laplace` / `relu2`: τ = the number of non-padded keys of the chunk (clamped ≥ 1), or i + 1
+  for query i under a causal mask (this overrides the padding count), or the chunk length
+  without a mask; masks multiply the weights; rows are NOT normalised.
+  laplace(x) = ½(1 + erf((x − μ)/(σ√2))), μ = √½, σ = 1/(2√π): the paper's App. C matches relu²
+  at x = √½ (the paper text's "x = √2" cannot hold, since relu²(√2) = 2 ∉ (0, 1)). We use the
+  code's rounded constants 0.707107 and 0.282095.
+- b_rel is added after scaling. `simple`: a learned scalar per signed offset,
+  b[i, j] = w[M − 1 + j − i], M = chunk size (or `max_positions` without chunking).
+  `rotary`: b[i, j] = ⟨R_i a, R_j b⟩ for two learned vectors a, b ∈ R^z rotated RoPE-style
+  (half-split pairs, θ_k = 10000^{−k/(z/2)}); an input-independent bias, NOT RoPE on Q/K.
+
+Chunks: a length that is not a multiple of c is padded internally (masked keys) and sliced back;
+a sequence no longer than c is one chunk; `chunk_size=-1` is full attention. With a causal mask
+each chunk has its own causal mask: nothing attends across chunks (information crosses them only
+through the EMA). Streaming keeps the keys/values of the current, incomplete chunk and drops them
+at each chunk boundary, as the code's incremental decoding does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+ATTENTION_FUNCTIONS = ("softmax", "laplace", "relu2")
+REL_POS_BIASES = ("simple", "rotary")
+
+# The authors' rounded constants for μ = √½ and σ = 1/(2√π).
+LAPLACE_MU = 0.707107
+LAPLACE_SIGMA = 0.282095
+
+
+def laplace(x: Tensor, mu: float = LAPLACE_MU, sigma: float = LAPLACE_SIGMA) -> Tensor:
+    """Mega's laplace attention function ½(1 + erf((x − μ)/(σ√2))) (eq. 16)."""
+    return 0.5 * (1.0 + torch.erf((x - mu) / (sigma * math.sqrt(2.0))))
+
+
+def relu2(x: Tensor) -> Tensor:
+    """relu(x)²."""
+    return F.relu(x).square()
+
+
+class SimpleRelativePositionalBias(nn.Module):
+    """b[i, j] = w[M − 1 + j − i] with a learned w ∈ R^{2M−1} (init N(0, 0.02))."""
+
+    def __init__(self, max_positions: int) -> None:
+        super().__init__()
+        if max_positions <= 0:
+            raise ValueError(f"max_positions must be positive, got {max_positions}")
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+    def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> Tensor:
+        """(q_len, k_len) bias; query r sits at key position r + q_offset."""
+        M = self.max_positions
+        if k_len > M:
+            raise ValueError(
+                f"attention span {k_len} exceeds the 'simple' relative position bias size "
+                f"{M}: increase max_positions (no chunking) or chunk_size, or use "
+                "rel_pos_bias='rotary'"
+            )
+        dev = self.weight.device
+        i = torch.arange(q_offset, q_offset + q_len, device=dev)
+        j = torch.arange(k_len, device=dev)
+        return self.weight[M - 1 + j.unsqueeze(0) - i.unsqueeze(1)]
+
+
+class RotaryRelativePositionalBias(nn.Module):
+    """b[i, j] = ⟨R_i a, R_j b⟩ with learned a, b ∈ R^z (init N(0, 0.02)); any length."""
+
+    def __init__(self, z_dim: int) -> None:
+        super().__init__()
+        if z_dim % 2:
+            raise ValueError(f"the rotary bias needs an even z_dim, got {z_dim}")
+        self.z_dim = z_dim
+        self.a = nn.Parameter(torch.empty(z_dim))
+        self.b = nn.Parameter(torch.empty(z_dim))
+        nn.init.normal_(self.a, mean=0.0, std=0.02)
+        nn.init.normal_(self.b, mean=0.0, std=0.02)
+
+    def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """R_p x for every position p: (P, z), half-split pairs (x1 | x2)."""
+        half = self.z_dim // 2
+        inv_freq = torch.exp(
+            torch.arange(half, device=x.device, dtype=positions.dtype) * (-math.log(10000.0) / half)
+        )
+        angle = positions.unsqueeze(1) * inv_freq.unsqueeze(0)
+        sin, cos = torch.sin(angle), torch.cos(angle)
+        x1, x2 = x.to(positions.dtype).chunk(2)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=1)
+
+    def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> Tensor:
+        """(q_len, k_len) bias; query r sits at key position r + q_offset."""
+        # Sin/cos tables in at least float32 (the code builds them in float32).
+        dtype = torch.promote_types(self.a.dtype, torch.float32)
+        dev = self.a.device
+        i = torch.arange(q_offset, q_offset + q_len, device=dev, dtype=dtype)
+        j = torch.arange(k_len, device=dev, dtype=dtype)
+        return (self._rotate(self.a, i) @ self._rotate(self.b, j).T).to(self.a.dtype)
+
+
+class KVCache(NamedTuple):
+    """Keys (B, T, z), values (B, T, v) and key validity (B, T) (or None) of the open chunk."""
+
+    key: Tensor
+    value: Tensor
+    valid: Tensor | None
+
+
+class ChunkedAttention(nn.Module):
+    """Single-head attention within chunks, with Mega's attention functions and biases.
+
+    Args:
+        z_dim: width of Q and K (the softmax scale is z^-½).
+        chunk_size: c > 0 for chunked attention, -1 for full attention.
+        attention_activation: one of `ATTENTION_FUNCTIONS`.
+        rel_pos_bias: one of `REL_POS_BIASES`.
+        max_positions: size M of the 'simple' bias without chunking (with chunking M = c).
+        causal: each query sees only keys at or before it (within its chunk).
+        dropout: dropout on the attention weights.
+    """
+
+    def __init__(
+        self,
+        z_dim: int,
+        chunk_size: int = -1,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_positions: int = 1024,
+        causal: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if attention_activation not in ATTENTION_FUNCTIONS:
+            raise ValueError(
+                f"unknown attention_activation {attention_activation!r}; allowed values: "
+                f"{', '.join(ATTENTION_FUNCTIONS)}"
+            )
+        if chunk_size == 0 or chunk_size < -1:
+            raise ValueError(f"chunk_size must be positive or -1 (no chunking), got {chunk_size}")
+        self.z_dim = z_dim
+        self.chunk_size = chunk_size
+        self.attention_activation = attention_activation
+        self.causal = causal
+        self.dropout = dropout
+        self.rel_pos_bias: SimpleRelativePositionalBias | RotaryRelativePositionalBias
+        if rel_pos_bias == "simple":
+            M = chunk_size if chunk_size > 0 else max_positions
+            self.rel_pos_bias = SimpleRelativePositionalBias(M)
+        elif rel_pos_bias == "rotary":
+            self.rel_pos_bias = RotaryRelativePositionalBias(z_dim)
+        else:
+            raise ValueError(
+                f"unknown rel_pos_bias {rel_pos_bias!r}; allowed values: "
+                f"{', '.join(REL_POS_BIASES)}"
+            )
+
+    @property
+    def max_len(self) -> int | None:
+        """Longest attention span (None if unlimited): the simple bias's size without chunking."""
+        if self.chunk_size <= 0 and isinstance(self.rel_pos_bias, SimpleRelativePositionalBias):
+            return self.rel_pos_bias.max_positions
+        return None
+
+    def extra_repr(self) -> str:
+        return (
+            f"z_dim={self.z_dim}, chunk_size={self.chunk_size}, "
+            f"attention_activation={self.attention_activation!r}, causal={self.causal}"
+        )
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        return_cache: bool = False,
+    ) -> tuple[Tensor, KVCache | None]:
+        """O = f(QKᵀ/τ + b_rel)V within chunks.
+
+        Args:
+            q, k: (B, L, z); v: (B, L, v).
+            mask: (B, L) bool, True at real tokens.
+            cache: keys/values of the open chunk from the previous segment (causal only); the
+                new positions continue that chunk.
+            return_cache: return the keys/values of the chunk left open after this segment.
+
+        Returns:
+            (O of shape (B, L, v), the new cache or None).
+        """
+        if (cache is not None or return_cache) and not self.causal:
+            raise ValueError("only causal attention can be streamed with a key/value cache")
+        B, L, _ = q.shape
+        C = self.chunk_size if self.chunk_size > 0 else None
+        T = cache.key.shape[1] if cache is not None else 0
+        if cache is not None and T > 0:
+            k_all = torch.cat([cache.key, k], dim=1)
+            v_all = torch.cat([cache.value, v], dim=1)
+            valid_all = None
+            if cache.valid is not None or mask is not None:
+                old = cache.valid if cache.valid is not None else _ones(B, T, q.device)
+                new = mask if mask is not None else _ones(B, L, q.device)
+                valid_all = torch.cat([old, new], dim=1)
+            # The first L1 new positions complete the open chunk: they attend to the cache too.
+            L1 = L if C is None else min(C - T, L)
+            o = self._attend(
+                q[:, :L1].unsqueeze(1),
+                k_all[:, : T + L1].unsqueeze(1),
+                v_all[:, : T + L1].unsqueeze(1),
+                None if valid_all is None else valid_all[:, : T + L1].unsqueeze(1),
+                q_offset=T,
+            ).squeeze(1)
+            if L1 < L:  # the rest starts on a chunk boundary
+                rest = self._chunked(
+                    q[:, L1:], k[:, L1:], v[:, L1:], None if mask is None else mask[:, L1:]
+                )
+                o = torch.cat([o, rest], dim=1)
+        else:
+            k_all, v_all, valid_all = k, v, mask
+            o = self._chunked(q, k, v, mask)
+        new_cache = None
+        if return_cache:
+            total = k_all.shape[1]
+            keep = total if C is None else total % C
+            new_cache = KVCache(
+                k_all[:, total - keep :],
+                v_all[:, total - keep :],
+                None if valid_all is None else valid_all[:, total - keep :],
+            )
+        return o, new_cache
+
+    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Attention over chunk-aligned positions: pad to a multiple of c, attend, slice back."""
+        B, L, _ = q.shape
+        C = self.chunk_size
+        if C <= 0 or L <= C:
+            n_chunks, size = 1, L
+        else:
+            n_chunks, size = -(-L // C), C
+            pad = n_chunks * C - L
+            if pad:
+                q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+                valid = mask if mask is not None else _ones(B, L, q.device)
+                mask = F.pad(valid, (0, pad), value=False)
+        o = self._attend(
+            q.view(B, n_chunks, size, -1),
+            k.view(B, n_chunks, size, -1),
+            v.view(B, n_chunks, size, -1),
+            None if mask is None else mask.view(B, n_chunks, size),
+            q_offset=0,
+        )
+        return o.reshape(B, n_chunks * size, -1)[:, :L]
+
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
+    ) -> Tensor:
+        """q (B, K, Cq, z), k (B, K, Ck, z), v (B, K, Ck, v), valid (B, K, Ck); query r is at
+        key position r + q_offset of its chunk."""
+        Cq, Ck = q.shape[2], k.shape[2]
+        bias = self.rel_pos_bias(Cq, Ck, q_offset)  # (Cq, Ck)
+        causal = None
+        if self.causal:
+            pos_q = torch.arange(q_offset, q_offset + Cq, device=q.device)
+            causal = torch.arange(Ck, device=q.device).unsqueeze(0) <= pos_q.unsqueeze(1)
+        p = self.dropout if self.training else 0.0
+        if self.attention_activation == "softmax":
+            allowed = None
+            if valid is not None:
+                # The code leaves a chunk whose keys are all padding unmasked.
+                key_ok = valid | ~valid.any(dim=-1, keepdim=True)
+                allowed = key_ok.unsqueeze(-2)  # (B, K, 1, Ck)
+            if causal is not None:
+                allowed = causal if allowed is None else allowed & causal
+                if valid is not None:
+                    # A row whose keys up to the query are all padding (possible only with left
+                    # padding) would be all −inf (NaN in the code): keep its causal keys instead.
+                    allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & causal)
+            attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask.to(q.dtype), dropout_p=p, scale=self.z_dim**-0.5
+            )
+        # laplace / relu2: τ = #non-padded keys (or i + 1 under a causal mask), no row sums.
+        scores = q @ k.transpose(-1, -2)
+        if causal is not None:
+            n = (torch.arange(Cq, device=q.device) + (q_offset + 1)).unsqueeze(1).to(scores.dtype)
+        elif valid is not None:
+            n = valid.sum(dim=-1).clamp(min=1).to(scores.dtype)[..., None, None]
+        else:
+            n = float(Ck)
+        logits = (scores / n + bias).to(torch.promote_types(scores.dtype, torch.float32))
+        attn = laplace(logits) if self.attention_activation == "laplace" else relu2(logits)
+        if valid is not None:
+            attn = attn * valid.unsqueeze(-2)
+        if causal is not None:
+            attn = attn * causal
+        attn = F.dropout(attn.to(v.dtype), p=p, training=self.training)
+        return attn @ v
+
+
+def _ones(B: int, L: int, device: torch.device) -> Tensor:
+    return torch.ones(B, L, dtype=torch.bool, device=device)

@@ -1,0 +1,284 @@
+"""Multi-dimensional damped EMA (Ma et al. 2023, Mega, eqs. 3-5 and Appendix A).
+
+For every channel j of x ∈ R^{L×d} and every one of the h EMA dimensions n:
+
+    u_t = β_{j,n} x_{t,j}
+    h_t = α_{j,n} u_t + (1 − α_{j,n} δ_{j,n}) h_{t−1}            (eq. 5)
+    y_{t,j} = Σ_n η_{j,n} h_t / √h
+
+Unrolled, y = 𝒦 * x + (readout of h_0) with the Vandermonde kernel (eq. 26)
+
+    𝒦[j, l] = Σ_n η_{j,n}/√h · α_{j,n} β_{j,n} · q_{j,n}^l,   q = 1 − α⊙δ ∈ (0, 1).
+
+As in the authors' code (facebookresearch/mega, `MultiHeadEMA`), which the paper does not spell
+out: α = σ(·), δ = σ(·); the sub-layer returns X' = SiLU(EMA(x̃) + ω ⊙ x) with a learned
+per-channel skip ω applied to the *unmasked* input, where x̃ is x with padded positions zeroed;
+the kernel can be truncated to its first `truncation` taps; and encoders use a bidirectional EMA
+with a second kernel set running backwards in time, both sums including the current token:
+
+    y_t = Σ_{m<K} 𝒦_fwd[m] x̃_{t−m} + Σ_{m<K} 𝒦_bwd[m] x̃_{t+m}.
+
+Parameter names follow the paper: our `alpha` (input weight α) is the code's `delta` and our
+`delta` (damping δ) is the code's `alpha`; our `eta` is the code's `gamma` (see
+`megalab.convert`).
+
+Speed. The kernel is never built as the (d, h, L) tensor of powers q^l. Writing l = m·b + j with
+b ≈ √L, q^l = q^{m·b} · q^j, so 𝒦 = Σ_n (c_n q_n^{m·b}) q_n^j is one batched matrix product of a
+(d, L/b, h) and a (d, h, b) tensor: O(d·h·√L) exponentials instead of O(d·h·L), and autograd
+keeps only those two small factors. The streaming read-out and state update use the same split.
+The convolution is one real FFT of length ≥ L + K − 1 (the bidirectional kernel's spectrum is
+FFT(𝒦_fwd) + conj(FFT(𝒦_bwd)), no explicit two-sided kernel), computed in at least float32 like
+the authors' code; float64 inputs stay float64. In eval mode without autograd the kernel's
+spectrum is cached until a parameter changes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def next_fast_len(n: int) -> int:
+    """Smallest 2^a·3^b·5^c ≥ n (fast FFT sizes)."""
+    best = 1 << max(0, (n - 1).bit_length())
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            m = p35
+            while m < n:
+                m *= 2
+            best = min(best, m)
+            p35 *= 3
+        p5 *= 5
+    return best
+
+
+def log_decay(alpha_logit: Tensor, delta_logit: Tensor) -> Tensor:
+    """log q = log(1 − σ(a)·σ(d)), stable for any logits (never −inf, exact gradients).
+
+    1 − σ(a)σ(d) = (e^{−a} + e^{−d} + e^{−a−d}) / ((1 + e^{−a})(1 + e^{−d})).
+    """
+    terms = torch.stack([-alpha_logit, -delta_logit, -alpha_logit - delta_logit])
+    return torch.logsumexp(terms, dim=0) - F.softplus(-alpha_logit) - F.softplus(-delta_logit)
+
+
+def _split_len(length: int) -> tuple[int, int]:
+    """Block size b ≈ √length and block count m with m·b ≥ length."""
+    b = max(1, math.isqrt(max(length - 1, 0)) + 1)
+    return b, -(-length // b)
+
+
+def vandermonde_apply(coef: Tensor, log_q: Tensor, length: int, offset: int = 0) -> Tensor:
+    """out[..., d, l] = Σ_n coef[..., d, n] · q[d, n]^(l + offset) for l < length.
+
+    coef: (..., D, N); log_q: (D, N). Built as q^{l} = q^{m·b} q^{j}: one batched matmul.
+    """
+    b, m = _split_len(length)
+    hi = torch.exp(
+        (offset + b * torch.arange(m, device=log_q.device, dtype=log_q.dtype)) * log_q.unsqueeze(-1)
+    )  # (D, N, m)
+    lo = torch.exp(torch.arange(b, device=log_q.device, dtype=log_q.dtype) * log_q.unsqueeze(-1))
+    out = torch.einsum("...dnm,dnj->...dmj", coef.unsqueeze(-1) * hi, lo)
+    return out.flatten(-2)[..., :length]
+
+
+def vandermonde_reduce(x: Tensor, log_q: Tensor) -> Tensor:
+    """out[..., d, n] = Σ_l x[..., d, l] · q[d, n]^l  (the transpose of `vandermonde_apply`)."""
+    length = x.shape[-1]
+    b, m = _split_len(length)
+    x = F.pad(x, (0, m * b - length)).unflatten(-1, (m, b))  # (..., D, m, b)
+    hi = torch.exp(
+        b * torch.arange(m, device=log_q.device, dtype=log_q.dtype) * log_q.unsqueeze(-1)
+    )  # (D, N, m)
+    lo = torch.exp(torch.arange(b, device=log_q.device, dtype=log_q.dtype) * log_q.unsqueeze(-1))
+    inner = torch.einsum("...dmj,dnj->...dnm", x, lo)
+    return (inner * hi).sum(-1)
+
+
+class DampedEMA(nn.Module):
+    """Mega's EMA sub-layer: X' = SiLU(EMA(x̃) + ω ⊙ x), batch-first (B, L, D).
+
+    Args:
+        d_model: channels d.
+        ema_dim: EMA expansion h (the paper's h, the code's `ndim`). `ema_dim=0` removes the
+            EMA (the paper's h = 0 ablation): the empty sum over n makes EMA(x) = 0, so the
+            sub-layer computes X' = SiLU(ω ⊙ x), a position-wise map with no mixing over time;
+            the rest of the layer is unchanged. (The authors' code cannot run h = 0.)
+        bidirectional: add a second, backward-running kernel set (encoders).
+        truncation: keep only the first `truncation` kernel taps in the full (stateless) pass.
+            Like the authors' code, the streaming path (a state is passed) is the exact
+            infinite-memory recurrence and ignores truncation.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        ema_dim: int = 16,
+        bidirectional: bool = False,
+        truncation: int | None = None,
+    ) -> None:
+        super().__init__()
+        if ema_dim < 0:
+            raise ValueError(f"ema_dim must be >= 0, got {ema_dim}")
+        if truncation is not None and truncation <= 0:
+            raise ValueError(
+                f"truncation must be a positive kernel length or None (no truncation), "
+                f"got {truncation}"
+            )
+        self.d_model = d_model
+        self.ema_dim = ema_dim
+        self.bidirectional = bidirectional
+        self.truncation = truncation
+        rows = 2 * d_model if bidirectional else d_model
+        # α (input weight) and δ (damping) as logits; β expansion; η output projection.
+        self.alpha = nn.Parameter(torch.empty(rows, ema_dim))
+        self.delta = nn.Parameter(torch.empty(rows, ema_dim))
+        self.beta = nn.Parameter(torch.empty(rows, ema_dim))
+        self.eta = nn.Parameter(torch.empty(rows, ema_dim))
+        self.omega = nn.Parameter(torch.empty(d_model))
+        self.scale = math.sqrt(1.0 / ema_dim) if ema_dim > 0 else 0.0
+        self._cache_key: tuple | None = None
+        self._cache_val: Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The authors' init: logits N(0, 0.2); β = [1, −1, 1, ...] + N(0, 0.02); η, ω N(0, 1)."""
+        with torch.no_grad():
+            nn.init.normal_(self.alpha, mean=0.0, std=0.2)
+            nn.init.normal_(self.delta, mean=0.0, std=0.2)
+            sign = torch.ones(self.ema_dim)
+            sign[1::2] = -1.0
+            self.beta.normal_(mean=0.0, std=0.02).add_(sign)
+            nn.init.normal_(self.eta, mean=0.0, std=1.0)
+            nn.init.normal_(self.omega, mean=0.0, std=1.0)
+        self._cache_key = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, ema_dim={self.ema_dim}, "
+            f"bidirectional={self.bidirectional}, truncation={self.truncation}"
+        )
+
+    # ----------------------------------------------------------------------------- coefficients
+    def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(α⊙β, η/√h, log q), each (D', h); q = 1 − α⊙δ is the per-dimension decay."""
+        alpha = torch.sigmoid(self.alpha)
+        return alpha * self.beta, self.eta * self.scale, log_decay(self.alpha, self.delta)
+
+    def kernel(self, length: int) -> Tensor:
+        """The (D', length) kernel 𝒦[c, l] = Σ_n η_n/√h · α_n β_n · q_n^l (eq. 26)."""
+        w_in, w_out, log_q = self.coefficients()
+        return vandermonde_apply(w_in * w_out, log_q, length)
+
+    def _kernel_spectrum(self, K: int, n_fft: int, dtype: torch.dtype) -> Tensor:
+        """rfft of the kernel at length n_fft as (n_fft//2 + 1, D); both directions folded in.
+
+        Cached in eval mode when autograd is off, keyed on the parameters' versions, so a cached
+        spectrum never carries a graph and is dropped as soon as any parameter changes.
+        """
+        use_cache = (
+            not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        )
+        key = None
+        if use_cache:
+            params = (self.alpha, self.delta, self.beta, self.eta)
+            versions = tuple((p._version, p.data_ptr()) for p in params)
+            key = (K, n_fft, dtype, self.alpha.device, versions)
+            if key == self._cache_key:
+                return self._cache_val
+        k = self.kernel(K).to(dtype)
+        spec = torch.fft.rfft(k, n=n_fft, dim=-1)  # (D', F)
+        if self.bidirectional:
+            # Σ_m k_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
+            spec = spec[: self.d_model] + spec[self.d_model :].conj()
+        spec = spec.transpose(0, 1)  # (F, D)
+        if use_cache:
+            self._cache_key, self._cache_val = key, spec
+        else:
+            self._cache_key, self._cache_val = None, None
+        return spec
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        state: Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """X' = SiLU(EMA(x̃) + ω ⊙ x).
+
+        Args:
+            x: (B, L, D) input.
+            mask: (B, L) bool, True at real tokens; padded inputs are zeroed before the EMA.
+            state: (B, D, h) hidden state h_{t−1} carried from a previous segment (causal only).
+                With a state the exact recurrence is used (no truncation), like the code.
+            return_state: also return the state after the last position (causal only).
+
+        Returns:
+            (X' of shape (B, L, D), new state (B, D, h) or None).
+        """
+        if self.bidirectional and (state is not None or return_state):
+            raise ValueError(
+                "a bidirectional EMA looks at future tokens and cannot be streamed; "
+                "use bidirectional=False for a stateful (causal) model"
+            )
+        B, L, D = x.shape
+        residual = x * self.omega  # ω ⊙ x on the unmasked input, as in the code
+        x_tilde = x if mask is None else x * mask.unsqueeze(-1).to(x.dtype)
+        want_state = state is not None or return_state
+        if self.ema_dim == 0:
+            new_state = x.new_zeros(B, D, 0) if want_state else None
+            return F.silu(residual), new_state
+
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xc = x_tilde.to(cdt)
+            if state is not None and L == 1:
+                y, new_state = self._one_step(xc[:, 0], state.to(cdt))
+                y = y.unsqueeze(1)
+            else:
+                K = L if (state is not None or self.truncation is None) else min(self.truncation, L)
+                y = self._fft_conv(xc, K)
+                new_state = None
+                if want_state:
+                    w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())
+                    # Σ_t (α⊙β) x_t q^{L−1−t}: the state after the segment's last token.
+                    new_state = w_in * vandermonde_reduce(xc.flip(1).transpose(1, 2), log_q)
+                    if state is not None:
+                        h0 = state.to(cdt)
+                        # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
+                        y = y + vandermonde_apply(h0 * w_out, log_q, L, offset=1).transpose(1, 2)
+                        new_state = new_state + torch.exp(L * log_q) * h0
+        out = F.silu(y.to(x.dtype) + residual)
+        return out, (new_state.to(x.dtype) if new_state is not None else None)
+
+    def _fft_conv(self, x: Tensor, K: int) -> Tensor:
+        """Linear convolution of (B, L, D) x with the length-K kernel(s) by one real FFT."""
+        L = x.shape[1]
+        n_fft = next_fast_len(L + K - 1)
+        spec = self._kernel_spectrum(K, n_fft, x.dtype)
+        x_f = torch.fft.rfft(x, n=n_fft, dim=1)
+        return torch.fft.irfft(x_f * spec, n=n_fft, dim=1)[:, :L]
+
+    def _one_step(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """One token: h ← (α⊙β) x + q ⊙ h;  y = Σ_n η_n h_n / √h.  x (B, D), h (B, D, h)."""
+        w_in, w_out, log_q = (t.to(x.dtype) for t in self.coefficients())
+        h = w_in * x.unsqueeze(-1) + torch.exp(log_q) * h
+        return (h * w_out).sum(-1), h
+
+    def step(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The naive recurrence for one token: x (B, D) → (X'_t (B, D), new state (B, D, h))."""
+        out, new_state = self.forward(
+            x.unsqueeze(1),
+            state=state if state is not None else self.initial_state(x.shape[0], x),
+        )
+        return out[:, 0], new_state
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Tensor:
+        """A zero state h_0 of shape (B, D, h) with `like`'s dtype and device."""
+        return like.new_zeros(batch_size, self.d_model, self.ema_dim)

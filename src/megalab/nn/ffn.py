@@ -1,0 +1,81 @@
+"""Mega's normalized feed-forward network (the code's `NormalizedFeedForwardNetwork`).
+
+    Y = X + dropout(fc2(hidden_dropout(act(fc1(X̂)))))      X̂ = Norm(X) if pre-norm else X
+    post-norm: Y ← Norm(Y)
+
+The residual always uses the un-normalised input. Linears are initialised N(0, 0.02), bias 0.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.nn.norms import SequenceNorm
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+def get_activation(name: str):
+    """The activation function called `name` (silu, gelu or relu)."""
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown activation {name!r}; allowed values: {', '.join(ACTIVATIONS)}"
+        ) from None
+
+
+class NormalizedFFN(nn.Module):
+    """fc1 → act → hidden dropout → fc2 → dropout → + residual, with a pre- or post-norm.
+
+    Args:
+        d_model: model width d.
+        ffn_dim: hidden width d_FFN.
+        dropout: on the output of fc2 (the code's `--dropout`).
+        hidden_dropout: on act(fc1(x)) (the code's activation/`--act-dropout`).
+        activation: silu in every Mega config.
+        norm_type: see `megalab.nn.norms.NORM_TYPES`.
+        prenorm: normalise the input (True) or the output (False).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation: str = "silu",
+        norm_type: str = "layernorm",
+        prenorm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.prenorm = prenorm
+        self.act = get_activation(activation)
+        self.norm = SequenceNorm(norm_type, d_model)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.hidden_dropout = nn.Dropout(hidden_dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The authors' init: weights N(0, 0.02), biases 0."""
+        for lin in (self.fc1, self.fc2):
+            nn.init.normal_(lin.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, L, D) -> (B, L, D)."""
+        residual = x
+        if self.prenorm:
+            x = self.norm(x)
+        x = self.hidden_dropout(self.act(self.fc1(x)))
+        x = self.dropout(self.fc2(x)) + residual
+        if not self.prenorm:
+            x = self.norm(x)
+        return x

@@ -1,0 +1,88 @@
+"""Sequence normalisation layers for batch-first (B, L, D) tensors, as in Mega's code.
+
+All use eps = 1e-5 (the authors' `SequenceNorm` passes it to every type):
+
+- `layernorm`: standard LayerNorm over D.
+- `scalenorm`: g · x / sqrt(mean_D(x²) + eps) with ONE scalar gain g. This is RMS-based, not
+  Nguyen & Salazar's g·x/‖x‖₂.
+- `rmsnorm`: w ⊙ x / sqrt(mean_D(x²) + eps) with a per-channel gain w and no bias.
+- `batchnorm` / `syncbatchnorm`: BatchNorm1d over channels with statistics over batch × time
+  (every position, padded ones included, as in the code).
+
+`SequenceNorm(norm_type, d_model)` builds one of them under `.norm`, so state-dict names read
+`<...>.norm.norm.weight` like the authors' modules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
+
+
+class ScaleNorm(nn.Module):
+    """y = g · x / RMS(x), one learned scalar g (init 1)."""
+
+    def __init__(self, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.scalar = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        mean_square = xf.square().mean(dim=-1, keepdim=True)
+        return (self.scalar * xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """y = w ⊙ x / RMS(x), per-channel gain w (init 1), no bias; `affine=False` drops w."""
+
+    def __init__(self, d_model: int, eps: float = 1e-5, affine: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model)) if affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        return y.to(x.dtype)
+
+
+class SequenceNorm(nn.Module):
+    """One of `NORM_TYPES` applied to (B, L, D); the module itself lives under `.norm`."""
+
+    def __init__(
+        self, norm_type: str, d_model: int, eps: float = 1e-5, affine: bool = True
+    ) -> None:
+        super().__init__()
+        self.norm_type = norm_type
+        self.norm: nn.Module
+        if norm_type == "layernorm":
+            self.norm = nn.LayerNorm(d_model, eps=eps, elementwise_affine=affine)
+        elif norm_type == "scalenorm":
+            if not affine:
+                raise ValueError("scalenorm has only a gain to learn: affine=False is not defined")
+            self.norm = ScaleNorm(eps=eps)
+        elif norm_type == "rmsnorm":
+            self.norm = RMSNorm(d_model, eps=eps, affine=affine)
+        elif norm_type == "batchnorm":
+            self.norm = nn.BatchNorm1d(d_model, eps=eps, affine=affine)
+        elif norm_type == "syncbatchnorm":
+            self.norm = nn.SyncBatchNorm(d_model, eps=eps, affine=affine)
+        else:
+            raise ValueError(
+                f"unknown norm_type {norm_type!r}; allowed values: {', '.join(NORM_TYPES)}"
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(B, L, D) -> (B, L, D)."""
+        if isinstance(self.norm, nn.modules.batchnorm._BatchNorm):
+            # Statistics over batch × time: BatchNorm1d on (B, D, L), in at least float32.
+            xf = x.to(torch.promote_types(x.dtype, torch.float32))
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                y = self.norm(xf.transpose(1, 2)).transpose(1, 2)
+            return y.to(x.dtype)
+        return self.norm(x)
