@@ -1,0 +1,238 @@
+"""Load the authors' Mega weights (facebookresearch/mega, a fairseq fork) into megalab modules.
+
+One function per level maps the authors' `state_dict` names and layouts onto ours and returns a
+state dict for the matching megalab module (load it with `load_state_dict(..., strict=True)`):
+
+    convert_ema            MultiHeadEMA                 -> megalab.nn.ema.DampedEMA
+    convert_maga           MovingAverageGatedAttention  -> models.mega.MovingAverageGatedAttention
+    convert_encoder_layer  MegaSentenceEncoderLayer     -> models.mega.MegaBlock
+    convert_lra_model      LRAModel (Mega LRA / SC)     -> ClassificationTask(encoder, Mega, head)
+
+Renames: EMA `delta`/`alpha` are the paper's α/δ (the code swaps the names) and become our
+`alpha`/`delta`; EMA `gamma` (η) becomes `eta`; the (D', h, 1) EMA tensors lose their last axis;
+MAGA `gamma`/`beta` (the Q/K scale and offset κ, μ) become `kappa`/`mu`; the rel-pos tables move
+under `attention.rel_pos_bias` (`rel_pos_bias` → `weight`, rotary `alpha`/`beta` → `a`/`b`); the
+rotary `_float_tensor` buffer is dropped. The same functions map gradients, which carry the same
+names.
+
+From an official checkpoint (a fairseq checkpoint stores the weights under `model` and the
+training arguments under `args`):
+
+    ckpt = load_fairseq_checkpoint("checkpoint_best.pt")
+    backbone = Mega(**mega_kwargs_from_fairseq(ckpt["args"]))
+    task = ClassificationTask(encoder, backbone, head, ...)
+    task.load_state_dict(convert_lra_model(ckpt["model"]))
+
+The authors' tensors are time-first (L, B, D) and their padding masks are True at padding; ours
+are batch-first with masks True at real tokens: use `to_batch_first` and `mask_from_padding_mask`
+at that boundary.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_EMA_NAMES = {"delta": "alpha", "alpha": "delta", "beta": "beta", "gamma": "eta", "omega": "omega"}
+_LINEARS = ("v_proj.", "mx_proj.", "h_proj.")
+
+
+def _sub(sd: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
+    """Entries of `sd` under `prefix`, with the prefix removed."""
+    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
+
+
+def _unknown(kind: str, name: str) -> KeyError:
+    return KeyError(f"unexpected {kind} entry {name!r}: not a parameter of the authors' {kind}")
+
+
+def convert_ema(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`MultiHeadEMA` entries under `prefix` -> `DampedEMA` state dict."""
+    out: dict[str, Tensor] = {}
+    for name, t in _sub(sd, prefix).items():
+        if name not in _EMA_NAMES:
+            raise _unknown("MultiHeadEMA", name)
+        if name in ("delta", "alpha", "beta"):
+            t = t.reshape(t.shape[0], -1)  # (D', h, 1) -> (D', h)
+        out[_EMA_NAMES[name]] = t
+    return out
+
+
+def convert_maga(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`MovingAverageGatedAttention` entries under `prefix` -> our MAGA state dict."""
+    sub = _sub(sd, prefix)
+    out = {"ema." + k: v for k, v in convert_ema(sub, "move.").items()}
+    for name, t in sub.items():
+        if name.startswith("move."):
+            continue
+        if name == "gamma":
+            out["kappa"] = t
+        elif name == "beta":
+            out["mu"] = t
+        elif name.startswith(_LINEARS) or name.startswith("norm.norm."):
+            out[name] = t
+        elif name == "rel_pos_bias.rel_pos_bias":
+            out["attention.rel_pos_bias.weight"] = t
+        elif name == "rel_pos_bias.alpha":
+            out["attention.rel_pos_bias.a"] = t.reshape(-1)
+        elif name == "rel_pos_bias.beta":
+            out["attention.rel_pos_bias.b"] = t.reshape(-1)
+        elif name == "rel_pos_bias._float_tensor":
+            continue  # a dtype/device marker with no information
+        else:
+            raise _unknown("MovingAverageGatedAttention", name)
+    return out
+
+
+def convert_ffn(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`NormalizedFeedForwardNetwork` entries under `prefix` -> `NormalizedFFN` state dict."""
+    out = {}
+    for name, t in _sub(sd, prefix).items():
+        if not name.startswith(("fc1.", "fc2.", "norm.norm.")):
+            raise _unknown("NormalizedFeedForwardNetwork", name)
+        out[name] = t
+    return out
+
+
+def convert_encoder_layer(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`MegaSentenceEncoderLayer` entries under `prefix` -> `MegaBlock` state dict."""
+    sub = _sub(sd, prefix)
+    for name in sub:
+        if not name.startswith(("mega_layer.", "nffn.")):
+            raise _unknown("MegaSentenceEncoderLayer", name)
+    out = {"maga." + k: v for k, v in convert_maga(sub, "mega_layer.").items()}
+    out.update({"ffn." + k: v for k, v in convert_ffn(sub, "nffn.").items()})
+    return out
+
+
+def convert_lra_model(
+    sd: Mapping[str, Tensor],
+    encoder_prefix: str = "encoder.",
+    backbone_prefix: str = "backbone.",
+    head_prefix: str = "head.",
+) -> dict[str, Tensor]:
+    """A Mega `LRAModel` (LRA text/image, SC-Raw) -> `ClassificationTask` state dict.
+
+    The task's encoder is a `TokenEmbedding` (text: `embedding.weight`) or a
+    `FeatureEmbedding` (pixels/audio: `proj.weight` (D, 1) and `proj.bias`, the authors'
+    x·w + b), its backbone a `Mega` and its head a `ClassificationHead` with `fc1` (hidden,
+    GELU) and `fc2` (no bias). The retrieval (two-document) model has the same names.
+    """
+    out: dict[str, Tensor] = {}
+    enc = "encoder.encoder."
+    layer_ids = sorted(
+        {int(m.group(1)) for k in sd if (m := re.match(re.escape(enc) + r"layers\.(\d+)\.", k))}
+    )
+    for i in layer_ids:
+        layer = convert_encoder_layer(sd, f"{enc}layers.{i}.")
+        out.update({f"{backbone_prefix}layers.{i}.{k}": v for k, v in layer.items()})
+    for name, t in sd.items():
+        if name.startswith(enc + "layers."):
+            continue
+        if name == enc + "embed_tokens.embed.weight":
+            out[encoder_prefix + "embedding.weight"] = t
+        elif name == enc + "embed_tokens.weight":
+            out[encoder_prefix + "proj.weight"] = t.reshape(-1, 1)
+        elif name == enc + "embed_tokens.bias":
+            out[encoder_prefix + "proj.bias"] = t
+        elif name.startswith(enc + "final_norm.norm."):
+            out[backbone_prefix + name[len(enc) :]] = t
+        elif name.startswith("classifier.0.0."):
+            out[head_prefix + "fc1." + name[len("classifier.0.0.") :]] = t
+        elif name == "sentence_projection_layer.weight":
+            out[head_prefix + "fc2.weight"] = t
+        elif name.startswith("classifier.") or name.startswith(enc + "embed_positions"):
+            raise KeyError(
+                f"{name!r}: only the Mega LRA archs (one classifier layer, no absolute "
+                "positions) are supported"
+            )
+        else:
+            raise _unknown("LRAModel", name)
+    return out
+
+
+def mega_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """`Mega(...)` keyword arguments from a Mega LRA/SC fairseq argument namespace (or dict).
+
+    In LRA/SC runs `--act-dropout` drives both the value (V) and the FFN hidden dropout.
+    A `truncation_length` of 0 (the MT README) gives an empty kernel in the authors' code; it is
+    read as no truncation.
+    """
+    a = args if isinstance(args, Mapping) else vars(args)
+    truncation = a.get("truncation_length")
+    return {
+        "d_model": a["encoder_embed_dim"],
+        "num_layers": a["encoder_layers"],
+        "z_dim": a["z_dim"],
+        "v_dim": a["encoder_hidden_dim"],
+        "ffn_dim": a["encoder_ffn_embed_dim"],
+        "ema_dim": a["n_dim"],
+        "chunk_size": a["chunk_size"],
+        "truncation": truncation or None,
+        "attention_activation": a["attention_activation_fn"],
+        "rel_pos_bias": a["rel_pos_bias"],
+        "max_positions": a["max_positions"],
+        "norm_type": a["norm_type"],
+        "prenorm": a["encoder_normalize_before"],
+        "causal": False,
+        "dropout": a["dropout"],
+        "attention_dropout": a["attention_dropout"],
+        "hidden_dropout": a["act_dropout"],
+        "activation_dropout": a["act_dropout"],
+        "activation": a["activation_fn"],
+    }
+
+
+def maga_kwargs_from_reference(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Our MAGA / MegaBlock keyword arguments from the authors' MAGA or encoder-layer kwargs."""
+    k = dict(kwargs)
+    d = k.get("embed_dim", k.get("embedding_dim"))
+    out = {
+        "d_model": d,
+        "z_dim": k.get("zdim", k.get("z_dim")),
+        "v_dim": k.get("hdim", k.get("hidden_dim")),
+        "ema_dim": k.get("ndim", k.get("n_dim")),
+        "chunk_size": k["chunk_size"],
+        "truncation": k.get("truncation") or None,
+        "attention_activation": k["attention_activation"],
+        "rel_pos_bias": k["rel_pos_bias"],
+        "max_positions": k["max_positions"],
+        "norm_type": k["norm_type"],
+        "prenorm": k["prenorm"],
+        "causal": not k.get("bidirectional", True),  # the encoder layer is always bidirectional
+        "dropout": k["dropout"],
+        "attention_dropout": k["attention_dropout"],
+        "hidden_dropout": k["hidden_dropout"],
+        "activation": k["activation"],
+    }
+    if "ffn_hidden_dim" in k:
+        out["ffn_dim"] = k["ffn_hidden_dim"]
+        out["activation_dropout"] = k["hidden_dropout"]
+    return out
+
+
+def load_fairseq_checkpoint(path: str) -> dict[str, Any]:
+    """Read an official fairseq checkpoint: `{"model": state_dict, "args": Namespace, ...}`.
+
+    fairseq pickles an argparse Namespace, so this uses `weights_only=False`: load only files
+    you trust. `args` is returned as a dict.
+    """
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    args = ckpt.get("args")
+    if args is not None and not isinstance(args, Mapping):
+        args = vars(args)
+    return {"model": ckpt["model"], "args": args}
+
+
+def to_batch_first(x: Tensor) -> Tensor:
+    """(L, B, ...) time-first tensor -> (B, L, ...)."""
+    return x.transpose(0, 1)
+
+
+def mask_from_padding_mask(padding_mask: Tensor | None) -> Tensor | None:
+    """The authors' padding mask (True at padding) -> ours (True at real tokens)."""
+    return None if padding_mask is None else ~padding_mask.bool()

@@ -1,0 +1,388 @@
+"""Mega: Moving Average Equipped Gated Attention (Ma et al., ICLR 2023), exact to the authors' code.
+
+One Mega block is a MAGA sub-layer (eqs. 6-15) followed by a normalized FFN (eq. 21):
+
+    X' = SiLU(EMA(X) + ω ⊙ X)          EMA sub-layer (the code adds ω and SiLU to eq. 6)
+    Z  = SiLU(X' W_z + b_z)                                                     (7)
+    Q  = κ_q ⊙ Z + μ_q,  K = κ_k ⊙ Z + μ_k                                    (8, 9)
+    V  = act(X W_v + b_v)                     from X (the normed input), not X' (10)
+    O  = f(Q Kᵀ / τ + b_rel) V                within chunks                     (11)
+    γ  = SiLU(X' W_γ + b_γ)                   reset gate                        (12)
+    φ  = sigmoid(X' W_φ + b_φ)                update gate                       (13)
+    Ĥ  = act(X' W_h + (γ ⊙ O) U_h + b_h)                                        (14)
+    Y  = φ ⊙ Ĥ + (1 − φ) ⊙ X                  X un-normalised                   (15)
+
+W_φ, W_z, W_γ and W_h form one fused projection (`mx_proj`) of X', split as [φ | Z, γ | X'W_h]
+like the code. Pre-norm normalises the inputs of V and the EMA only, and the backbone then ends
+with a final norm; post-norm normalises Y. Dropouts as in the code: `dropout` on X', on Ĥ and on
+the FFN output; `hidden_dropout` on V; `attention_dropout` on the attention weights;
+`activation_dropout` on the FFN hidden layer. Every linear is N(0, 0.02) with zero bias; κ is
+N(0, 0.02) and μ is 0.
+
+The backbone is batch-first, `mask` is True at real tokens, and padded outputs are zeroed.
+A causal model streams: `state` holds per layer the EMA hidden state (B, D, h) and the keys,
+values (and key mask) of the chunk still open, which is dropped at every chunk boundary as in
+the code's incremental decoding; feeding a sequence segment by segment gives the outputs of one
+pass (with `truncation` set, only while the whole stream fits in the truncation window, since
+streaming uses the exact recurrence as the code does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.nn.attention import ChunkedAttention, KVCache
+from megalab.nn.ema import DampedEMA
+from megalab.nn.ffn import NormalizedFFN, get_activation
+from megalab.nn.norms import SequenceNorm
+
+
+@dataclass
+class MAGAState:
+    """Streaming state of one MAGA layer: EMA hidden state (B, D, h) and the open chunk's KV."""
+
+    ema: Tensor
+    kv: KVCache | None
+
+
+@dataclass
+class MegaState:
+    """Streaming state of a causal `Mega`: one `MAGAState` per layer; batch is dim 0 throughout."""
+
+    layers: list[MAGAState]
+
+    def _map(self, fn) -> MegaState:
+        def kv(c: KVCache | None) -> KVCache | None:
+            if c is None:
+                return None
+            return KVCache(fn(c.key), fn(c.value), None if c.valid is None else fn(c.valid))
+
+        return MegaState([MAGAState(fn(s.ema), kv(s.kv)) for s in self.layers])
+
+    def detach(self) -> MegaState:
+        """The same state cut from the autograd graph (carry it across optimizer steps)."""
+        return self._map(lambda t: t.detach())
+
+    def index_select(self, index: Tensor) -> MegaState:
+        """Reorder/select batch entries (beam search)."""
+        return self._map(lambda t: t.index_select(0, index))
+
+
+class MovingAverageGatedAttention(nn.Module):
+    """The MAGA sub-layer (Mega eqs. 6-15) on (B, L, D) tensors.
+
+    Args:
+        d_model: d.  z_dim: z (shared Q/K width).  v_dim: v (value width).
+        ema_dim: h (EMA expansion; 0 removes the EMA, see `DampedEMA`).
+        chunk_size: attention chunk c, or -1 for full attention.
+        truncation: EMA kernel length limit (None: full length).
+        attention_activation: softmax | laplace | relu2.
+        rel_pos_bias: simple | rotary.
+        max_positions: size of the 'simple' bias without chunking.
+        norm_type: see `megalab.nn.norms.NORM_TYPES`.  prenorm: pre- (True) or post-norm.
+        causal: causal EMA and attention mask (decoder); False: bidirectional EMA (encoder).
+        dropout, attention_dropout, hidden_dropout: see the module docstring.
+        activation: for V and Ĥ (silu in every Mega config; Z and γ always use SiLU).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        z_dim: int,
+        v_dim: int,
+        ema_dim: int = 16,
+        chunk_size: int = -1,
+        truncation: int | None = None,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_positions: int = 1024,
+        norm_type: str = "layernorm",
+        prenorm: bool = True,
+        causal: bool = False,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.d_model, self.z_dim, self.v_dim = d_model, z_dim, v_dim
+        self.prenorm = prenorm
+        self.causal = causal
+        self.act = get_activation(activation)
+        self.norm = SequenceNorm(norm_type, d_model)
+        self.ema = DampedEMA(d_model, ema_dim, bidirectional=not causal, truncation=truncation)
+        self.v_proj = nn.Linear(d_model, v_dim)
+        self.mx_proj = nn.Linear(d_model, z_dim + v_dim + 2 * d_model)
+        self.h_proj = nn.Linear(v_dim, d_model)
+        # κ_q, κ_k (rows 0, 1) and μ_q, μ_k: per-dimension scale and offset of Z (eqs. 8, 9).
+        self.kappa = nn.Parameter(torch.empty(2, z_dim))
+        self.mu = nn.Parameter(torch.empty(2, z_dim))
+        self.attention = ChunkedAttention(
+            z_dim,
+            chunk_size=chunk_size,
+            attention_activation=attention_activation,
+            rel_pos_bias=rel_pos_bias,
+            max_positions=max_positions,
+            causal=causal,
+            dropout=attention_dropout,
+        )
+        self.dropout = nn.Dropout(dropout)
+        self.hidden_dropout = nn.Dropout(hidden_dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The authors' init: linears N(0, 0.02) with zero bias, κ ~ N(0, 0.02), μ = 0."""
+        for lin in (self.v_proj, self.mx_proj, self.h_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.kappa, mean=0.0, std=0.02)
+        nn.init.zeros_(self.mu)
+
+    def initial_state(self, batch_size: int, like: Tensor) -> MAGAState:
+        """An empty streaming state (zero EMA state, empty key/value cache)."""
+        B = batch_size
+        return MAGAState(
+            self.ema.initial_state(B, like),
+            KVCache(like.new_zeros(B, 0, self.z_dim), like.new_zeros(B, 0, self.v_dim), None),
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        state: MAGAState | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, MAGAState | None]:
+        """x (B, L, D), mask (B, L) True at real tokens -> (Y (B, L, D), new state or None)."""
+        D, S, E = self.d_model, self.z_dim, self.v_dim
+        want_state = return_state or state is not None
+        residual = x
+        X = self.norm(x) if self.prenorm else x
+        V = self.hidden_dropout(self.act(self.v_proj(X)))  # (10)
+        X_prime, ema_state = self.ema(  # (6)
+            X, mask, None if state is None else state.ema, return_state=want_state
+        )
+        X_prime = self.dropout(X_prime)
+        u, zr, hx = torch.split(self.mx_proj(X_prime), [D, S + E, D], dim=-1)
+        phi = torch.sigmoid(u)  # (13) update gate φ
+        Z, gamma = torch.split(F.silu(zr), [S, E], dim=-1)  # (7), (12) reset gate γ
+        Q = Z * self.kappa[0] + self.mu[0]  # (8)
+        K = Z * self.kappa[1] + self.mu[1]  # (9)
+        O, kv = self.attention(  # noqa: E741  (11)
+            Q, K, V, mask, None if state is None else state.kv, return_cache=want_state
+        )
+        H_hat = self.dropout(self.act(hx + self.h_proj(O * gamma)))  # (14)
+        Y = residual + phi * (H_hat - residual)  # (15)
+        if not self.prenorm:
+            Y = self.norm(Y)
+        return Y, (MAGAState(ema_state, kv) if want_state else None)
+
+
+class MegaBlock(nn.Module):
+    """One Mega layer: MAGA followed by the normalized FFN (skipped when ffn_dim <= 0)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        z_dim: int,
+        v_dim: int,
+        ffn_dim: int,
+        ema_dim: int = 16,
+        chunk_size: int = -1,
+        truncation: int | None = None,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_positions: int = 1024,
+        norm_type: str = "layernorm",
+        prenorm: bool = True,
+        causal: bool = False,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.maga = MovingAverageGatedAttention(
+            d_model,
+            z_dim,
+            v_dim,
+            ema_dim=ema_dim,
+            chunk_size=chunk_size,
+            truncation=truncation,
+            attention_activation=attention_activation,
+            rel_pos_bias=rel_pos_bias,
+            max_positions=max_positions,
+            norm_type=norm_type,
+            prenorm=prenorm,
+            causal=causal,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            activation=activation,
+        )
+        self.ffn = (
+            NormalizedFFN(
+                d_model,
+                ffn_dim,
+                dropout=dropout,
+                hidden_dropout=activation_dropout,
+                activation=activation,
+                norm_type=norm_type,
+                prenorm=prenorm,
+            )
+            if ffn_dim > 0
+            else None
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        state: MAGAState | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, MAGAState | None]:
+        """(B, L, D) -> (B, L, D), plus the MAGA streaming state."""
+        x, state = self.maga(x, mask, state, return_state)
+        if self.ffn is not None:
+            x = self.ffn(x)
+        return x, state
+
+
+class Mega(nn.Module):
+    """The Mega backbone: a stack of `MegaBlock`s, (B, L, D) -> (B, L, D).
+
+    Bidirectional encoder (`causal=False`: bidirectional EMA, no attention mask; classification)
+    or causal decoder (`causal=True`: causal EMA and chunk-local causal attention; language
+    modelling with streaming state). Pre-norm adds a final norm after the last block
+    (`final_norm_affine=False` makes it non-affine, as the authors' LM).
+
+    Args:
+        d_model: d.  num_layers: number of blocks.
+        z_dim: z (shared Q/K width).  v_dim: v (value width).  ffn_dim: d_FFN (≤ 0: no FFN).
+        ema_dim: h, the EMA expansion (0 removes the EMA).
+        chunk_size: attention chunk c (-1: full attention).
+        truncation: EMA kernel length (None: no truncation).
+        attention_activation: softmax | laplace | relu2.
+        rel_pos_bias: simple | rotary.
+        max_positions: size of the 'simple' bias when chunk_size = -1 (the longest input).
+        norm_type: layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm.
+        prenorm: pre-norm blocks plus a final norm (True) or post-norm blocks (False).
+        final_norm_affine: whether the final (pre-norm) norm has learned parameters.
+        causal: decoder (True) or encoder (False).
+        dropout: on X', Ĥ and the FFN output.  attention_dropout: on attention weights.
+        hidden_dropout: on V.  activation_dropout: on the FFN hidden layer.
+        activation: for V, Ĥ and the FFN (silu in every Mega config).
+    """
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        num_layers: int = 4,
+        z_dim: int = 64,
+        v_dim: int = 256,
+        ffn_dim: int = 256,
+        ema_dim: int = 16,
+        chunk_size: int = -1,
+        truncation: int | None = None,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_positions: int = 1024,
+        norm_type: str = "layernorm",
+        prenorm: bool = True,
+        final_norm_affine: bool = True,
+        causal: bool = False,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.d_model = d_model
+        self.causal = causal
+        self.layers = nn.ModuleList(
+            MegaBlock(
+                d_model,
+                z_dim,
+                v_dim,
+                ffn_dim,
+                ema_dim=ema_dim,
+                chunk_size=chunk_size,
+                truncation=truncation,
+                attention_activation=attention_activation,
+                rel_pos_bias=rel_pos_bias,
+                max_positions=max_positions,
+                norm_type=norm_type,
+                prenorm=prenorm,
+                causal=causal,
+                dropout=dropout,
+                attention_dropout=attention_dropout,
+                hidden_dropout=hidden_dropout,
+                activation_dropout=activation_dropout,
+                activation=activation,
+            )
+            for _ in range(num_layers)
+        )
+        self.final_norm = (
+            SequenceNorm(norm_type, d_model, affine=final_norm_affine) if prenorm else None
+        )
+
+    @property
+    def max_len(self) -> int | None:
+        """Longest input (for a causal stream: total length) the model takes; None: unlimited."""
+        if not self.layers:
+            return None
+        return self.layers[0].maga.attention.max_len
+
+    def initial_state(self, batch_size: int, like: Tensor) -> MegaState:
+        """An empty streaming state; passing it makes every segment use the exact recurrence."""
+        self._check_causal()
+        return MegaState([blk.maga.initial_state(batch_size, like) for blk in self.layers])
+
+    def _check_causal(self) -> None:
+        if not self.causal:
+            raise ValueError(
+                "a bidirectional Mega (causal=False) sees future tokens and keeps no streaming "
+                "state; build it with causal=True to stream"
+            )
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, state: MegaState | None = None
+    ) -> tuple[Tensor, MegaState | None]:
+        """x (B, L, D), mask (B, L) bool True at real tokens, state from the previous segment.
+
+        Returns (y (B, L, D) with zeros at padded positions, the new state for a causal model
+        or None for a bidirectional one).
+        """
+        if state is not None:
+            self._check_causal()
+        max_len = self.max_len
+        if max_len is not None:
+            seen = 0
+            if state is not None and state.layers and state.layers[0].kv is not None:
+                seen = state.layers[0].kv.key.shape[1]
+            if seen + x.shape[1] > max_len:
+                raise ValueError(
+                    f"input length {seen + x.shape[1]} exceeds max_positions={max_len} of the "
+                    "'simple' relative position bias with full attention (chunk_size=-1): raise "
+                    "max_positions, set chunk_size > 0, or use rel_pos_bias='rotary'"
+                )
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        new_layers: list[MAGAState] = []
+        for i, layer in enumerate(self.layers):
+            x, layer_state = layer(
+                x, mask, None if state is None else state.layers[i], return_state=self.causal
+            )
+            if layer_state is not None:
+                new_layers.append(layer_state)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        return x, (MegaState(new_layers) if self.causal else None)
