@@ -228,14 +228,14 @@ class DampedEMA(nn.Module):
                 "use bidirectional=False for a stateful (causal) model"
             )
         B, L, D = x.shape
-        residual = x * self.omega  # ω ⊙ x on the unmasked input, as in the code
+        cdt = torch.promote_types(x.dtype, torch.float32)
+        residual = x.to(cdt) * self.omega  # ω ⊙ x on the unmasked input, as in the code
         x_tilde = x if mask is None else x * mask.unsqueeze(-1).to(x.dtype)
         want_state = state is not None or return_state
         if self.ema_dim == 0:
             new_state = x.new_zeros(B, D, 0) if want_state else None
-            return F.silu(residual), new_state
+            return F.silu(residual).to(x.dtype), new_state
 
-        cdt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             xc = x_tilde.to(cdt)
             if state is not None and L == 1:
@@ -254,7 +254,7 @@ class DampedEMA(nn.Module):
                         # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
                         y = y + vandermonde_apply(h0 * w_out, log_q, L, offset=1).transpose(1, 2)
                         new_state = new_state + torch.exp(L * log_q) * h0
-        out = F.silu(y.to(x.dtype) + residual)
+        out = F.silu(y + residual).to(x.dtype)
         return out, (new_state.to(x.dtype) if new_state is not None else None)
 
     def _fft_conv(self, x: Tensor, K: int) -> Tensor:
