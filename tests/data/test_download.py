@@ -254,17 +254,23 @@ def test_md5_mismatch_and_bad_existing_file_is_replaced(tmp_path, server):
 
 
 def test_http_error_and_offline_and_unreachable(tmp_path, server, monkeypatch):
-    base, _ = server
+    base, state = server
     with pytest.raises(DownloadError, match="HTTP 404"):
         download(f"{base}/missing.bin", tmp_path / "m.bin", progress=False, retries=0)
 
     monkeypatch.setenv("MEGALAB_OFFLINE", "1")
     assert is_offline()
+    url = "https://storage.example.invalid/lra/x.zip"  # never contacted: offline comes first
     with pytest.raises(DatasetMissingError) as info:
-        download(f"{base}/x.zip", tmp_path / "x.zip", progress=False, dataset="lra")
+        download(url, tmp_path / "x.zip", progress=False, dataset="lra")
     msg = str(info.value)
-    assert "'lra'" in msg and f"{base}/x.zip" in msg and str(tmp_path / "x.zip") in msg
+    assert "'lra'" in msg and url in msg and str(tmp_path / "x.zip") in msg
     assert "offline" in msg and "paths.data_dir" in msg
+    # A local mirror still works offline.
+    state.files["/local.bin"] = b"mirror"
+    assert (
+        download(f"{base}/local.bin", tmp_path / "l.bin", progress=False).read_bytes() == b"mirror"
+    )
     monkeypatch.delenv("MEGALAB_OFFLINE")
 
     sock = socket.socket()

@@ -321,6 +321,14 @@ def _transfer(
     return resumed
 
 
+def _is_local(url: str) -> bool:
+    """``file://`` URLs and loopback hosts: local mirrors that offline mode still allows."""
+    parsed = urllib.parse.urlparse(url)
+    if parsed.scheme.lower() == "file":
+        return True
+    return (parsed.hostname or "").lower() in {"localhost", "127.0.0.1", "::1"}
+
+
 def _is_connection_failure(exc: BaseException) -> bool:
     """URL errors that mean "cannot reach the host" rather than "the server said no"."""
     if isinstance(exc, urllib.error.HTTPError):
@@ -350,10 +358,11 @@ def download(
     the SHA-256 and/or MD5 digests are checked, and only a verified file is renamed to ``dest``
     with :func:`os.replace`. A bad file is moved to ``<dest>.corrupt`` and :class:`ChecksumError`
     names the URL and both digests. If ``dest`` already exists (and matches the digests when
-    given) nothing is downloaded.
+    given) nothing is downloaded. ``file://`` URLs (and loopback hosts) serve local mirrors.
 
     Network failures are retried ``retries`` times with exponential ``backoff`` seconds, keeping
-    the partial file. In offline mode (``MEGALAB_OFFLINE``/``HF_HUB_OFFLINE``) or when the host
+    the partial file. In offline mode (``MEGALAB_OFFLINE``/``HF_HUB_OFFLINE``; local mirrors
+    still work) or when the host
     cannot be reached, :class:`DatasetMissingError` says which file to fetch and where to put it;
     ``dataset`` names the dataset in that message.
     """
@@ -368,7 +377,7 @@ def download(
         # A stale or damaged file under the final name: move it aside and fetch again.
         os.replace(dest, corrupt)
 
-    if is_offline() and urllib.parse.urlparse(url).scheme.lower() != "file":
+    if is_offline() and not _is_local(url):
         raise _unreachable_error(url, dest, dataset, "offline mode is on", offline=True)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
