@@ -175,7 +175,7 @@ class DampedEMA(nn.Module):
         return vandermonde_apply(w_in * w_out, log_q, length)
 
     def _kernel_spectrum(self, K: int, n_fft: int, dtype: torch.dtype) -> Tensor:
-        """rfft of the kernel at length n_fft as (n_fft//2 + 1, D); both directions folded in.
+        """rfft of the kernel at length n_fft as (D, n_fft//2 + 1); both directions folded in.
 
         Cached in eval mode when autograd is off, keyed on the parameters' versions, so a cached
         spectrum never carries a graph and is dropped as soon as any parameter changes.
@@ -195,7 +195,6 @@ class DampedEMA(nn.Module):
         if self.bidirectional:
             # Σ_m k_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
             spec = spec[: self.d_model] + spec[self.d_model :].conj()
-        spec = spec.transpose(0, 1)  # (F, D)
         if use_cache:
             self._cache_key, self._cache_val = key, spec
         else:
@@ -237,33 +236,33 @@ class DampedEMA(nn.Module):
             return F.silu(residual).to(x.dtype), new_state
 
         with torch.autocast(device_type=x.device.type, enabled=False):
-            xc = x_tilde.to(cdt)
+            xt = x_tilde.to(cdt).transpose(1, 2)  # (B, D, L): time last for the FFT
             if state is not None and L == 1:
-                y, new_state = self._one_step(xc[:, 0], state.to(cdt))
-                y = y.unsqueeze(1)
+                y, new_state = self._one_step(xt[..., 0], state.to(cdt))
+                y = y.unsqueeze(-1)
             else:
                 K = L if (state is not None or self.truncation is None) else min(self.truncation, L)
-                y = self._fft_conv(xc, K)
+                y = self._fft_conv(xt, K)
                 new_state = None
                 if want_state:
                     w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())
                     # Σ_t (α⊙β) x_t q^{L−1−t}: the state after the segment's last token.
-                    new_state = w_in * vandermonde_reduce(xc.flip(1).transpose(1, 2), log_q)
+                    new_state = w_in * vandermonde_reduce(xt.flip(-1), log_q)
                     if state is not None:
                         h0 = state.to(cdt)
                         # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
-                        y = y + vandermonde_apply(h0 * w_out, log_q, L, offset=1).transpose(1, 2)
+                        y = y + vandermonde_apply(h0 * w_out, log_q, L, offset=1)
                         new_state = new_state + torch.exp(L * log_q) * h0
-        out = F.silu(y + residual).to(x.dtype)
+        out = F.silu(y.transpose(1, 2) + residual).to(x.dtype)
         return out, (new_state.to(x.dtype) if new_state is not None else None)
 
     def _fft_conv(self, x: Tensor, K: int) -> Tensor:
-        """Linear convolution of (B, L, D) x with the length-K kernel(s) by one real FFT."""
-        L = x.shape[1]
+        """Linear convolution of (B, D, L) x with the length-K kernel(s) by one real FFT."""
+        L = x.shape[-1]
         n_fft = next_fast_len(L + K - 1)
         spec = self._kernel_spectrum(K, n_fft, x.dtype)
-        x_f = torch.fft.rfft(x, n=n_fft, dim=1)
-        return torch.fft.irfft(x_f * spec, n=n_fft, dim=1)[:, :L]
+        x_f = torch.fft.rfft(x, n=n_fft, dim=-1)
+        return torch.fft.irfft(x_f * spec, n=n_fft, dim=-1)[..., :L]
 
     def _one_step(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """One token: h ← (α⊙β) x + q ⊙ h;  y = Σ_n η_n h_n / √h.  x (B, D), h (B, D, h)."""
