@@ -153,6 +153,14 @@ def test_contours_do_not_depend_on_label():
     for a, b in zip(pos.contours, neg.contours):
         assert np.array_equal(a, b)
     assert not np.array_equal(pos.image, neg.image)  # only the markers moved
+    # Negative markers: the cross-contour end pair whose distance best matches a contour's
+    # end-to-end distance (the positive pair), so marker distance is no cue.
+    ends = [np.stack([c[0, 0], c[-1, 1]]) for c in neg.contours[:2]]
+    cross = [np.linalg.norm(a - b) for a in ends[0] for b in ends[1]]
+    pos_d = np.linalg.norm(pos.markers[0] - pos.markers[1])
+    neg_d = np.linalg.norm(neg.markers[0] - neg.markers[1])
+    tol = neg.settings.paddle_gap  # contour ends above are paddle tips, half a gap from markers
+    assert abs(neg_d - pos_d) <= min(abs(d - pos_d) for d in cross) + tol
 
 
 def test_label_balance_and_random_labels():

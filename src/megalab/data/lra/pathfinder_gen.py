@@ -7,7 +7,9 @@ a small gap and turn by a bounded angle, which gives smooth dashed curves. Both 
 reserve room for a marker at each end, so the geometry does not depend on the label; then:
 
 - label 1 (positive): both markers sit on the two ends of the *same* target contour;
-- label 0 (negative): one marker sits on an end of each target contour.
+- label 0 (negative): one marker sits on an end of each target contour; of the four such end
+  pairs, the one whose distance is closest to the end-to-end distance of a target contour, so
+  that the distance between the markers is not a cue to the label.
 
 Contours never come closer than ``clearance`` to one another, and ``clearance`` exceeds the gap
 inside a contour, so "connected" is unambiguous: following gaps of at most ``paddle_gap`` leads
@@ -151,52 +153,64 @@ class _Canvas:
 
     Item ``i`` is the set of points within ``r`` of the segment from ``(ax, ay)`` to
     ``(ax + dx, ay + dy)`` (a disc when the segment is a point). Items are appended in order,
-    so rolling back is ``canvas.n = old_n``. Columns of ``items``: ax, ay, dx, dy, 1/|d|²,
-    r, and the bounding circle (centre x, centre y, radius) used to skip far items.
+    so rolling back is ``canvas.n = old_n``. ``seg`` holds ax, ay, dx, dy, 1/|d|², r per item;
+    ``mx``, ``my``, ``reach`` their bounding circles, used to skip far items cheaply.
     """
 
     def __init__(self, size: float, capacity: int = 256) -> None:
         self.size = size
-        self.items = np.zeros((capacity, 9))
+        self.seg = np.zeros((capacity, 6))
+        self.mx = np.zeros(capacity)
+        self.my = np.zeros(capacity)
+        self.reach = np.zeros(capacity)
         self.n = 0
 
     def add(self, ax: float, ay: float, bx: float, by: float, r: float) -> None:
-        if self.n == len(self.items):
-            self.items = np.concatenate([self.items, np.zeros_like(self.items)])
+        if self.n == len(self.mx):
+            self.seg = np.concatenate([self.seg, np.zeros_like(self.seg)])
+            self.mx, self.my, self.reach = (
+                np.concatenate([v, np.zeros_like(v)]) for v in (self.mx, self.my, self.reach)
+            )
         dx, dy = bx - ax, by - ay
         len2 = dx * dx + dy * dy
-        inv = 1.0 / len2 if len2 > 0 else 0.0
-        reach = 0.5 * math.sqrt(len2) + r
-        self.items[self.n] = (ax, ay, dx, dy, inv, r, ax + 0.5 * dx, ay + 0.5 * dy, reach)
+        i = self.n
+        self.seg[i] = (ax, ay, dx, dy, 1.0 / len2 if len2 > 0 else 0.0, r)
+        self.mx[i], self.my[i] = ax + 0.5 * dx, ay + 0.5 * dy
+        self.reach[i] = 0.5 * math.sqrt(len2) + r
         self.n += 1
 
-    def clearance(
-        self, x: np.ndarray, y: np.ndarray, upto: int, cx: float, cy: float, radius: float
+    def clear(
+        self,
+        x: np.ndarray,
+        y: np.ndarray,
+        upto: int,
+        cx: float,
+        cy: float,
+        radius: float,
+        need: float,
     ) -> np.ndarray:
-        """Distance from points ``(x, y)`` (same shape (c, m)) to the ink of items ``< upto``.
+        """Whether each row of points ``(x, y)`` (shape (c, m)) keeps ``need`` from all ink.
 
-        Returns the minimum over the last axis, shape (c,). All points lie within ``radius`` of
-        ``(cx, cy)``: items whose bounding circle is farther than that are skipped, so a
-        result of ``inf`` means "farther than ``radius`` from every point". Items from ``upto``
-        on (a contour's own latest paddles, which may come closer) are ignored.
+        Only items ``< upto`` count (a contour's own latest paddles may come closer). All points
+        lie within ``radius`` of ``(cx, cy)``, so items whose bounding circle is farther than
+        ``radius + need`` from it are skipped. Returns a bool array of shape (c,).
         """
         n = min(self.n, upto)
-        if n > 0:
-            it = self.items[:n]
-            mx = it[:, 6] - cx
-            my = it[:, 7] - cy
-            lim = it[:, 8] + radius
-            it = it[mx * mx + my * my < lim * lim]
-        if n <= 0 or len(it) == 0:
-            return np.full(x.shape[0], np.inf)
-        px = x[..., None] - it[:, 0]
-        py = y[..., None] - it[:, 1]
-        t = (px * it[:, 2] + py * it[:, 3]) * it[:, 4]
+        if n <= 0:
+            return np.ones(x.shape[0], dtype=bool)
+        near = np.hypot(self.mx[:n] - cx, self.my[:n] - cy) < self.reach[:n] + (radius + need)
+        seg = self.seg[:n][near]
+        if len(seg) == 0:
+            return np.ones(x.shape[0], dtype=bool)
+        ax, ay, dx, dy, inv, r = seg.T
+        px = x[..., None] - ax
+        py = y[..., None] - ay
+        t = (px * dx + py * dy) * inv
         np.minimum(np.maximum(t, 0.0, out=t), 1.0, out=t)  # cheaper than np.clip on tiny arrays
-        px -= t * it[:, 2]
-        py -= t * it[:, 3]
-        d = np.sqrt(px * px + py * py) - it[:, 5]
-        return d.reshape(x.shape[0], -1).min(-1)
+        px -= t * dx
+        py -= t * dy
+        lim = r + need
+        return ~(px * px + py * py < lim * lim).any(axis=(1, 2))
 
 
 def _grow_contour(
@@ -240,8 +254,9 @@ def _grow_contour(
 
     x0, y0 = (float(v) for v in rng.uniform(edge, size - edge, size=2))
     if end_discs:
-        got = canvas.clearance(np.array([[x0]]), np.array([[y0]]), canvas.n, x0, y0, disc_need)
-        if got[0] < disc_need:
+        if not canvas.clear(np.array([[x0]]), np.array([[y0]]), canvas.n, x0, y0, 0.0, disc_need)[
+            0
+        ]:
             return None
         canvas.add(x0, y0, x0, y0, radius)
     base_n = canvas.n  # paddle k of this contour is canvas item base_n + k
@@ -279,19 +294,16 @@ def _grow_contour(
                 inside.append(t)
                 trig.append((c, sn))
             if inside:
-                cs = np.array(trig)
-                cos, sin = cs[:, :1], cs[:, 1:]
+                cs = np.array(trig)[:, :, None]
+                xy = cs * offsets  # (candidates, 2, sample points) offsets from the joint
                 # Ignore the previous paddle, and the start disc for the first two paddles.
                 upto = canvas.n - (2 if end_discs and k == 1 else 1 if end_discs or k else 0)
-                ok = canvas.clearance(
-                    px + cos * offsets, py + sin * offsets, upto, px, py, step + need
-                )
-                ok = ok >= need
+                ok = canvas.clear(px + xy[:, 0], py + xy[:, 1], upto, px, py, step, need)
                 if last_disc and ok.any():
-                    dist = canvas.clearance(
-                        px + step * cos, py + step * sin, canvas.n - 1, px, py, step + disc_need
+                    q = cs * step
+                    ok &= canvas.clear(
+                        px + q[:, 0], py + q[:, 1], canvas.n - 1, px, py, step, disc_need
                     )
-                    ok &= dist >= disc_need
                 options[k] = [t for t, good in zip(inside, ok.tolist()) if good]
         if not options[k]:
             if k == 0:
@@ -316,7 +328,7 @@ def _grow_contour(
     if end_discs:
         xe, ye = joints[-1]
         canvas.add(xe, ye, xe, ye, radius)
-    paddles = canvas.items[base_n : base_n + n_paddles, :4].copy()
+    paddles = canvas.seg[base_n : base_n + n_paddles, :4].copy()
     paddles[:, 2:] += paddles[:, :2]  # (ax, ay, bx, by)
     return paddles.reshape(n_paddles, 2, 2), np.array([joints[0], joints[-1]])
 
@@ -419,13 +431,21 @@ def make_sample(
                 distractors.append(got[0])
                 break
 
+    # The same draws for both labels, so the label only decides where the markers go.
+    which = int(rng.integers(2))
     if label == 1:
-        which = int(rng.integers(2))
         markers = targets[which][1]
         marker_contours = (which, which)
     else:
-        ends = rng.integers(2, size=2)
-        markers = np.stack([targets[0][1][ends[0]], targets[1][1][ends[1]]])
+        # One end of each contour: the pair whose distance is closest to the end-to-end
+        # distance of a contour, so that marker distance does not give the label away (short
+        # contours have nearly constant end-to-end distances).
+        ref = float(np.linalg.norm(targets[which][1][0] - targets[which][1][1]))
+        e0, e1 = targets[0][1], targets[1][1]
+        _, i0, i1 = min(
+            (abs(float(np.linalg.norm(e0[i] - e1[j])) - ref), i, j) for i in (0, 1) for j in (0, 1)
+        )
+        markers = np.stack([e0[i0], e1[i1]])
         marker_contours = (0, 1)
 
     contours = [t[0] / scale for t in targets] + [d / scale for d in distractors]
