@@ -1,0 +1,175 @@
+"""Transformer baseline backbone (Vaswani et al. 2017) on `scaled_dot_product_attention`.
+
+Encoder (bidirectional) or decoder-only (causal), pre- or post-norm, with sinusoidal, learned
+or no absolute positions. It follows the backbone contract: `(B, L, D) -> (B, L, D)`, mask True
+at real tokens, and returns `(y, state)` with `state=None` (the model keeps no memory).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+POSITIONS = ("sinusoidal", "learned", "none")
+
+
+def sinusoidal_positions(length: int, d_model: int, device=None, dtype=None) -> Tensor:
+    """The fixed sin/cos table of Vaswani et al.: (L, D), sin on even and cos on odd channels."""
+    position = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
+    inv_freq = torch.exp(
+        torch.arange(0, d_model, 2, device=device, dtype=torch.float32)
+        * (-math.log(10000.0) / d_model)
+    )
+    table = torch.zeros(length, d_model, device=device, dtype=torch.float32)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)[:, : d_model // 2]
+    return table.to(dtype) if dtype is not None else table
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """Multi-head self-attention with a fused QKV projection and PyTorch SDPA."""
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None, causal: bool) -> Tensor:
+        """x (B, L, D); attn_mask (B, 1, L, L) bool, True where a query may attend a key."""
+        B, L, D = x.shape
+        q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim).unbind(dim=2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=attn_mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal and attn_mask is None,
+        )
+        return self.out(o.transpose(1, 2).reshape(B, L, D))
+
+
+class TransformerLayer(nn.Module):
+    """Self-attention + position-wise FFN, each with a residual and a pre- or post-norm."""
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        ffn_dim: int,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "gelu",
+        prenorm: bool = True,
+    ) -> None:
+        super().__init__()
+        self.attn = MultiHeadSelfAttention(d_model, num_heads, attention_dropout)
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.attn_norm = nn.LayerNorm(d_model)
+        self.ffn_norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.activation_dropout = nn.Dropout(activation_dropout)
+        self.activation = getattr(F, activation)
+        self.prenorm = prenorm
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None, causal: bool) -> Tensor:
+        h = self.attn_norm(x) if self.prenorm else x
+        x = x + self.dropout(self.attn(h, attn_mask, causal))
+        if not self.prenorm:
+            x = self.attn_norm(x)
+        h = self.ffn_norm(x) if self.prenorm else x
+        h = self.fc2(self.activation_dropout(self.activation(self.fc1(h))))
+        x = x + self.dropout(h)
+        if not self.prenorm:
+            x = self.ffn_norm(x)
+        return x
+
+
+class Transformer(nn.Module):
+    """A stack of Transformer layers; `causal=True` makes it a decoder-only language model."""
+
+    def __init__(
+        self,
+        d_model: int = 256,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        ffn_dim: int = 1024,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "gelu",
+        prenorm: bool = True,
+        positions: str = "sinusoidal",
+        max_len: int | None = None,
+        causal: bool = False,
+        share_layers: bool = False,
+    ) -> None:
+        super().__init__()
+        if positions not in POSITIONS:
+            raise ValueError(f"unknown positions {positions!r}; choose one of {POSITIONS}")
+        if positions == "learned" and not max_len:
+            raise ValueError("learned positions need `max_len` (the longest input length)")
+        if activation not in ("gelu", "relu", "silu"):
+            raise ValueError(f"unknown activation {activation!r}; choose gelu, relu or silu")
+        self.d_model = d_model
+        self.causal = causal
+        self.positions = positions
+        self._max_len = max_len if positions == "learned" else None
+        self.pos_embedding = nn.Embedding(max_len, d_model) if positions == "learned" else None
+        if self.pos_embedding is not None:
+            nn.init.normal_(self.pos_embedding.weight, std=0.02)
+        make = lambda: TransformerLayer(  # noqa: E731
+            d_model, num_heads, ffn_dim, dropout, attention_dropout, activation_dropout,
+            activation, prenorm,
+        )
+        # Weight sharing across depth (the LRA ListOps baseline ties its layers).
+        shared = make() if share_layers else None
+        self.layers = nn.ModuleList(
+            [shared if shared is not None else make() for _ in range(num_layers)]
+        )
+        self.final_norm = nn.LayerNorm(d_model) if prenorm else None
+        self.dropout = nn.Dropout(dropout)
+
+    @property
+    def max_len(self) -> int | None:
+        """Longest input the model accepts (None: unlimited)."""
+        return self._max_len
+
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, state: None = None
+    ) -> tuple[Tensor, None]:
+        """x (B, L, D), mask (B, L) True at real tokens -> ((B, L, D), None)."""
+        B, L, _ = x.shape
+        if self._max_len is not None and L > self._max_len:
+            raise ValueError(
+                f"input length {L} exceeds the Transformer's learned position table "
+                f"(max_len={self._max_len}); raise `model.backbone.max_len` or truncate the data"
+            )
+        if self.positions == "sinusoidal":
+            x = x + sinusoidal_positions(L, self.d_model, x.device, x.dtype)
+        elif self.pos_embedding is not None:
+            x = x + self.pos_embedding.weight[:L].to(x.dtype)
+        x = self.dropout(x)
+        attn_mask = None
+        if mask is not None and not bool(mask.all()):
+            allowed = mask[:, None, None, :].expand(B, 1, L, L)
+            if self.causal:
+                allowed = allowed & torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+            # Every query may see itself, so padded queries never produce NaN rows.
+            attn_mask = allowed | torch.eye(L, dtype=torch.bool, device=x.device)
+        for layer in self.layers:
+            x = layer(x, attn_mask, self.causal)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        return x, None

@@ -1,0 +1,137 @@
+"""Input encoders: map a batch's `inputs` to (B, L, D) features for any backbone.
+
+Token inputs use `TokenEmbedding`; real-valued features (pixels, audio, image patches) use
+`FeatureEmbedding`. Both zero the features at padded positions so that nothing a backbone
+computes can depend on pad content.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class TokenEmbedding(nn.Module):
+    """Token embedding with the Mega-family initialisation.
+
+    The authors' LRA encoders draw the table from N(0, d^-1/2) and do not scale the output;
+    their language models scale by sqrt(d) (`scale=True`).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        pad_id: int | None = None,
+        init_std: float | None = None,
+        scale: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if vocab_size is None or vocab_size <= 0:
+            raise ValueError(
+                f"TokenEmbedding needs a positive vocab_size, got {vocab_size!r}: token inputs "
+                "need a data config that declares `vocab_size`"
+            )
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.pad_id = pad_id
+        self.embed_scale = math.sqrt(d_model) if scale else 1.0
+        self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=init_std or d_model**-0.5)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Embed (B, L) int64 tokens; positions where `mask` is False become zero."""
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(
+                f"TokenEmbedding expects integer token ids, got {tokens.dtype}: real-valued "
+                "inputs need `FeatureEmbedding` (set the model's encoder accordingly)"
+            )
+        x = self.embedding(tokens) * self.embed_scale
+        x = self.dropout(x)
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        return x
+
+
+class FeatureEmbedding(nn.Module):
+    """Linear map of real-valued features (B, L, C) to (B, L, D).
+
+    `init="mega"` is the authors' RealNumberEmbedding for C = 1 (x·w + b with w ~ N(0, 1) and
+    b ~ N(0, 0.1)); `init="default"` keeps PyTorch's Linear initialisation.
+    """
+
+    def __init__(
+        self, d_input: int, d_model: int, init: str = "default", dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        if d_input is None or d_input <= 0:
+            raise ValueError(
+                f"FeatureEmbedding needs a positive d_input, got {d_input!r}: real-valued "
+                "inputs need a data config that declares `d_input`"
+            )
+        if init not in ("default", "mega"):
+            raise ValueError(f"FeatureEmbedding init must be 'default' or 'mega', got {init!r}")
+        self.d_input = d_input
+        self.d_model = d_model
+        self.proj = nn.Linear(d_input, d_model)
+        if init == "mega":
+            nn.init.normal_(self.proj.weight, mean=0.0, std=1.0)
+            nn.init.normal_(self.proj.bias, mean=0.0, std=0.1)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, features: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Project (B, L, C) (or (B, L), read as C = 1) features; zero padded positions."""
+        if not features.is_floating_point():
+            raise TypeError(
+                f"FeatureEmbedding expects float features, got {features.dtype}: token inputs "
+                "need `TokenEmbedding` (set the model's encoder accordingly)"
+            )
+        if features.dim() == 2:
+            features = features.unsqueeze(-1)
+        x = self.dropout(self.proj(features.to(self.proj.weight.dtype)))
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        return x
+
+
+class SequenceEncoder(nn.Module):
+    """Picks a token or feature embedding from the data spec, so one model config fits any data.
+
+    Exactly one of `vocab_size` (token inputs) and `d_input` (real-valued inputs) is set by the
+    data config; `token_init_std`/`token_scale` and `feature_init` carry the model's choices.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        vocab_size: int | None = None,
+        d_input: int | None = None,
+        pad_id: int | None = None,
+        token_init_std: float | None = None,
+        token_scale: bool = False,
+        feature_init: str = "default",
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if (vocab_size is None) == (d_input is None):
+            raise ValueError(
+                "SequenceEncoder needs exactly one of vocab_size (token data) and d_input "
+                f"(real-valued data); got vocab_size={vocab_size!r}, d_input={d_input!r}"
+            )
+        self.d_model = d_model
+        self.embed: TokenEmbedding | FeatureEmbedding
+        if vocab_size is not None:
+            self.embed = TokenEmbedding(
+                vocab_size, d_model, pad_id, init_std=token_init_std, scale=token_scale,
+                dropout=dropout,
+            )
+        else:
+            self.embed = FeatureEmbedding(d_input, d_model, init=feature_init, dropout=dropout)
+
+    def forward(self, inputs: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L) tokens or (B, L, C) features -> (B, L, D)."""
+        return self.embed(inputs, mask)
