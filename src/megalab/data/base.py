@@ -1,0 +1,296 @@
+"""The DataModule contract every dataset follows.
+
+A batch is a dict: `inputs` (B, L) int64 tokens or (B, L, C) float features, `targets`, and
+`mask` (B, L) bool, True at real tokens. Pairwise data (retrieval) adds `inputs2`/`mask2`.
+Each DataModule declares a small `DataSpec` (vocabulary or input width, classes, maximum
+length) that model configs interpolate from `${data.*}`; `setup` checks the data against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a model needs to know about its data."""
+
+    max_len: int
+    vocab_size: int | None = None
+    d_input: int | None = None
+    num_classes: int | None = None
+    pad_id: int | None = None
+    pairwise: bool = False
+
+
+class TokenSequences(Dataset):
+    """Variable-length token sequences stored flat (one int array + offsets) with labels.
+
+    Flat storage keeps 100K-sequence datasets in a few contiguous (optionally memory-mapped)
+    arrays instead of 100K small tensors.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray,
+        tokens2: np.ndarray | None = None,
+        offsets2: np.ndarray | None = None,
+    ) -> None:
+        if len(offsets) != len(labels) + 1:
+            raise ValueError("offsets must have one more entry than labels")
+        self.tokens, self.offsets, self.labels = tokens, offsets, labels
+        self.tokens2, self.offsets2 = tokens2, offsets2
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def lengths(self) -> np.ndarray:
+        """Length of every sequence (first document for pairs)."""
+        return np.diff(self.offsets)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        item = {"inputs": torch.from_numpy(np.asarray(self.tokens[a:b], dtype=np.int64))}
+        if self.tokens2 is not None:
+            a2, b2 = self.offsets2[i], self.offsets2[i + 1]
+            item["inputs2"] = torch.from_numpy(np.asarray(self.tokens2[a2:b2], dtype=np.int64))
+        item["targets"] = int(self.labels[i])
+        return item
+
+
+def pad_stack(seqs: Sequence[Tensor], pad_value: float | int = 0) -> tuple[Tensor, Tensor]:
+    """Right-pad sequences (L_i, ...) to (B, L_max, ...); return them and the (B, L) mask."""
+    length = max(int(s.shape[0]) for s in seqs)
+    out = seqs[0].new_full((len(seqs), length, *seqs[0].shape[1:]), pad_value)
+    mask = torch.zeros(len(seqs), length, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        out[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = True
+    return out, mask
+
+
+class SequenceCollator:
+    """Collates dict items into a padded batch (`inputs`, `mask`, `targets`, pairs)."""
+
+    def __init__(self, pad_id: int | float = 0) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, items: list[dict[str, Any]]) -> dict[str, Tensor]:
+        batch: dict[str, Tensor] = {}
+        batch["inputs"], batch["mask"] = pad_stack([it["inputs"] for it in items], self.pad_id)
+        if "inputs2" in items[0]:
+            batch["inputs2"], batch["mask2"] = pad_stack(
+                [it["inputs2"] for it in items], self.pad_id
+            )
+        targets = [it["targets"] for it in items]
+        batch["targets"] = (
+            torch.stack(targets) if isinstance(targets[0], Tensor) else torch.tensor(targets)
+        )
+        return batch
+
+
+class ShardedSampler(Sampler[int]):
+    """Indices of one process's shard, a pure function of (seed, epoch, rank).
+
+    Training shards are shuffled per epoch and padded (by wrapping around) to equal length so
+    every process takes the same number of steps; evaluation shards are disjoint and together
+    cover the split exactly once. `skip` drops the first indices of the current epoch when a
+    run resumes mid-epoch.
+    """
+
+    def __init__(
+        self, size: int, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self.size, self.shuffle, self.seed = size, shuffle, seed
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self.skip = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator().manual_seed(self.seed + 7919 * self.epoch)
+            order = torch.randperm(self.size, generator=g).tolist()
+            per_rank = -(-self.size // self.world_size)
+            order += order[: per_rank * self.world_size - self.size]
+        else:
+            order = list(range(self.size))
+        return order[self.rank :: self.world_size]
+
+    def __iter__(self):
+        return iter(self.indices()[self.skip :])
+
+    def __len__(self) -> int:
+        return len(self.indices())
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader that resumes mid-epoch where an interrupted run stopped.
+
+    `position()` returns how many batches of the current epoch were already consumed (the
+    trainer's restored progress when resuming, 0 otherwise); the sampler skips them, so a
+    resumed run sees exactly the data the uninterrupted run would have seen.
+    """
+
+    def __init__(
+        self, *args: Any, position: Callable[[], int] | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.position = position
+
+    def __iter__(self):
+        if isinstance(self.sampler, ShardedSampler):
+            done = self.position() if self.position is not None else 0
+            self.sampler.skip = done * (self.batch_size or 1)
+        return super().__iter__()
+
+
+class SequenceDataModule(L.LightningDataModule):
+    """Base DataModule: batch sizing, loaders, and the data spec.
+
+    `batch_size` is the global batch per optimizer step; each process loads
+    `batch_size / (world_size * accumulate_grad_batches)` so that changing devices or
+    accumulation keeps the effective batch of a paper configuration. Validation and test
+    loaders never drop the last batch.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        max_len: int,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 42,
+        vocab_size: int | None = None,
+        d_input: int | None = None,
+        num_classes: int | None = None,
+        pad_id: int | None = None,
+        pairwise: bool = False,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__()
+        self.data_dir = Path(data_dir).expanduser()
+        self.spec = DataSpec(
+            max_len=max_len, vocab_size=vocab_size, d_input=d_input, num_classes=num_classes,
+            pad_id=pad_id, pairwise=pairwise,
+        )
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.drop_last = drop_last
+        self.datasets: dict[str, Dataset] = {}
+
+    # -- spec shortcuts -------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int | None:
+        return self.spec.vocab_size
+
+    @property
+    def num_classes(self) -> int | None:
+        return self.spec.num_classes
+
+    @property
+    def max_len(self) -> int:
+        return self.spec.max_len
+
+    # -- hooks for subclasses -------------------------------------------------------------------
+    def build_datasets(self) -> dict[str, Dataset]:
+        """Return the `train`/`val`/`test` datasets (called once, in `setup`)."""
+        raise NotImplementedError
+
+    def collate_fn(self):
+        """The collate function for this data (a padded-sequence collator by default)."""
+        return SequenceCollator(self.spec.pad_id if self.spec.pad_id is not None else 0)
+
+    # -- Lightning ------------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if not self.datasets:
+            self.datasets = self.build_datasets()
+            for split, ds in self.datasets.items():
+                if len(ds) == 0:
+                    raise ValueError(
+                        f"{type(self).__name__}: the {split} split is empty (data in "
+                        f"{self.data_dir}); check the files or the split settings"
+                    )
+
+    def per_device_batch_size(self, batch_size: int) -> int:
+        """Split a global batch over processes and gradient-accumulation steps."""
+        world, accumulate = 1, 1
+        if self.trainer is not None:
+            world = self.trainer.world_size
+            accumulate = self.trainer.accumulate_grad_batches
+        parts = world * accumulate
+        if batch_size % parts:
+            raise ValueError(
+                f"batch_size={batch_size} is not divisible by world_size x "
+                f"accumulate_grad_batches = {world} x {accumulate}; choose a batch size that is"
+            )
+        return batch_size // parts
+
+    def resumed_batches(self) -> int:
+        """Training batches of the current epoch consumed before a resume (0 otherwise)."""
+        trainer = self.trainer
+        if trainer is None or not trainer.fit_loop.epoch_loop.restarting:
+            return 0
+        # `processed` counts a batch whose step finished even if the checkpoint was written in
+        # on_train_batch_end, before Lightning marked it completed.
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+
+    def rank_and_world(self) -> tuple[int, int]:
+        if self.trainer is None:
+            return 0, 1
+        return self.trainer.global_rank, self.trainer.world_size
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        if split not in self.datasets:
+            self.setup()
+        size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
+        if train:
+            size = self.per_device_batch_size(size)
+        rank, world = self.rank_and_world()
+        dataset = self.datasets[split]
+        # The module shards data itself (Lightning's distributed sampler is turned off in the
+        # trainer configs), so that the order is resumable and evaluation sees every example
+        # exactly once.
+        sampler = ShardedSampler(len(dataset), shuffle=train, seed=self.seed, rank=rank,
+                                 world_size=world)
+        return ResumableDataLoader(
+            dataset,
+            batch_size=size,
+            sampler=sampler,
+            drop_last=self.drop_last if train else False,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            collate_fn=self.collate_fn(),
+            position=self.resumed_batches if train else None,
+            # A private generator: creating loader iterators (worker seeds) must not consume
+            # the global RNG that dropout uses, or a resumed run would diverge.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", train=False)
