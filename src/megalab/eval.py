@@ -1,0 +1,84 @@
+"""Test a checkpoint: `python -m megalab.eval ckpt_path=<run>/checkpoints/last.ckpt`.
+
+When the checkpoint lies in a megalab run directory, the run's own `data`, `model`, `task`,
+`optim` and `scheduler` configs are used, so no overrides need repeating; command-line
+overrides of those groups still apply on top. Writes `eval_metrics.json` next to the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import hydra
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from megalab.train import CONFIG_DIR
+from megalab.utils import run as run_utils
+
+log = logging.getLogger(__name__)
+
+RUN_GROUPS = ("data", "model", "task", "optim", "scheduler", "monitor")
+
+
+def find_run_config(ckpt_path: Path) -> Path | None:
+    """The `.hydra/config.yaml` of the run a checkpoint belongs to, if any."""
+    for parent in list(ckpt_path.resolve().parents)[:3]:
+        candidate = parent / ".hydra" / "config.yaml"
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """Replace this config's model/data/task groups with the checkpoint's run config."""
+    run_cfg_path = find_run_config(Path(cfg.ckpt_path))
+    if run_cfg_path is None or not cfg.get("use_run_config", True):
+        return cfg
+    log.info("using the run config %s", run_cfg_path)
+    run_cfg = OmegaConf.load(run_cfg_path)
+    with open_dict(cfg):
+        for key in RUN_GROUPS:
+            if key in run_cfg:
+                cfg[key] = run_cfg[key]
+        ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
+        for item in ours:
+            key, _, value = item.lstrip("+").partition("=")
+            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
+    return cfg
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Run `trainer.test` on `cfg.ckpt_path`; return and save the metrics."""
+    if not Path(cfg.ckpt_path).exists():
+        raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
+    datamodule = hydra.utils.instantiate(cfg.data)
+    task = hydra.utils.instantiate(cfg.task)
+    loggers = run_utils.instantiate_loggers(cfg.get("logger"))
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
+    results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
+    record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
+    run_utils.write_metrics(Path(cfg.paths.output_dir) / "eval_metrics.json", record)
+    return record
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point."""
+    overrides = list(HydraConfig.get().overrides.task)
+    cfg = merge_run_config(cfg, overrides)
+    try:
+        record = evaluate(cfg)
+    finally:
+        run_utils.finish_wandb()
+    for key, val in sorted(record["metrics"].items()):
+        if isinstance(val, float):
+            print(f"{key} = {val:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What every task shares: optimizer and schedule from config, throughput, loud failures."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from torch import Tensor, nn
+
+from megalab.optim import build_optimizer, describe_groups
+
+log = logging.getLogger(__name__)
+
+
+def _plain(obj: Any) -> Any:
+    """OmegaConf containers -> plain Python containers (partials are left alone)."""
+    if isinstance(obj, DictConfig | ListConfig):
+        return OmegaConf.to_container(obj, resolve=True)
+    return obj
+
+
+def _numpy_state_to_tensors(state: tuple) -> tuple:
+    """numpy's RNG state with its key array as a tensor (loadable with `weights_only=True`)."""
+    name, keys, pos, has_gauss, gauss = state
+    return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+
+
+def _numpy_state_from_tensors(state: tuple) -> tuple:
+    name, keys, pos, has_gauss, gauss = state
+    return (name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+class SequenceTask(L.LightningModule):
+    """Base LightningModule: encoder -> backbone, with optimizer/scheduler from the config.
+
+    `optim` is the `optim` config group, instantiated: `optimizer` (a partial taking parameter
+    groups) and `param_groups` (rules, see `megalab.optim`). `scheduler` is a partial taking
+    `(optimizer, total_steps)`; total steps come from the trainer.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        backbone: nn.Module,
+        optim: Mapping[str, Any] | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        check_finite: bool = True,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.backbone = backbone
+        self.optim_cfg = optim
+        self.scheduler_fn = scheduler
+        self.check_finite = check_finite
+        self.compile = compile
+        self._t_last: float | None = None
+
+    # -- model ----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.compile and stage == "fit":
+            self.backbone = torch.compile(self.backbone)
+
+    def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> tuple[Tensor, Any]:
+        """Embed and run the backbone: (B, L[, C]) -> (B, L, D)."""
+        max_len = getattr(self.backbone, "max_len", None)
+        if max_len is not None and inputs.shape[1] > max_len:
+            raise ValueError(
+                f"input length {inputs.shape[1]} exceeds the model's limit of {max_len} "
+                f"({type(self.backbone).__name__}); lower `data.max_len` or raise the model's "
+                "maximum length"
+            )
+        x = self.encoder(inputs, mask)
+        return self.backbone(x, mask=mask, state=state)
+
+    # -- optimisation ---------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        if self.optim_cfg is None:
+            raise ValueError("no optimizer configured: set the `optim` config group")
+        optim = dict(self.optim_cfg)
+        # Build from the trainer's (possibly FSDP-wrapped) module when there is one.
+        module = self.trainer.model if self._trainer is not None else self
+        rules: Sequence[dict] = _plain(optim.get("param_groups")) or []
+        optimizer = build_optimizer(module, optim["optimizer"], rules)
+        for line in describe_groups(optimizer):
+            log.info(line)
+        if self.scheduler_fn is None:
+            return optimizer
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else None
+        scheduler = self.scheduler_fn(optimizer, total_steps=int(total))
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},
+        }
+
+    # -- training hooks -------------------------------------------------------------------------
+    def assert_finite(self, loss: Tensor) -> None:
+        if self.check_finite and not torch.isfinite(loss.detach()).all():
+            raise NonFiniteLossError(
+                f"training loss is {loss.item()} at step {self.global_step}: lower the learning "
+                "rate, enable gradient clipping (`trainer.gradient_clip_val`), use fp32/bf16 "
+                "instead of fp16, or check the inputs for NaN/inf"
+            )
+
+    def log_throughput(self, tokens: int | Tensor) -> None:
+        """Log real tokens per second between consecutive training steps."""
+        now = time.perf_counter()
+        if self._t_last is not None:
+            dt = now - self._t_last
+            if dt > 0:
+                n = float(tokens) * self.trainer.world_size
+                self.log("train/tokens_per_sec", n / dt, on_step=True, on_epoch=False)
+        self._t_last = now
+
+    def on_train_epoch_start(self) -> None:
+        self._t_last = None
+
+    # -- exact resume ---------------------------------------------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Random number generators (dropout masks, data augmentation) continue where they were.
+        checkpoint["rng_states"] = {
+            "python": random.getstate(),
+            "numpy": _numpy_state_to_tensors(np.random.get_state()),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        states = checkpoint.get("rng_states")
+        if not states:
+            return
+        random.setstate(states["python"])
+        np.random.set_state(_numpy_state_from_tensors(states["numpy"]))
+        torch.set_rng_state(states["torch"])
+        if states["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+

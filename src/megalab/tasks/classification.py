@@ -1,0 +1,148 @@
+"""Sequence classification (LRA, Speech Commands, ImageNet) and two-tower retrieval (AAN)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MaxMetric, MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from megalab.nn.heads import POOLING_MODES, combine_pair, pair_width, pool
+from megalab.tasks.base import SequenceTask
+
+SPLITS = ("train", "val", "test")
+
+
+class ClassificationTask(SequenceTask):
+    """encoder -> backbone -> pooling -> head, trained with cross-entropy.
+
+    Logs `{split}/loss`, `{split}/acc`, `val/acc_best`, the learning rate and tokens/s.
+    `label_smoothing` applies to training only; batches may carry soft `targets` (B, C)
+    (Mixup/CutMix), scored with soft cross-entropy.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        backbone: nn.Module,
+        head: nn.Module | Callable[..., nn.Module],
+        num_classes: int,
+        pooling: str = "mean",
+        label_smoothing: float = 0.0,
+        optim: Mapping[str, Any] | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        check_finite: bool = True,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
+        self.head = head if isinstance(head, nn.Module) else head(d_in=self.head_input_width())
+        self.pooling = pooling
+        self.num_classes = num_classes
+        self.label_smoothing = label_smoothing
+        # ModuleDict keys cannot be "train" (nn.Module.train), hence the suffixes.
+        self.losses = nn.ModuleDict({f"{s}_loss": MeanMetric() for s in SPLITS})
+        self.accs = nn.ModuleDict({f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in SPLITS})
+        self.val_acc_best = MaxMetric()
+
+    def head_input_width(self) -> int:
+        """Width of the pooled features the head receives."""
+        return self.backbone.d_model
+
+    def features(self, inputs: Tensor, mask: Tensor | None) -> Tensor:
+        """Pooled sequence representation (B, D)."""
+        y, _ = self.encode(inputs, mask)
+        return pool(y, mask, self.pooling)
+
+    def forward(self, inputs: Tensor, mask: Tensor | None = None) -> Tensor:
+        """Class logits (B, num_classes)."""
+        return self.head(self.features(inputs, mask))
+
+    def logits(self, batch: dict[str, Tensor]) -> Tensor:
+        return self(batch["inputs"], batch.get("mask"))
+
+    def _step(self, batch: dict[str, Tensor], split: str) -> Tensor:
+        logits = self.logits(batch)
+        targets = batch["targets"]
+        smoothing = self.label_smoothing if split == "train" else 0.0
+        loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
+        hard = targets.argmax(-1) if targets.is_floating_point() else targets
+        n = logits.shape[0]
+        self.losses[f"{split}_loss"](loss.detach(), n)
+        self.accs[f"{split}_acc"](logits.detach(), hard)
+        on_step = split == "train"
+        self.log(f"{split}/loss", self.losses[f"{split}_loss"], on_step=on_step, on_epoch=True,
+                 batch_size=n, prog_bar=True)
+        self.log(f"{split}/acc", self.accs[f"{split}_acc"], on_step=on_step, on_epoch=True,
+                 batch_size=n, prog_bar=True)
+        return loss
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._step(batch, "train")
+        self.assert_finite(loss)
+        mask = batch.get("mask")
+        tokens = mask.sum() if mask is not None else batch["inputs"].shape[:2].numel()
+        self.log_throughput(int(tokens))
+        return loss
+
+    def on_train_start(self) -> None:
+        # Sanity-check batches must not count towards the best validation accuracy.
+        self.val_acc_best.reset()
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        acc = self.accs["val_acc"].compute()
+        self.val_acc_best(acc)
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        self._step(batch, "test")
+
+
+class RetrievalTask(ClassificationTask):
+    """Two-tower matching (LRA Retrieval/AAN): a shared encoder pools each document, the pair
+    is combined (`concat` = [a, b] as Mega; `nli` = [a, b, a-b, a*b] as LRA) and classified."""
+
+    def __init__(self, *args: Any, combine: str = "concat", **kwargs: Any) -> None:
+        self.combine = combine
+        super().__init__(*args, **kwargs)
+
+    def head_input_width(self) -> int:
+        return pair_width(self.backbone.d_model, self.combine)
+
+    def forward(
+        self,
+        inputs: Tensor,
+        mask: Tensor | None,
+        inputs2: Tensor,
+        mask2: Tensor | None,
+    ) -> Tensor:
+        # Both documents go through the backbone as one 2B batch, padded to a common length.
+        B, L1, L2 = inputs.shape[0], inputs.shape[1], inputs2.shape[1]
+        L = max(L1, L2)
+        if mask is None:
+            mask = torch.ones(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
+        if mask2 is None:
+            mask2 = torch.ones(inputs2.shape[:2], dtype=torch.bool, device=inputs2.device)
+        both = torch.cat([F.pad(inputs, (0, L - L1)),
+                          F.pad(inputs2, (0, L - L2))])
+        masks = torch.cat([F.pad(mask, (0, L - L1)), F.pad(mask2, (0, L - L2))])
+        pooled = self.features(both, masks)
+        return self.head(combine_pair(pooled[:B], pooled[B:], self.combine))
+
+    def logits(self, batch: dict[str, Tensor]) -> Tensor:
+        return self(batch["inputs"], batch.get("mask"), batch["inputs2"], batch.get("mask2"))
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = self._step(batch, "train")
+        self.assert_finite(loss)
+        tokens = sum(int(batch[k].sum()) for k in ("mask", "mask2") if k in batch)
+        self.log_throughput(tokens)
+        return loss

@@ -1,0 +1,111 @@
+"""Train a model: `python -m megalab.train experiment=mega/lra_listops` (or `megalab-train`).
+
+Instantiates data -> task (encoder, backbone, head) -> callbacks -> loggers -> trainer from the
+Hydra config, fits (resuming from `ckpt_path`), tests the best checkpoint, and writes the
+resolved `config.yaml` and a `metrics.json` of final numbers into the run directory. Returns
+the monitored metric so Hydra sweepers can optimise it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+from omegaconf import DictConfig
+
+from megalab.utils import run as run_utils
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = os.environ.get("MEGALAB_CONFIG_DIR", str(ROOT / "configs"))
+os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
+
+
+def build(cfg: DictConfig) -> dict[str, Any]:
+    """Instantiate everything a run needs; nothing is trained."""
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    task = hydra.utils.instantiate(cfg.task)
+    callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
+    loggers = run_utils.instantiate_loggers(cfg.get("logger"))
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    return {"datamodule": datamodule, "task": task, "trainer": trainer, "loggers": loggers}
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit and test; return the final metrics record written to `metrics.json`."""
+    output_dir = Path(cfg.paths.output_dir)
+    run_utils.save_config(cfg, output_dir / "config.yaml")
+    objs = build(cfg)
+    datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
+    run_utils.log_hyperparameters(cfg, objs["loggers"], task)
+    params = run_utils.count_parameters(task)
+    log.info("model: %s parameters (%s trainable)", f"{params['total']:,}",
+             f"{params['trainable']:,}")
+
+    start = time.time()
+    fit_metrics: dict[str, Any] = {}
+    if cfg.get("train", True):
+        ckpt_path = run_utils.resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+        if ckpt_path:
+            log.info("resuming from %s", ckpt_path)
+        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+        fit_metrics = {k: run_utils.to_number(v) for k, v in trainer.callback_metrics.items()}
+
+    test_metrics: dict[str, Any] = {}
+    best_path = None
+    if cfg.get("test", True):
+        ckpt_cb = trainer.checkpoint_callback
+        best_path = getattr(ckpt_cb, "best_model_path", "") or None
+        if best_path is None:
+            log.warning("no best checkpoint found: testing the current weights")
+        results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
+        test_metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
+
+    monitor = cfg.get("monitor")
+    record = {
+        "experiment": cfg.get("experiment_name"),
+        "task_name": cfg.get("task_name"),
+        "tags": list(cfg.get("tags") or []),
+        "seed": cfg.get("seed"),
+        "monitor": monitor,
+        "monitor_value": fit_metrics.get(monitor) if monitor else None,
+        "best_checkpoint": best_path,
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        "params": params,
+        "wall_time_s": round(time.time() - start, 3),
+        "metrics": {**fit_metrics, **test_metrics},
+        "output_dir": str(output_dir),
+    }
+    best = getattr(trainer.checkpoint_callback, "best_model_score", None)
+    if best is not None and monitor:
+        record["monitor_value"] = run_utils.to_number(best)
+    run_utils.write_metrics(output_dir / "metrics.json", record)
+    return record
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry point; returns the monitored metric for sweepers."""
+    try:
+        record = train(cfg)
+    finally:
+        run_utils.finish_wandb()
+    value = record.get("monitor_value")
+    log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
+    for key, val in sorted(record["metrics"].items()):
+        if key.startswith("test/") and isinstance(val, float):
+            print(f"{key} = {val:.4f}")
+    return float(value) if value is not None else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Run plumbing shared by the entry points: building callbacks and loggers from config,
+resolving checkpoints, writing the run's `config.yaml` and `metrics.json`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from lightning import Callback
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def instantiate_group(cfg: DictConfig | None) -> list[Any]:
+    """Instantiate every entry of a dict-of-objects group (callbacks, loggers); skip nulls."""
+    objects: list[Any] = []
+    if not cfg:
+        return objects
+    if not isinstance(cfg, DictConfig):
+        raise TypeError(f"expected a mapping of objects, got {type(cfg).__name__}")
+    for name, node in cfg.items():
+        if isinstance(node, DictConfig) and "_target_" in node:
+            objects.append(hydra.utils.instantiate(node))
+        elif node is not None:
+            raise ValueError(f"config entry {name!r} has no `_target_`: {node}")
+    return objects
+
+
+def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
+    return instantiate_group(cfg)
+
+
+def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
+    return instantiate_group(cfg)
+
+
+def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
+    """`last` means this run directory's `checkpoints/last.ckpt`; `best` its best checkpoint."""
+    if ckpt_path in (None, "", "none", "null"):
+        return None
+    ckpt_dir = Path(output_dir) / "checkpoints"
+    if ckpt_path == "last":
+        path = ckpt_dir / "last.ckpt"
+        if not path.exists():
+            raise FileNotFoundError(
+                f"ckpt_path=last but {path} does not exist. To resume a run, start it again in "
+                "its own output directory: `hydra.run.dir=<run dir> ckpt_path=last`"
+            )
+        return str(path)
+    if not Path(ckpt_path).exists():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+    return str(ckpt_path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a text file so that readers never see a partial file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def to_number(value: Any) -> Any:
+    """Tensors and numpy scalars -> Python floats (NaN/inf become None for JSON)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu()
+        value = value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+@rank_zero_only
+def write_metrics(path: str | Path, record: Mapping[str, Any]) -> None:
+    """Write `metrics.json` (sorted keys, floats as numbers)."""
+    atomic_write_text(path, json.dumps(record, indent=2, sort_keys=True, default=to_number) + "\n")
+
+
+@rank_zero_only
+def save_config(cfg: DictConfig, path: str | Path) -> None:
+    """Save the fully resolved config of a run."""
+    atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def count_parameters(module: torch.nn.Module) -> dict[str, int]:
+    total = sum(p.numel() for p in module.parameters())
+    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    return {"total": total, "trainable": trainable, "frozen": total - trainable}
+
+
+@rank_zero_only
+def log_hyperparameters(cfg: DictConfig, loggers: list[Logger], model: torch.nn.Module) -> None:
+    """Send the resolved config and parameter counts to every logger."""
+    if not loggers:
+        return
+    params = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(params, dict)
+    params.pop("hydra", None)
+    params["params"] = count_parameters(model)
+    for logger in loggers:
+        logger.log_hyperparams(params)
+
+
+def finish_wandb() -> None:
+    """Close an open W&B run so the next job of a multirun starts clean."""
+    try:
+        import wandb
+    except ImportError:  # pragma: no cover - wandb is a dependency
+        return
+    if wandb.run is not None:
+        wandb.finish()
