@@ -27,12 +27,14 @@ import torch
 from megalab.convert import (
     convert_ema,
     convert_encoder_layer,
+    convert_lra_model,
     convert_maga,
     maga_kwargs_from_reference,
     mask_from_padding_mask,
+    mega_kwargs_from_fairseq,
     to_batch_first,
 )
-from megalab.models.mega import MegaBlock, MovingAverageGatedAttention
+from megalab.models.mega import Mega, MegaBlock, MovingAverageGatedAttention
 from megalab.nn.ema import DampedEMA
 
 REF_TOL = 2e-5
@@ -212,3 +214,74 @@ def test_golden_maga_token_by_token(name: str) -> None:
     y = torch.cat(outs, 1).transpose(0, 1)
     assert rel_err(y, d["incremental.output"]) <= REF_TOL
     assert rel_err(y, d["pure64.output"]) <= PURE64_TOL
+
+
+# ------------------------------------------------------------------------------------------ LRA
+LRA_CASES = ["lra_encoder", "lra_encoder_image"]
+
+
+def build_lra(d: dict):
+    """The authors' LRAModel as our ClassificationTask(encoder, Mega, head), in float64."""
+    # Imported here: the task module pulls in Lightning, which the module cases do not need.
+    from megalab.nn.embedding import FeatureEmbedding, TokenEmbedding
+    from megalab.nn.heads import ClassificationHead
+    from megalab.tasks.classification import ClassificationTask
+
+    cfg = json.loads(d["config"])
+    args = cfg["args"]
+    assert args["sen_rep_type"] == "mp" and args["classifier_layers"] == 1
+    D = args["encoder_embed_dim"]
+    if args["input_type"] == "text":
+        encoder = TokenEmbedding(cfg["vocab_size"], D, pad_id=cfg["padding_idx"])
+    else:
+        encoder = FeatureEmbedding(1, D, init="mega")
+    head = ClassificationHead(
+        args["classifier_in_dim"], args["classifier_out_dim"], args["sentence_class_num"],
+        dropout=args["dropout"], activation=args["classifier_activation_fn"],
+    )  # fmt: skip
+    task = ClassificationTask(
+        encoder, Mega(**mega_kwargs_from_fairseq(args)), head,
+        num_classes=args["sentence_class_num"], pooling="mean",
+    )  # fmt: skip
+    task = task.double()
+    task.load_state_dict(convert_lra_model(prefixed(d, "state_dict.")), strict=True)
+    return task.eval(), convert_lra_model, cfg
+
+
+@pytest.mark.parametrize("name", LRA_CASES)
+def test_golden_lra_model(name: str) -> None:
+    d = load_case(name)
+    task, convert, cfg = build_lra(d)
+    inputs = d["input"]
+    text = cfg["args"]["input_type"] == "text"
+    if text:
+        mask = inputs != cfg["padding_idx"]
+        assert torch.equal(mask.sum(1), d["src_lengths"])  # mean-pool divisor: real tokens
+    else:
+        mask = None
+        inputs = inputs.clone().requires_grad_(True)
+    logits = task(inputs, mask)
+    assert rel_err(logits, d["output"]) <= REF_TOL
+    assert rel_err(logits, d["pure64.output"]) <= PURE64_TOL
+
+    # Intermediate tensors: last hidden states (real positions; the reference pads 37 -> 40 with
+    # pad tokens, we pad inside attention only) and the pooled representation.
+    with torch.no_grad():
+        hidden, _ = task.encode(inputs, mask)
+        T = hidden.shape[1]
+        assert rel_err(hidden, to_batch_first(d["aux.encoder_last_hidden"])[:, :T]) <= REF_TOL
+        assert rel_err(task.features(inputs, mask), d["aux.sentence_rep"]) <= REF_TOL
+
+    loss = (logits * d["grad_weight"]).sum()
+    loss.backward()
+    if not text:
+        assert rel_err(inputs.grad, d["grad.input"]) <= REF_TOL
+        assert rel_err(inputs.grad, d["pure64.grad.input"]) <= PURE64_TOL
+    params = dict(task.named_parameters())
+    ref_grads = convert({k: v for k, v in prefixed(d, "grad.").items() if k != "input"})
+    pure_grads = convert({k: v for k, v in prefixed(d, "pure64.grad.").items() if k != "input"})
+    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
+    for pname, p in params.items():
+        assert p.grad is not None, pname
+        assert rel_err(p.grad, ref_grads[pname]) <= REF_TOL, pname
+        assert rel_err(p.grad, pure_grads[pname]) <= PURE64_TOL, pname
