@@ -1,0 +1,93 @@
+"""Shared test fixtures: Hydra config composition and tiny datasets in the official formats."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from fixtures import write_all_fixtures
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs"
+
+os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+# Overrides that make any configuration run in seconds on a CPU.
+FAST = [
+    "trainer=cpu",
+    "trainer.max_steps=2",
+    "trainer.max_epochs=null",
+    "trainer.val_check_interval=null",
+    "trainer.check_val_every_n_epoch=1",
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "trainer.limit_test_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_model_summary=false",
+    "logger=none",
+    "data.num_workers=0",
+]
+
+
+@pytest.fixture(scope="session")
+def fixture_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data directory holding every dataset as a tiny fixture in its official layout."""
+    root = tmp_path_factory.mktemp("data")
+    write_all_fixtures(root)
+    return root
+
+
+@pytest.fixture
+def compose_cfg(
+    tmp_path: Path, fixture_data_dir: Path
+) -> Iterator[Callable[..., DictConfig]]:
+    """Compose a config (train.yaml by default) with FAST overrides, outputs under tmp_path."""
+
+    def _compose(*overrides: str, config: str = "train", fast: bool = True) -> DictConfig:
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(
+                config,
+                overrides=[
+                    *(FAST if fast else []),
+                    f"paths.data_dir={fixture_data_dir}",
+                    f"paths.log_dir={tmp_path / 'logs'}",
+                    f"hydra.run.dir={tmp_path / 'run'}",
+                    *overrides,
+                ],
+                return_hydra_config=True,
+            )
+        with open_dict(cfg):
+            cfg.hydra.runtime.output_dir = str(tmp_path / "run")
+            cfg.hydra.job.num = 0
+        HydraConfig().set_config(cfg)
+        return cfg
+
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+def run_cli(
+    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """Run a command with the test interpreter; return the completed process (no check)."""
+    full_env = {**os.environ, "MEGALAB_ROOT": str(ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+        timeout=timeout,
+    )

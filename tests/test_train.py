@@ -1,0 +1,147 @@
+"""End-to-end: training, evaluation, resuming, multirun, DDP and loggers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FAST, run_cli
+
+from megalab.eval import evaluate
+from megalab.train import train
+
+
+def read_metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_train_writes_metrics_config_and_checkpoints(compose_cfg, tmp_path: Path) -> None:
+    cfg = compose_cfg()
+    record = train(cfg)
+    run = tmp_path / "run"
+    assert (run / "config.yaml").exists() and (run / "checkpoints" / "last.ckpt").exists()
+    saved = read_metrics(run)
+    assert saved["global_step"] == 2 == record["global_step"]
+    for key in ("train/loss", "val/loss", "val/acc", "val/acc_best", "test/acc", "test/loss"):
+        assert key in saved["metrics"], key
+    assert saved["monitor"] == "val/acc" and saved["params"]["total"] > 0
+    assert 0.0 <= saved["metrics"]["test/acc"] <= 1.0
+    assert not list(run.rglob("*.tmp")), "no partial files are left behind"
+
+
+def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> None:
+    train(compose_cfg("debug=fdr"))
+    cfg = compose_cfg()
+    train(cfg)
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    eval_cfg = compose_cfg(f"ckpt_path={ckpt}", config="eval")
+    record = evaluate(eval_cfg)
+    assert set(record["metrics"]) == {"test/acc", "test/loss"}
+    assert (tmp_path / "run" / "eval_metrics.json").exists()
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+
+
+@pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
+def test_resume_continues_exactly(compose_cfg, tmp_path: Path, stop: int) -> None:
+    """Train 5 steps straight, or `stop` steps then resume: same weights and optimizer."""
+    common = ("trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
+              "+callbacks.model_checkpoint.every_n_train_steps=1", "test=false",
+              "scheduler=constant", "scheduler.warmup_steps=2")
+    straight = compose_cfg("trainer.max_steps=5", *common)
+    straight.paths.output_dir = str(tmp_path / "straight")
+    train(straight)
+
+    first = compose_cfg(f"trainer.max_steps={stop}", *common)
+    first.paths.output_dir = str(tmp_path / "resumed")
+    train(first)
+    second = compose_cfg("trainer.max_steps=5", "ckpt_path=last", *common)
+    second.paths.output_dir = str(tmp_path / "resumed")
+    record = train(second)
+    assert record["global_step"] == 5
+
+    a = _final_weights(tmp_path / "straight")
+    b = _final_weights(tmp_path / "resumed")
+    assert a["global_step"] == b["global_step"] == 5
+    for name, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    opt_a, opt_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
+    for idx, state in opt_a.items():
+        for key, value in state.items():
+            torch.testing.assert_close(opt_b[idx][key], value, rtol=0, atol=0)
+    assert a["lr_schedulers"][0]["last_epoch"] == b["lr_schedulers"][0]["last_epoch"]
+
+
+def test_same_seed_gives_same_metrics(compose_cfg, tmp_path: Path) -> None:
+    runs = []
+    for name in ("a", "b"):
+        cfg = compose_cfg("seed=7")
+        cfg.paths.output_dir = str(tmp_path / name)
+        runs.append(train(cfg)["metrics"])
+    timing = {"train/tokens_per_sec"}
+    assert set(runs[0]) == set(runs[1])
+    assert {k: v for k, v in runs[0].items() if k not in timing} == {
+        k: v for k, v in runs[1].items() if k not in timing
+    }
+
+
+@pytest.mark.parametrize("logger", ["csv", "wandb"])
+def test_loggers_write_their_files(compose_cfg, tmp_path: Path, logger: str) -> None:
+    cfg = compose_cfg(f"logger={logger}")
+    train(cfg)
+    run = tmp_path / "run"
+    if logger == "csv":
+        text = (run / "csv" / "metrics.csv").read_text()
+        assert "train/loss" in text and "val/acc" in text
+    else:
+        assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_unknown_override_fails_with_hydra_message(fixture_data_dir: Path) -> None:
+    proc = run_cli("-m", "megalab.train", "model.backbone.num_layerz=2",
+                   f"paths.data_dir={fixture_data_dir}")
+    assert proc.returncode != 0
+    assert "Could not override 'model.backbone.num_layerz'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = run_cli("-m", "megalab.train", "model=transformerr")
+    assert proc.returncode != 0
+    assert "Could not find 'model/transformerr'" in proc.stderr
+    assert "Available options" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_config_value_fails_early_with_a_clear_message(compose_cfg) -> None:
+    cfg = compose_cfg("model.backbone.positions=rotary")
+    with pytest.raises(Exception, match="unknown positions 'rotary'"):
+        train(cfg)
+
+
+def test_multirun_gives_each_job_its_own_dir(fixture_data_dir: Path, tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    proc = run_cli("-m", "megalab.train", "-m", "model.d_model=16,32", *FAST,
+                   f"paths.data_dir={fixture_data_dir}", f"hydra.sweep.dir={sweep}",
+                   "test=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [read_metrics(sweep / str(i)) for i in range(2)]
+    assert [r["params"]["total"] for r in records][0] < records[1]["params"]["total"]
+
+
+@pytest.mark.slow
+def test_quickstart_beats_majority_class(tmp_path: Path) -> None:
+    proc = run_cli("-m", "megalab.train", "experiment=quickstart", f"hydra.run.dir={tmp_path}",
+                   f"paths.data_dir={tmp_path / 'data'}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_metrics(tmp_path)["metrics"]["test/acc"] > 0.3
+
+
+def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> None:
+    proc = run_cli("-m", "megalab.train", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
+                   "data.batch_size=4", f"paths.data_dir={fixture_data_dir}",
+                   f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_metrics(tmp_path)
+    assert record["global_step"] == 2
+    assert "GLOBAL_RANK: 1" in proc.stderr + proc.stdout or "world_size=2" in proc.stderr
