@@ -256,4 +256,4 @@ def test_invalid_arguments(tmp_path):
         generate_pathfinder(tmp_path, resolution=48, num_samples=2)
     with pytest.raises(ValueError):
         generate_pathfinder(tmp_path, num_samples=0)
-    assert math.isclose(SETTINGS[32].step, 3.3)
+    assert math.isclose(SETTINGS[32].step, 3.0)

@@ -21,16 +21,16 @@ Per-resolution settings, in pixels of the output image. A "step" is paddle lengt
 distance from one paddle's start to the next; the visible gap between two paddles of a contour
 is at most ``gap``, and different contours stay at least ``clearance`` (> gap) apart.
 Distractors are contours of ``contour_length // 3`` paddles, as many as fit in the budget of
-distractor paddles (at 32 pixels with 14-paddle targets, typically 2-4 of the 5 fit):
+distractor paddles (at 32 pixels with 14-paddle targets, typically 3-4 of the 4 fit):
 
 =====  ======  ===  =========  ======  =========  ========  =======  ==========  ===========
 image  paddle  gap  thickness  marker  clearance  max turn  step /   14-paddle   distractor
 size   length                  radius             per step  width    path/width  paddles
 =====  ======  ===  =========  ======  =========  ========  =======  ==========  ===========
-32     2.0     1.3  1.0        1.5     1.5        45°       10.3 %   1.44        16
-64     3.6     2.2  1.2        2.2     2.4        45°       9.1 %    1.27        24
-128    6.5     3.5  1.5        3.0     4.0        45°       7.8 %    1.09        32
-256    12.0    6.0  2.0        5.0     7.0        45°       7.0 %    0.98        40
+32     1.8     1.2  1.0        1.5     1.4        50°       9.4 %    1.31        16
+64     3.6     2.2  1.2        2.2     2.4        50°       9.1 %    1.27        24
+128    6.5     3.5  1.5        3.0     4.0        50°       7.8 %    1.09        32
+256    12.0    6.0  2.0        5.0     7.0        50°       7.0 %    0.98        40
 =====  ======  ===  =========  ======  =========  ========  =======  ==========  ===========
 
 Layout (the release's, so one reader handles both)::
@@ -113,10 +113,10 @@ class PathfinderSettings:
 
 #: LRA's four image sizes.
 SETTINGS: dict[int, PathfinderSettings] = {
-    32: PathfinderSettings(32, 2.0, 1.3, 1.0, 1.5, 1.5, 45.0, 16),
-    64: PathfinderSettings(64, 3.6, 2.2, 1.2, 2.2, 2.4, 45.0, 24),
-    128: PathfinderSettings(128, 6.5, 3.5, 1.5, 3.0, 4.0, 45.0, 32),
-    256: PathfinderSettings(256, 12.0, 6.0, 2.0, 5.0, 7.0, 45.0, 40),
+    32: PathfinderSettings(32, 1.8, 1.2, 1.0, 1.5, 1.4, 50.0, 16),
+    64: PathfinderSettings(64, 3.6, 2.2, 1.2, 2.2, 2.4, 50.0, 24),
+    128: PathfinderSettings(128, 6.5, 3.5, 1.5, 3.0, 4.0, 50.0, 32),
+    256: PathfinderSettings(256, 12.0, 6.0, 2.0, 5.0, 7.0, 50.0, 40),
 }
 
 
