@@ -216,6 +216,25 @@ def test_server_ignoring_range_restarts_cleanly(tmp_path, server):
     assert len(state.requests) == 1
 
 
+def test_complete_part_and_bad_resumed_prefix(tmp_path, server):
+    base, state = server
+    blob = os.urandom(30_000)
+    state.files["/f.bin"] = blob
+    # A partial file that already holds every byte: the server answers 416, nothing is re-sent.
+    (tmp_path / "f.bin.part").write_bytes(blob)
+    download(f"{base}/f.bin", tmp_path / "f.bin", sha256=_sha256(blob), progress=False)
+    assert (tmp_path / "f.bin").read_bytes() == blob
+    assert state.requests[-1]["range"] == "bytes=30000-" and state.requests[-1]["sent"] == 0
+
+    # A partial file with wrong bytes: the resumed result fails the checksum, so the download
+    # starts over once from byte 0 before giving up.
+    state.requests.clear()
+    (tmp_path / "g.bin.part").write_bytes(b"\xff" * 10_000)
+    download(f"{base}/f.bin", tmp_path / "g.bin", sha256=_sha256(blob), progress=False)
+    assert (tmp_path / "g.bin").read_bytes() == blob
+    assert [r["range"] for r in state.requests] == ["bytes=10000-", None]
+
+
 def test_checksum_mismatch_is_reported_and_file_not_used(tmp_path, server):
     base, state = server
     blob = os.urandom(10_000)
@@ -255,6 +274,8 @@ def test_md5_mismatch_and_bad_existing_file_is_replaced(tmp_path, server):
 
 def test_http_error_and_offline_and_unreachable(tmp_path, server, monkeypatch):
     base, state = server
+    with pytest.raises(DownloadError, match="Unsupported URL scheme 'ftp'"):
+        download("ftp://example.org/x.zip", tmp_path / "x.zip", progress=False)
     with pytest.raises(DownloadError, match="HTTP 404"):
         download(f"{base}/missing.bin", tmp_path / "m.bin", progress=False, retries=0)
 

@@ -291,12 +291,10 @@ def _transfer(
     scheme = urllib.parse.urlparse(url).scheme.lower()
     if scheme == "file":
         src, start, total = _open_file_url(url, offset)
-    elif scheme in {"http", "https"}:
+    else:
         src, start, total = _open_http(url, offset, timeout)
         if src is None:  # the partial file already holds the whole body
             return True
-    else:
-        raise DownloadError(f"Unsupported URL scheme {scheme!r} in {url}")
     resumed = start > 0
     mode = "ab" if resumed else "wb"
     bar = _progress_bar(total, start, desc, progress)
@@ -366,6 +364,9 @@ def download(
     cannot be reached, :class:`DatasetMissingError` says which file to fetch and where to put it;
     ``dataset`` names the dataset in that message.
     """
+    scheme = urllib.parse.urlparse(url).scheme.lower()
+    if scheme not in {"http", "https", "file"}:
+        raise DownloadError(f"Unsupported URL scheme {scheme!r} in {url} (use http, https or file)")
     dest = Path(dest).expanduser().absolute()
     expected = _expected_digests(sha256, md5)
     part = dest.with_name(dest.name + ".part")
