@@ -1,4 +1,4 @@
-"""Download, extraction and cache helpers against a local HTTP server (never the internet)."""
+"""Download, extraction and cache utilities against a local HTTP server (never the internet)."""
 
 from __future__ import annotations
 

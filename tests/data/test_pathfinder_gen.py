@@ -16,7 +16,7 @@ from megalab.data.lra.pathfinder_gen import (
     make_sample,
 )
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- utilities
 
 
 def _point_seg(p: np.ndarray, a: np.ndarray, b: np.ndarray) -> float:
