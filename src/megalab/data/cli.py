@@ -36,6 +36,13 @@ def _pathfinder(args: argparse.Namespace) -> None:
     print(f"Pathfinder written to {out}")
 
 
+def _smoke(args: argparse.Namespace) -> None:
+    from megalab.data.smoke import write_smoke_data
+
+    out = write_smoke_data(args.out)
+    print(f"smoke-test data for every dataset written to {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalab-data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
     p.add_argument("--overwrite", action="store_true", help="replace a folder with other data")
     p.set_defaults(func=_pathfinder)
+
+    p = sub.add_parser(
+        "smoke", help="write tiny copies of every dataset in its official format (smoke runs)"
+    )
+    p.add_argument("--out", default="data/smoke", help="folder to use as paths.data_dir")
+    p.set_defaults(func=_smoke)
     return parser
 
 
