@@ -53,9 +53,7 @@ def fixture_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def compose_cfg(
-    tmp_path: Path, fixture_data_dir: Path
-) -> Iterator[Callable[..., DictConfig]]:
+def compose_cfg(tmp_path: Path, fixture_data_dir: Path) -> Iterator[Callable[..., DictConfig]]:
     """Compose a config (train.yaml by default) with FAST overrides, outputs under tmp_path."""
 
     def _compose(*overrides: str, config: str = "train", fast: bool = True) -> DictConfig:
@@ -88,6 +86,10 @@ def run_cli(
     """Run a command with the test interpreter; return the completed process (no check)."""
     full_env = {**os.environ, "MEGALAB_ROOT": str(ROOT), **(env or {})}
     return subprocess.run(
-        [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+        [sys.executable, *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )

@@ -8,9 +8,9 @@ and optimisation settings stay exactly as the experiment defines them.
 from __future__ import annotations
 
 import pytest
-from conftest import CONFIG_DIR
 from hydra.core.hydra_config import HydraConfig
 
+from conftest import CONFIG_DIR
 from megalab.train import train
 
 EXPERIMENTS = sorted(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FAST, run_cli
 
+from conftest import FAST, run_cli
 from megalab.eval import evaluate
 from megalab.train import train
 
@@ -49,9 +49,14 @@ def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
 def test_resume_continues_exactly(compose_cfg, tmp_path: Path, stop: int) -> None:
     """Train 5 steps straight, or `stop` steps then resume: same weights and optimizer."""
-    common = ("trainer.limit_train_batches=2", "trainer.limit_val_batches=1",
-              "+callbacks.model_checkpoint.every_n_train_steps=1", "test=false",
-              "scheduler=constant", "scheduler.warmup_steps=2")
+    common = (
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "+callbacks.model_checkpoint.every_n_train_steps=1",
+        "test=false",
+        "scheduler=constant",
+        "scheduler.warmup_steps=2",
+    )
     straight = compose_cfg("trainer.max_steps=5", *common)
     straight.paths.output_dir = str(tmp_path / "straight")
     train(straight)
@@ -102,8 +107,9 @@ def test_loggers_write_their_files(compose_cfg, tmp_path: Path, logger: str) -> 
 
 
 def test_unknown_override_fails_with_hydra_message(fixture_data_dir: Path) -> None:
-    proc = run_cli("-m", "megalab.train", "model.backbone.num_layerz=2",
-                   f"paths.data_dir={fixture_data_dir}")
+    proc = run_cli(
+        "-m", "megalab.train", "model.backbone.num_layerz=2", f"paths.data_dir={fixture_data_dir}"
+    )
     assert proc.returncode != 0
     assert "Could not override 'model.backbone.num_layerz'" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -121,26 +127,45 @@ def test_bad_config_value_fails_early_with_a_clear_message(compose_cfg) -> None:
 
 def test_multirun_gives_each_job_its_own_dir(fixture_data_dir: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
-    proc = run_cli("-m", "megalab.train", "-m", "model.d_model=16,32", *FAST,
-                   f"paths.data_dir={fixture_data_dir}", f"hydra.sweep.dir={sweep}",
-                   "test=false")
+    proc = run_cli(
+        "-m",
+        "megalab.train",
+        "-m",
+        "model.d_model=16,32",
+        *FAST,
+        f"paths.data_dir={fixture_data_dir}",
+        f"hydra.sweep.dir={sweep}",
+        "test=false",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [read_metrics(sweep / str(i)) for i in range(2)]
-    assert [r["params"]["total"] for r in records][0] < records[1]["params"]["total"]
+    assert records[0]["params"]["total"] < records[1]["params"]["total"]
 
 
 @pytest.mark.slow
 def test_quickstart_beats_majority_class(tmp_path: Path) -> None:
-    proc = run_cli("-m", "megalab.train", "experiment=quickstart", f"hydra.run.dir={tmp_path}",
-                   f"paths.data_dir={tmp_path / 'data'}")
+    proc = run_cli(
+        "-m",
+        "megalab.train",
+        "experiment=quickstart",
+        f"hydra.run.dir={tmp_path}",
+        f"paths.data_dir={tmp_path / 'data'}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert read_metrics(tmp_path)["metrics"]["test/acc"] > 0.3
 
 
 def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> None:
-    proc = run_cli("-m", "megalab.train", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
-                   "data.batch_size=4", f"paths.data_dir={fixture_data_dir}",
-                   f"hydra.run.dir={tmp_path}")
+    proc = run_cli(
+        "-m",
+        "megalab.train",
+        *FAST,
+        "trainer=ddp_cpu",
+        "trainer.max_steps=2",
+        "data.batch_size=4",
+        f"paths.data_dir={fixture_data_dir}",
+        f"hydra.run.dir={tmp_path}",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_metrics(tmp_path)
     assert record["global_step"] == 2

@@ -159,9 +159,7 @@ def constant_warmup(
 ) -> LambdaLR:
     """Linear warmup from 0, then constant."""
     _check_steps(total_steps, warmup_steps)
-    return LambdaLR(
-        optimizer, lambda t: min(1.0, t / warmup_steps) if warmup_steps > 0 else 1.0
-    )
+    return LambdaLR(optimizer, lambda t: min(1.0, t / warmup_steps) if warmup_steps > 0 else 1.0)
 
 
 def describe_groups(optimizer: torch.optim.Optimizer) -> Iterable[str]:

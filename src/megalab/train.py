@@ -47,8 +47,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
     run_utils.log_hyperparameters(cfg, objs["loggers"], task)
     params = run_utils.count_parameters(task)
-    log.info("model: %s parameters (%s trainable)", f"{params['total']:,}",
-             f"{params['trainable']:,}")
+    log.info(
+        "model: %s parameters (%s trainable)", f"{params['total']:,}", f"{params['trainable']:,}"
+    )
 
     start = time.time()
     fit_metrics: dict[str, Any] = {}
@@ -67,7 +68,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         if best_path is None:
             log.warning("no best checkpoint found: testing the current weights")
         results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
-        test_metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
+        test_metrics = {
+            k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()
+        }
 
     monitor = cfg.get("monitor")
     record = {

@@ -186,8 +186,12 @@ class SequenceDataModule(L.LightningDataModule):
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
         self.spec = DataSpec(
-            max_len=max_len, vocab_size=vocab_size, d_input=d_input, num_classes=num_classes,
-            pad_id=pad_id, pairwise=pairwise,
+            max_len=max_len,
+            vocab_size=vocab_size,
+            d_input=d_input,
+            num_classes=num_classes,
+            pad_id=pad_id,
+            pairwise=pairwise,
         )
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
@@ -269,8 +273,9 @@ class SequenceDataModule(L.LightningDataModule):
         # The module shards data itself (Lightning's distributed sampler is turned off in the
         # trainer configs), so that the order is resumable and evaluation sees every example
         # exactly once.
-        sampler = ShardedSampler(len(dataset), shuffle=train, seed=self.seed, rank=rank,
-                                 world_size=world)
+        sampler = ShardedSampler(
+            len(dataset), shuffle=train, seed=self.seed, rank=rank, world_size=world
+        )
         return ResumableDataLoader(
             dataset,
             batch_size=size,

@@ -48,7 +48,9 @@ class MultiHeadSelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(B, L, 3, self.num_heads, self.head_dim).unbind(dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             attn_mask=attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal and attn_mask is None,
@@ -128,8 +130,14 @@ class Transformer(nn.Module):
         if self.pos_embedding is not None:
             nn.init.normal_(self.pos_embedding.weight, std=0.02)
         make = lambda: TransformerLayer(  # noqa: E731
-            d_model, num_heads, ffn_dim, dropout, attention_dropout, activation_dropout,
-            activation, prenorm,
+            d_model,
+            num_heads,
+            ffn_dim,
+            dropout,
+            attention_dropout,
+            activation_dropout,
+            activation,
+            prenorm,
         )
         # Weight sharing across depth (the LRA ListOps baseline ties its layers).
         shared = make() if share_layers else None
@@ -149,7 +157,7 @@ class Transformer(nn.Module):
     ) -> tuple[Tensor, None]:
         """x (B, L, D), mask (B, L) True at real tokens -> ((B, L, D), None)."""
         B, L, _ = x.shape
-        if self._max_len is not None and L > self._max_len:
+        if self._max_len is not None and self._max_len < L:
             raise ValueError(
                 f"input length {L} exceeds the Transformer's learned position table "
                 f"(max_len={self._max_len}); raise `model.backbone.max_len` or truncate the data"

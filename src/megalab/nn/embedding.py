@@ -126,7 +126,11 @@ class SequenceEncoder(nn.Module):
         self.embed: TokenEmbedding | FeatureEmbedding
         if vocab_size is not None:
             self.embed = TokenEmbedding(
-                vocab_size, d_model, pad_id, init_std=token_init_std, scale=token_scale,
+                vocab_size,
+                d_model,
+                pad_id,
+                init_std=token_init_std,
+                scale=token_scale,
                 dropout=dropout,
             )
         else:

@@ -145,4 +145,3 @@ class SequenceTask(L.LightningModule):
         torch.set_rng_state(states["torch"])
         if states["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
-

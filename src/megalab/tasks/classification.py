@@ -47,7 +47,9 @@ class ClassificationTask(SequenceTask):
         self.label_smoothing = label_smoothing
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the suffixes.
         self.losses = nn.ModuleDict({f"{s}_loss": MeanMetric() for s in SPLITS})
-        self.accs = nn.ModuleDict({f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in SPLITS})
+        self.accs = nn.ModuleDict(
+            {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in SPLITS}
+        )
         self.val_acc_best = MaxMetric()
 
     def head_input_width(self) -> int:
@@ -76,10 +78,22 @@ class ClassificationTask(SequenceTask):
         self.losses[f"{split}_loss"](loss.detach(), n)
         self.accs[f"{split}_acc"](logits.detach(), hard)
         on_step = split == "train"
-        self.log(f"{split}/loss", self.losses[f"{split}_loss"], on_step=on_step, on_epoch=True,
-                 batch_size=n, prog_bar=True)
-        self.log(f"{split}/acc", self.accs[f"{split}_acc"], on_step=on_step, on_epoch=True,
-                 batch_size=n, prog_bar=True)
+        self.log(
+            f"{split}/loss",
+            self.losses[f"{split}_loss"],
+            on_step=on_step,
+            on_epoch=True,
+            batch_size=n,
+            prog_bar=True,
+        )
+        self.log(
+            f"{split}/acc",
+            self.accs[f"{split}_acc"],
+            on_step=on_step,
+            on_epoch=True,
+            batch_size=n,
+            prog_bar=True,
+        )
         return loss
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -131,8 +145,7 @@ class RetrievalTask(ClassificationTask):
             mask = torch.ones(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
         if mask2 is None:
             mask2 = torch.ones(inputs2.shape[:2], dtype=torch.bool, device=inputs2.device)
-        both = torch.cat([F.pad(inputs, (0, L - L1)),
-                          F.pad(inputs2, (0, L - L2))])
+        both = torch.cat([F.pad(inputs, (0, L - L1)), F.pad(inputs2, (0, L - L2))])
         masks = torch.cat([F.pad(mask, (0, L - L1)), F.pad(mask2, (0, L - L2))])
         pooled = self.features(both, masks)
         return self.head(combine_pair(pooled[:B], pooled[B:], self.combine))

@@ -144,8 +144,11 @@ def generate_listops(
         if pool:
             pool.shutdown()
     random.Random(seed).shuffle(samples)
-    bounds = {"train": (0, num_train), "val": (num_train, num_train + num_val),
-              "test": (num_train + num_val, total)}
+    bounds = {
+        "train": (0, num_train),
+        "val": (num_train, num_train + num_val),
+        "test": (num_train + num_val, total),
+    }
     for split, (a, b) in bounds.items():
         path = out_dir / f"basic_{split}.tsv"
         tmp = path.with_suffix(".tsv.tmp")
@@ -218,7 +221,8 @@ def read_listops(path: str | Path, max_len: int = 2001, append_eos: bool = True)
             ids = tokenize(source)
             if ids is None:
                 bad = next(
-                    t for t in source.replace("(", " ").replace(")", " ").split()
+                    t
+                    for t in source.replace("(", " ").replace(")", " ").split()
                     if t not in SYMBOLS
                 )
                 raise ListOpsFormatError(
@@ -285,8 +289,11 @@ class ListOpsDataModule(SequenceDataModule):
             )
         log.info("ListOps files missing in %s: generating them", self.data_dir)
         generate_listops(
-            self.data_dir, *self.sizes, seed=self.generator_seed,
-            workers=self.generator_workers, settings=self.settings,
+            self.data_dir,
+            *self.sizes,
+            seed=self.generator_seed,
+            workers=self.generator_workers,
+            settings=self.settings,
         )
 
     def build_datasets(self) -> dict[str, TokenSequences]:
