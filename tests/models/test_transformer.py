@@ -1,0 +1,98 @@
+"""Transformer baseline: the backbone contract, causality, padding and position limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megalab.models.transformer import Transformer, sinusoidal_positions
+
+
+def make(**kw) -> Transformer:
+    torch.manual_seed(0)
+    args = dict(d_model=16, num_layers=2, num_heads=4, ffn_dim=32, dropout=0.0)
+    return Transformer(**(args | kw)).double().eval()
+
+
+def test_contract_shapes_and_state() -> None:
+    model = make()
+    x = torch.randn(3, 11, 16, dtype=torch.float64)
+    y, state = model(x)
+    assert y.shape == x.shape and state is None and model.d_model == 16
+
+
+def test_causal_outputs_ignore_later_tokens() -> None:
+    model = make(causal=True)
+    x = torch.randn(2, 12, 16, dtype=torch.float64)
+    y, _ = model(x)
+    x2 = x.clone()
+    x2[:, 7:] = torch.randn_like(x2[:, 7:])
+    y2, _ = model(x2)
+    torch.testing.assert_close(y[:, :7], y2[:, :7])
+    assert not torch.allclose(y[:, 7:], y2[:, 7:])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("prenorm", [False, True])
+def test_outputs_at_real_tokens_ignore_padding(causal: bool, prenorm: bool) -> None:
+    model = make(causal=causal, prenorm=prenorm)
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    mask = torch.tensor([[True] * 9, [True] * 5 + [False] * 4])
+    y, _ = model(x, mask)
+    padded = torch.cat([x, torch.randn(2, 6, 16, dtype=torch.float64)], dim=1)
+    padded[1, 5:] = torch.randn(10, 16, dtype=torch.float64)
+    mask2 = torch.cat([mask, torch.zeros(2, 6, dtype=torch.bool)], dim=1)
+    y2, _ = model(padded, mask2)
+    torch.testing.assert_close(y2[0, :9], y[0])
+    torch.testing.assert_close(y2[1, :5], y[1, :5])
+    assert (y2[~mask2] == 0).all() and torch.isfinite(y2).all()
+    # the unpadded sequence alone gives the same outputs
+    alone, _ = model(x[1:, :5])
+    torch.testing.assert_close(alone[0], y[1, :5])
+
+
+def test_learned_positions_enforce_their_limit() -> None:
+    model = make(positions="learned", max_len=8)
+    assert model.max_len == 8
+    model(torch.randn(1, 8, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="exceeds the Transformer's learned position table"):
+        model(torch.randn(1, 9, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match="need `max_len`"):
+        Transformer(d_model=16, positions="learned")
+
+
+def test_shared_layers_share_parameters() -> None:
+    shared = make(share_layers=True, num_layers=4)
+    separate = make(num_layers=4)
+    assert sum(p.numel() for p in separate.parameters()) > 3 * sum(
+        p.numel() for p in shared.layers[0].parameters()
+    )
+    assert (
+        sum(p.numel() for p in shared.parameters())
+        < sum(p.numel() for p in separate.parameters()) / 3
+    )
+
+
+def test_sinusoidal_table() -> None:
+    table = sinusoidal_positions(5, 6)
+    assert table.shape == (5, 6)
+    torch.testing.assert_close(table[:, 0], torch.sin(torch.arange(5.0)))
+    torch.testing.assert_close(table[:, 1], torch.cos(torch.arange(5.0)))
+
+
+def test_runs_under_bf16_autocast() -> None:
+    model = Transformer(d_model=16, num_layers=1, num_heads=2, ffn_dim=32)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = model(torch.randn(2, 10, 16), mask)
+    assert torch.isfinite(y.float()).all()
+    y.float().sum().backward()
+
+
+@pytest.mark.slow
+def test_torch_compile_matches_eager() -> None:
+    model = make()
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    compiled = torch.compile(model)
+    torch.testing.assert_close(compiled(x)[0], model(x)[0])

@@ -1,0 +1,120 @@
+"""Classification and retrieval tasks: pooling, heads, losses and loud failures."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from megalab.models.transformer import Transformer
+from megalab.nn.embedding import SequenceEncoder
+from megalab.nn.heads import ClassificationHead, masked_mean, pool
+from megalab.tasks import ClassificationTask, RetrievalTask
+from megalab.tasks.base import NonFiniteLossError
+
+
+def test_pooling_modes_respect_lengths() -> None:
+    y = torch.arange(2 * 4 * 1, dtype=torch.float32).view(2, 4, 1)
+    mask = torch.tensor([[True, True, True, True], [True, True, False, False]])
+    assert pool(y, mask, "mean").flatten().tolist() == [1.5, 4.5]
+    assert pool(y, mask, "sum").flatten().tolist() == [6.0, 9.0]
+    assert pool(y, mask, "first").flatten().tolist() == [0.0, 4.0]
+    assert pool(y, mask, "last").flatten().tolist() == [3.0, 5.0]
+    torch.testing.assert_close(masked_mean(y, None), y.mean(1))
+    with pytest.raises(ValueError, match="unknown pooling mode"):
+        pool(y, mask, "max")
+
+
+def test_classification_head_is_the_authors_classifier() -> None:
+    head = ClassificationHead(8, 16, 3, dropout=0.0)
+    assert head.fc1.weight.shape == (16, 8) and head.fc2.bias is None
+    x = torch.randn(4, 8)
+    expected = head.fc2(torch.nn.functional.gelu(head.fc1(x)))
+    torch.testing.assert_close(head(x), expected)
+    assert ClassificationHead(8, 0, 3).fc2.bias is not None
+    with pytest.raises(ValueError, match="num_classes"):
+        ClassificationHead(8, 16, 1)
+
+
+def _parts(vocab: int = 12, d: int = 8):
+    encoder = SequenceEncoder(d, vocab_size=vocab, pad_id=0)
+    backbone = Transformer(d_model=d, num_layers=1, num_heads=2, ffn_dim=16, dropout=0.0)
+    head = functools.partial(ClassificationHead, d_hidden=16, num_classes=3)
+    return encoder, backbone, head
+
+
+def test_classification_task_builds_its_head_from_the_backbone_width() -> None:
+    task = ClassificationTask(*_parts(), num_classes=3)
+    assert task.head.fc1.in_features == 8
+    tokens = torch.randint(1, 12, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    logits = task(tokens, mask)
+    assert logits.shape == (2, 3)
+    # padded positions (any token) do not change the prediction
+    tokens2 = tokens.clone()
+    tokens2[1, 4:] = 7
+    torch.testing.assert_close(task(tokens2, mask), logits)
+
+
+def test_retrieval_task_combines_two_documents() -> None:
+    for combine, width in (("concat", 16), ("nli", 32)):
+        task = RetrievalTask(*_parts(), num_classes=3, combine=combine)
+        assert task.head.fc1.in_features == width
+        a, b = torch.randint(1, 12, (2, 5)), torch.randint(1, 12, (2, 7))
+        ma, mb = torch.ones(2, 5, dtype=torch.bool), torch.ones(2, 7, dtype=torch.bool)
+        logits = task(a, ma, b, mb)
+        fa, fb = task.features(a, ma), task.features(b, mb)
+        pair = (
+            torch.cat([fa, fb], -1)
+            if combine == "concat"
+            else torch.cat([fa, fb, fa - fb, fa * fb], -1)
+        )
+        torch.testing.assert_close(logits, task.head(pair))
+    with pytest.raises(ValueError, match="unknown pair combination"):
+        RetrievalTask(*_parts(), num_classes=3, combine="dot")
+
+
+def test_soft_targets_and_label_smoothing() -> None:
+    task = ClassificationTask(*_parts(), num_classes=3, label_smoothing=0.1)
+    batch = {
+        "inputs": torch.randint(1, 12, (4, 5)),
+        "mask": torch.ones(4, 5, dtype=torch.bool),
+        "targets": torch.tensor([0, 1, 2, 1]),
+    }
+    hard = task._step(batch, "val")
+    smooth = task._step(batch, "train")
+    assert not torch.isclose(hard, smooth)  # smoothing applies to training only
+    soft = dict(batch, targets=torch.nn.functional.one_hot(batch["targets"], 3).float())
+    torch.testing.assert_close(task._step(soft, "val"), hard)
+
+
+def test_nan_loss_fails_loudly() -> None:
+    task = ClassificationTask(*_parts(), num_classes=3)
+    with pytest.raises(NonFiniteLossError, match="lower the learning rate"):
+        task.assert_finite(torch.tensor(float("nan")))
+
+
+def test_too_long_input_fails_before_the_model() -> None:
+    encoder, _, head = _parts()
+    backbone = Transformer(
+        d_model=8, num_layers=1, num_heads=2, ffn_dim=16, positions="learned", max_len=4
+    )
+    task = ClassificationTask(encoder, backbone, head, num_classes=3)
+    with pytest.raises(ValueError, match="exceeds the model's limit of 4"):
+        task(torch.randint(1, 12, (1, 6)), None)
+
+
+def test_encoder_checks_input_kind() -> None:
+    with pytest.raises(ValueError, match="exactly one of vocab_size"):
+        SequenceEncoder(8)
+    enc = SequenceEncoder(8, d_input=1, feature_init="mega")
+    assert enc(torch.randn(2, 5)).shape == (2, 5, 8)
+    with pytest.raises(TypeError, match="TokenEmbedding"):
+        enc(torch.randint(0, 3, (2, 5)))
+    tok = SequenceEncoder(8, vocab_size=5, pad_id=0)
+    with pytest.raises(TypeError, match="FeatureEmbedding"):
+        tok(torch.randn(2, 5))
+    assert isinstance(tok.embed.embedding, nn.Embedding)
