@@ -2,6 +2,9 @@
 
     megalab-data listops --out data/lra/listops
     megalab-data pathfinder --resolution 32 --num-samples 2000 --out data/lra/pathfinder
+    megalab-data lra --task retrieval pathx --root data
+    megalab-data imdb --out data/lra/imdb
+    megalab-data cifar10 --out data/lra/cifar10
 
 Each subcommand is a thin wrapper around the dataset module's own function.
 """
@@ -43,6 +46,43 @@ def _smoke(args: argparse.Namespace) -> None:
     print(f"smoke-test data for every dataset written to {out}")
 
 
+def _lra(args: argparse.Namespace) -> None:
+    from megalab.data.download import DatasetMissingError
+    from megalab.data.lra.release import prepare_release
+
+    try:
+        folders = prepare_release(
+            args.root,
+            args.task,
+            url=args.url,
+            archive=args.archive,
+            sha256=args.sha256,
+            keep_archive=not args.delete_archive,
+        )
+    except DatasetMissingError as e:
+        raise SystemExit(str(e)) from None
+    for task, folder in folders.items():
+        print(f"{task}: {folder}")
+
+
+def _hub(args: argparse.Namespace) -> None:
+    from megalab.data.download import DatasetMissingError
+    from megalab.data.lra.release import require_hub_dataset
+
+    try:
+        require_hub_dataset(
+            args.hub_id,
+            args.out,
+            ("train", "test"),
+            dataset=args.hub_id,
+            cache_dir=args.cache_dir,
+            command=f"megalab-data {args.command} --out {args.out}",
+        )
+    except DatasetMissingError as e:
+        raise SystemExit(str(e)) from None
+    print(f"{args.hub_id} (train, test) in {args.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalab-data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +115,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="data/smoke", help="folder to use as paths.data_dir")
     p.set_defaults(func=_smoke)
+
+    from megalab.data.lra.release import RELEASE_TASKS, RELEASE_URL
+
+    p = sub.add_parser("lra", help="download the LRA release and extract tasks into --root/lra")
+    p.add_argument(
+        "--task",
+        nargs="+",
+        default=["all"],
+        choices=(*RELEASE_TASKS, "all"),
+        help="listops, retrieval (AAN), pathfinder (32x32), pathx (128x128) or all",
+    )
+    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    p.add_argument("--url", default=RELEASE_URL, help="where to download lra_release.gz from")
+    p.add_argument("--archive", default=None, help="use this lra_release.gz, do not download")
+    p.add_argument("--sha256", default=None, help="verify the archive against this digest")
+    p.add_argument(
+        "--delete-archive", action="store_true", help="delete the download after extraction"
+    )
+    p.set_defaults(func=_lra)
+
+    for name, hub_id, help_text in (
+        ("imdb", "stanfordnlp/imdb", "fetch IMDB (LRA Text) from the Hub as parquet"),
+        ("cifar10", "uoft-cs/cifar10", "fetch CIFAR-10 (LRA Image) from the Hub as parquet"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--out", default=f"data/lra/{name}", help="output folder")
+        p.add_argument("--hub-id", default=hub_id, help="Hub dataset to fetch")
+        p.add_argument("--cache-dir", default=None, help="cache folder for `datasets`")
+        p.set_defaults(func=_hub)
     return parser
 
 

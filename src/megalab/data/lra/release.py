@@ -1,0 +1,393 @@
+"""Where LRA's data comes from: the official release archive and two Hugging Face Hub datasets.
+
+ListOps, Retrieval (AAN), Pathfinder and Path-X come from the LRA release, one 7.7 GB tarball
+(``lra_release.gz``, linked from https://github.com/google-research/long-range-arena);
+Text (IMDB) and Image (CIFAR-10) come from the Hub. :func:`prepare_release` downloads the
+archive (resumable, see :mod:`megalab.data.download`), extracts only the members a task needs
+and moves them into the layout below ``paths.data_dir`` that the data configs read::
+
+    lra/listops/basic_{train,val,test}.tsv                     <- listops-1000/
+    lra/aan/new_aan_pairs.{train,eval,test}.tsv                <- tsv_data/
+    lra/pathfinder/pathfinder32/curv_contour_length_14/        <- the same path in the archive
+    lra/pathfinder/pathfinder128/curv_contour_length_14/       <- the same path in the archive
+    lra/imdb/plain_text/{train,test}-00000-of-00001.parquet    <- Hub stanfordnlp/imdb
+    lra/cifar10/plain_text/{train,test}-00000-of-00001.parquet <- Hub uoft-cs/cifar10
+
+The Pathfinder folders are the release's own (``metadata/*.npy`` + ``imgs/``), which is also
+what our generator (:mod:`megalab.data.lra.pathfinder_gen`) writes, so one reader handles both.
+
+There is no published checksum of ``lra_release.gz``, so none is enforced (pass ``sha256`` if
+you have one): the download is checked to be a tar archive, and after extraction every task's
+expected files must be present. The archive's members sit below ``lra_release/`` and, in the
+copies most tools describe, below a nested ``lra_release/lra_release/``; both are searched.
+
+The Hub datasets are stored as the Hub stores them (parquet shards under ``plain_text/``, with
+the Hub's column names and types); a ``save_to_disk`` folder works too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tarfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megalab.data.download import (
+    DatasetMissingError,
+    download,
+    extract,
+    is_offline,
+    require_files,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "RELEASE_PAGE",
+    "RELEASE_TASKS",
+    "RELEASE_URL",
+    "LRAFormatError",
+    "fetch_hub_dataset",
+    "hub_files",
+    "hub_fingerprint",
+    "prepare_release",
+    "read_hub_split",
+    "require_hub_dataset",
+]
+
+RELEASE_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
+RELEASE_PAGE = "https://github.com/google-research/long-range-arena"
+ARCHIVE_NAME = "lra_release.gz"
+# Where the release's folders may sit inside the archive, most likely first.
+_PREFIXES = ("lra_release/lra_release/", "lra_release/", "")
+
+
+class LRAFormatError(ValueError):
+    """LRA data on disk that does not follow the official format; the message names the file."""
+
+
+@dataclass(frozen=True)
+class ReleasePart:
+    """One folder of the release: where it is in the archive and where it goes below ``lra/``."""
+
+    member: str
+    target: str
+    required: tuple[str, ...]
+
+
+#: What each task takes from the archive.
+RELEASE_PARTS: dict[str, tuple[ReleasePart, ...]] = {
+    "listops": (
+        ReleasePart(
+            "listops-1000", "listops", ("basic_train.tsv", "basic_val.tsv", "basic_test.tsv")
+        ),
+    ),
+    "retrieval": (
+        ReleasePart(
+            "tsv_data",
+            "aan",
+            ("new_aan_pairs.train.tsv", "new_aan_pairs.eval.tsv", "new_aan_pairs.test.tsv"),
+        ),
+    ),
+    "pathfinder": (
+        ReleasePart(
+            "pathfinder32/curv_contour_length_14",
+            "pathfinder/pathfinder32/curv_contour_length_14",
+            ("metadata", "imgs"),
+        ),
+    ),
+    "pathx": (
+        ReleasePart(
+            "pathfinder128/curv_contour_length_14",
+            "pathfinder/pathfinder128/curv_contour_length_14",
+            ("metadata", "imgs"),
+        ),
+    ),
+}
+RELEASE_TASKS = tuple(RELEASE_PARTS)
+
+
+def _tasks(tasks: Iterable[str]) -> list[str]:
+    out: list[str] = []
+    for t in tasks:
+        if t == "all":
+            out += [x for x in RELEASE_TASKS if x not in out]
+        elif t in RELEASE_PARTS:
+            if t not in out:
+                out.append(t)
+        else:
+            choices = ", ".join((*RELEASE_TASKS, "all"))
+            raise ValueError(f"unknown LRA release task {t!r}; choose from {choices}")
+    return out
+
+
+def _complete(target: Path, part: ReleasePart) -> bool:
+    if not all((target / r).exists() for r in part.required):
+        return False
+    meta = target / "metadata"
+    return not meta.is_dir() or any(meta.glob("*.npy"))
+
+
+def prepare_release(
+    root: str | os.PathLike[str],
+    tasks: Iterable[str] = ("all",),
+    *,
+    url: str = RELEASE_URL,
+    archive: str | os.PathLike[str] | None = None,
+    sha256: str | None = None,
+    keep_archive: bool = True,
+    progress: bool = True,
+) -> dict[str, Path]:
+    """Download the LRA release and put the folders of ``tasks`` into ``<root>/lra/...``.
+
+    ``root`` is the data root (``paths.data_dir``). ``tasks`` are ``listops``, ``retrieval``,
+    ``pathfinder`` (32x32), ``pathx`` (128x128) or ``all``. ``archive`` uses a copy of
+    ``lra_release.gz`` already on disk instead of downloading ``url``. Tasks whose folders are
+    already in place are skipped; a folder in the way (for example generated Pathfinder images)
+    is replaced by the release's. Returns ``{task: folder}``.
+    """
+    root = Path(root).expanduser().absolute()
+    lra = root / "lra"
+    wanted = _tasks(tasks)
+    todo = [
+        (task, part)
+        for task in wanted
+        for part in RELEASE_PARTS[task]
+        if not _complete(lra / part.target, part)
+    ]
+    result = {task: lra / RELEASE_PARTS[task][0].target for task in wanted}
+    if not todo:
+        log.info("LRA release folders already in place under %s", lra)
+        return result
+
+    lra.mkdir(parents=True, exist_ok=True)
+    if archive is not None:
+        path = Path(archive).expanduser().absolute()
+        if not path.exists():
+            raise FileNotFoundError(f"LRA archive not found: {path}")
+    else:
+        path = download(
+            url,
+            lra / ARCHIVE_NAME,
+            sha256=sha256,
+            progress=progress,
+            dataset="LRA release (lra_release.gz)",
+        )
+    if not tarfile.is_tarfile(path):
+        raise LRAFormatError(
+            f"{path} is not a tar archive; the LRA release is a gzip-compressed tarball. Delete "
+            f"it and download it again from {url}"
+        )
+
+    staging = lra / ".release-extract"
+    members = [prefix + part.member for _, part in todo for prefix in _PREFIXES]
+    log.info("extracting %s from %s (reads the whole archive)", ", ".join(t for t, _ in todo), path)
+    extract(path, staging, members=members)
+    try:
+        for task, part in todo:
+            found = [staging / (p + part.member) for p in _PREFIXES]
+            source = next((f for f in found if f.exists()), None)
+            if source is None:
+                raise LRAFormatError(
+                    f"{path} has no folder {part.member!r} (searched below "
+                    f"{', '.join(repr(p or '/') for p in _PREFIXES)}); is it the LRA release "
+                    f"archive from {url}?"
+                )
+            target = lra / part.target
+            if target.exists():
+                log.info("replacing %s with the release's %s", target, part.member)
+                shutil.rmtree(target)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(source, target)
+            if not _complete(target, part):
+                missing = [r for r in part.required if not (target / r).exists()]
+                raise LRAFormatError(
+                    f"the release's {part.member!r} for {task} lacks {missing or 'metadata/*.npy'}"
+                    f" (now in {target}); the archive may be damaged: delete {path} and retry"
+                )
+            log.info("%s: %s", task, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if not keep_archive and archive is None:
+        path.unlink(missing_ok=True)
+    return result
+
+
+def release_how(task: str, data_root: Path | None = None) -> str:
+    """The instructions to fetch one task's release folder (for missing-data messages)."""
+    root = str(data_root) if data_root is not None else "<paths.data_dir>"
+    part = RELEASE_PARTS[task][0]
+    return (
+        f"Download and extract the LRA release with\n"
+        f"  megalab-data lra --task {task} --root {root}\n"
+        f"(fetches {RELEASE_URL}, 7.7 GB, and moves its {part.member} folder to "
+        f"{root}/lra/{part.target}),\nor extract it yourself and move the folder there."
+    )
+
+
+def data_root_of(data_dir: Path, depth: int) -> Path | None:
+    """The data root when ``data_dir`` follows the standard layout ``<root>/lra/...``."""
+    parents = data_dir.expanduser().absolute().parents
+    if len(parents) > depth and parents[depth - 1].name == "lra":
+        return parents[depth]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face Hub datasets (IMDB, CIFAR-10)
+# ---------------------------------------------------------------------------------------------
+_HUB_DIRS = ("plain_text", "data", ".")
+
+
+def hub_files(data_dir: str | os.PathLike[str], split: str) -> list[Path]:
+    """Parquet shards of ``split`` in a Hub-style local copy (``plain_text/<split>-*.parquet``)."""
+    base = Path(data_dir).expanduser()
+    for sub in _HUB_DIRS:
+        files = sorted((base / sub).glob(f"{split}-*.parquet"))
+        if files:
+            return files
+    return []
+
+
+def _saved_dataset(data_dir: Path) -> bool:
+    return (data_dir / "dataset_dict.json").is_file()
+
+
+def has_hub_copy(data_dir: str | os.PathLike[str], splits: Sequence[str]) -> bool:
+    """Whether ``data_dir`` holds every split (parquet shards or a ``save_to_disk`` folder)."""
+    base = Path(data_dir).expanduser()
+    if _saved_dataset(base):
+        return True
+    return all(hub_files(base, s) for s in splits)
+
+
+def hub_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str]) -> list[Any]:
+    """Names, sizes and times of the source files, so changed sources re-prepare caches."""
+    base = Path(data_dir).expanduser().absolute()
+    if all(hub_files(base, s) for s in splits):
+        files = [f for s in splits for f in hub_files(base, s)]
+    else:
+        files = sorted(p for p in base.rglob("*") if p.is_file() and "prepared" not in p.parts)
+    return [[str(f.relative_to(base)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def read_hub_split(
+    data_dir: str | os.PathLike[str], split: str, columns: Sequence[str], *, hub_id: str
+) -> Any:
+    """One split of a local Hub copy as a ``pyarrow.Table`` with ``columns``.
+
+    Reads parquet shards (the Hub's storage) or a ``save_to_disk`` folder; a missing column is
+    an :class:`LRAFormatError` naming the file and the columns it has.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    base = Path(data_dir).expanduser()
+    files = hub_files(base, split)
+    if files:
+        tables = []
+        for f in files:
+            names = pq.read_schema(f).names
+            missing = [c for c in columns if c not in names]
+            if missing:
+                raise LRAFormatError(
+                    f"{f}: missing column(s) {missing}; it has {names}. Expected the Hub's "
+                    f"{hub_id} parquet files (columns {list(columns)})"
+                )
+            tables.append(pq.read_table(f, columns=list(columns)))
+        return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    if _saved_dataset(base):
+        import datasets
+
+        dd = datasets.load_from_disk(str(base))
+        if split not in dd:
+            raise LRAFormatError(f"{base}: the saved dataset has no {split!r} split ({list(dd)})")
+        names = dd[split].column_names
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise LRAFormatError(
+                f"{base} ({split}): missing column(s) {missing}; it has {names}. Expected "
+                f"{hub_id}'s columns {list(columns)}"
+            )
+        return dd[split].select_columns(list(columns)).with_format("arrow")[:]
+    raise FileNotFoundError(f"no {split!r} split in {base}")
+
+
+def fetch_hub_dataset(
+    hub_id: str,
+    data_dir: str | os.PathLike[str],
+    splits: Sequence[str],
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[Path]:
+    """Fetch ``hub_id`` with ``datasets.load_dataset`` and store ``splits`` as Hub-style parquet.
+
+    Files go to ``<data_dir>/plain_text/<split>-00000-of-00001.parquet`` (written to a temporary
+    name, then renamed), so later runs read them locally without the Hub.
+    """
+    import datasets
+
+    out = Path(data_dir).expanduser().absolute() / "plain_text"
+    out.mkdir(parents=True, exist_ok=True)
+    dd = datasets.load_dataset(hub_id, cache_dir=None if cache_dir is None else str(cache_dir))
+    written = []
+    for split in splits:
+        if split not in dd:
+            raise LRAFormatError(f"{hub_id} has no {split!r} split (it has {list(dd)})")
+        path = out / f"{split}-00000-of-00001.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        dd[split].to_parquet(str(tmp))
+        os.replace(tmp, path)
+        written.append(path)
+    return written
+
+
+def require_hub_dataset(
+    hub_id: str,
+    data_dir: str | os.PathLike[str],
+    splits: Sequence[str],
+    *,
+    dataset: str,
+    download: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    command: str | None = None,
+) -> None:
+    """Make sure a local copy of ``hub_id`` exists, fetching it when allowed and online.
+
+    Offline (``HF_HUB_OFFLINE``/``MEGALAB_OFFLINE``), with ``download=False``, or when the Hub
+    cannot be reached, raises :class:`DatasetMissingError` saying what to fetch and where to
+    put it; errors from inside ``datasets`` are summarised in that message, not re-raised.
+    """
+    base = Path(data_dir).expanduser().absolute()
+    if has_hub_copy(base, splits):
+        return
+    expected = [base / "plain_text" / f"{s}-00000-of-00001.parquet" for s in splits]
+    url = f"https://huggingface.co/datasets/{hub_id}"
+    how = [
+        f"Run `{command}` while online," if command else "",
+        f"or copy the Hub's parquet files of {hub_id} ({', '.join(splits)} splits) to the "
+        "paths listed above (or put a `save_to_disk` copy of it in that folder).",
+    ]
+    reason = None
+    if not download:
+        reason = "automatic download is off (data.download=false)"
+    elif is_offline():
+        reason = "offline mode is on (HF_HUB_OFFLINE / MEGALAB_OFFLINE); unset it to download"
+    else:
+        try:
+            log.info("fetching %s from the Hugging Face Hub into %s", hub_id, base)
+            fetch_hub_dataset(hub_id, base, splits, cache_dir=cache_dir)
+            return
+        except LRAFormatError:
+            raise
+        except Exception as e:  # anything from the Hub client means "not available"
+            reason = f"fetching from the Hub failed: {type(e).__name__}: {e}"
+    how_text = "\n".join(line for line in how if line) + (f"\nReason: {reason}" if reason else "")
+    try:
+        require_files(expected, dataset=dataset, how=how_text, url=url, data_dir=base)
+    except DatasetMissingError as e:
+        raise DatasetMissingError(str(e)) from None

@@ -1,0 +1,148 @@
+"""LRA Retrieval: do two ACL Anthology papers cite each other? (AAN; Radev et al. 2013; Tay et al.)
+
+Files are the LRA release's ``tsv_data/new_aan_pairs.{train,eval,test}.tsv`` (147,086 / 18,090
+/ 17,437 pairs), put in ``<data_dir>`` by ``megalab-data lra --task retrieval``. Each line has
+five tab-separated fields and no header: ``label``, ``input1_id``, ``input2_id``, ``text1``,
+``text2``. The label is written as a number (``0``/``1``, possibly ``0.0``/``1.0``: LRA reads it
+as a float); the ids are ignored. As in LRA's reader, quotes have no special meaning and lines
+are read as bytes, so documents are tokenised from their exact bytes.
+
+Each document is tokenised on its own with the byte dictionary of LRA Text
+(:mod:`megalab.data.lra.text`: 261 symbols, pad 1, EOS 2): its first 4000 bytes plus EOS by
+default (``max_len: 4001`` per document; Mega's ``max_positions`` 4002 leaves room for the
+``<CLS>`` the Transformer baseline prepends with ``prepend_cls: true``). Batches carry
+``inputs``/``mask`` (first document) and ``inputs2``/``mask2`` (second); the retrieval task
+encodes both with one shared backbone and classifies the combined pair.
+
+Splits are the release's: train, eval (used as validation) and test.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from megalab.data.base import SequenceDataModule, TokenSequences
+from megalab.data.download import cache_dir, mark_prepared, prepared, require_files
+from megalab.data.lra.release import LRAFormatError, data_root_of, release_how
+from megalab.data.lra.text import (
+    NUM_CLASSES,
+    PAD_ID,
+    VOCAB_SIZE,
+    _check_spec,
+    encode_bytes,
+    fresh_cache,
+    load_token_split,
+    save_token_split,
+)
+
+log = logging.getLogger(__name__)
+
+#: Our split name -> the release's file infix.
+FILES = {"train": "train", "val": "eval", "test": "test"}
+COLUMNS = ("label", "input1_id", "input2_id", "text1", "text2")
+_CACHE_VERSION = 1
+
+
+def read_pairs(path: str | Path) -> Iterator[tuple[int, bytes, bytes]]:
+    """Yield ``(label, text1, text2)`` from one AAN TSV; errors name the file and line."""
+    path = Path(path)
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.rstrip(b"\n").rstrip(b"\r")
+            if not line.strip():
+                continue
+            fields = line.split(b"\t")
+            if len(fields) != len(COLUMNS):
+                raise LRAFormatError(
+                    f"{path}:{lineno}: expected {len(COLUMNS)} tab-separated fields "
+                    f"({', '.join(COLUMNS)}), got {len(fields)}"
+                )
+            try:
+                value = float(fields[0])
+            except ValueError:
+                raise LRAFormatError(
+                    f"{path}:{lineno}: label {fields[0][:20]!r} is not a number"
+                ) from None
+            if value not in (0.0, 1.0):
+                raise LRAFormatError(f"{path}:{lineno}: label {value:g} is not 0 or 1")
+            yield int(value), fields[3], fields[4]
+
+
+class AANDataModule(SequenceDataModule):
+    """LRA Retrieval (AAN): byte-level document-pair classification, up to 4K bytes each."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        max_len: int = 4001,
+        append_eos: bool = True,
+        prepend_cls: bool = False,
+        cache_root: str | Path | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("vocab_size", VOCAB_SIZE)
+        kwargs.setdefault("num_classes", NUM_CLASSES)
+        kwargs.setdefault("pad_id", PAD_ID)
+        kwargs["pairwise"] = True
+        super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
+        _check_spec(self, "LRA Retrieval")
+        self.append_eos, self.prepend_cls = append_eos, prepend_cls
+        self.cache_root = Path(cache_root) if cache_root else self.data_dir / "prepared"
+        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
+
+    def files(self) -> dict[str, Path]:
+        return {s: self.data_dir / f"new_aan_pairs.{name}.tsv" for s, name in FILES.items()}
+
+    def _require(self) -> dict[str, Path]:
+        require_files(
+            self.files().values(),
+            dataset="LRA Retrieval (AAN)",
+            how=release_how("retrieval", data_root_of(self.data_dir, 1)),
+            url="https://github.com/google-research/long-range-arena",
+            data_dir=self.data_dir,
+        )
+        return self.files()
+
+    def cache_path(self) -> Path:
+        sources = [
+            [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in self._require().values()
+        ]
+        params = {
+            "max_len": self.max_len,
+            "append_eos": self.append_eos,
+            "prepend_cls": self.prepend_cls,
+            "sources": sources,
+        }
+        return cache_dir(self.cache_root, "aan", params, version=_CACHE_VERSION)
+
+    def prepare_data(self) -> None:
+        cache = self.cache_path()
+        if prepared(cache):
+            return
+        fresh_cache(cache)
+        sizes = {}
+        for split, path in self.files().items():
+            labels: list[int] = []
+
+            def docs(path: Path = path, labels: list[int] = labels):
+                for label, a, b in read_pairs(path):
+                    labels.append(label)
+                    yield (
+                        encode_bytes(a, self.max_len, self.append_eos, self.prepend_cls),
+                        encode_bytes(b, self.max_len, self.append_eos, self.prepend_cls),
+                    )
+
+            # `labels` fills up while the documents are written; it is saved after them.
+            save_token_split(cache, split, docs(), labels, pairwise=True)
+            sizes[split] = len(labels)
+        mark_prepared(cache, {"sizes": sizes})
+        log.info("AAN tokens prepared in %s (%s)", cache, sizes)
+
+    def build_datasets(self) -> dict[str, TokenSequences]:
+        cache = self.cache_path()
+        if not prepared(cache):
+            self.prepare_data()
+        return {split: load_token_split(cache, split) for split in FILES}

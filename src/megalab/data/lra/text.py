@@ -1,0 +1,269 @@
+"""LRA Text: IMDB movie reviews classified from their UTF-8 bytes (Maas et al. 2011; Tay et al.).
+
+Source: the Hugging Face Hub dataset ``stanfordnlp/imdb`` (columns ``text``, ``label``; train
+25K, test 25K; the ``unsupervised`` split is not used), read from a local Hub-style copy
+(``<data_dir>/plain_text/{train,test}-*.parquet`` or a ``save_to_disk`` folder) or fetched with
+``datasets.load_dataset`` when online (``megalab-data imdb`` does it ahead of time).
+
+Tokenisation is the Mega code's fairseq dictionary over bytes: ``<s>``=0, ``<pad>``=1,
+``</s>``=2, ``<unk>``=3, byte ``b`` = ``4 + b`` (all 256 byte values, in byte order: the order
+of the authors' frequency-sorted ``dict.txt`` is not public), then ``<CLS>``=260; 261 symbols.
+Each review becomes its first bytes followed by EOS.
+
+Length: ``max_len`` counts every token, EOS (and ``<CLS>``) included. The default 4001 is Mega's
+setting: reviews truncated to 4000 bytes plus EOS; its ``max_positions`` of 4002 leaves room for
+the ``<CLS>`` that the fairseq Transformer baseline prepends (``prepend_cls=true``,
+``max_len=4002``). S4's "4096" is its ``l_max`` (4095 characters + EOS); set ``max_len: 4096``
+to reproduce that length. Changing any of these re-prepares the token cache.
+
+Validation: IMDB has no validation split. LRA, S4 and Mega validate on the test set and report
+test accuracy (``val_source: test``, the default). ``val_source: train`` instead holds out
+``val_fraction`` of the training set (a seeded ``random_split``) for model selection.
+
+Tokens are prepared once (``prepare_data``, rank 0) into flat memory-mapped arrays under
+``<data_dir>/prepared/imdb/<hash of the preprocessing parameters and source files>``. The byte
+encoder and the flat token cache are shared with LRA Retrieval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Subset
+
+from megalab.data.base import SequenceDataModule, TokenSequences
+from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.lra.release import (
+    LRAFormatError,
+    hub_fingerprint,
+    read_hub_split,
+    require_hub_dataset,
+)
+
+log = logging.getLogger(__name__)
+
+SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
+BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+BYTE_OFFSET = len(SPECIALS)
+CLS_ID = BYTE_OFFSET + 256
+VOCAB_SIZE = CLS_ID + 1
+NUM_CLASSES = 2
+HUB_ID = "stanfordnlp/imdb"
+_CACHE_VERSION = 1
+_TOKEN_DTYPE = np.int16
+
+
+def byte_vocab() -> list[str]:
+    """The 261 symbols in id order (bytes written as ``<0x..>``)."""
+    return [*SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), "<CLS>"]
+
+
+def encode_bytes(
+    data: bytes, max_len: int, append_eos: bool = True, prepend_cls: bool = False
+) -> np.ndarray:
+    """Token ids of one document: [<CLS>] + its first bytes + [</s>], at most ``max_len``."""
+    room = max_len - int(append_eos) - int(prepend_cls)
+    if room < 1:
+        raise ValueError(f"max_len={max_len} leaves no room for bytes")
+    ids = np.frombuffer(data[:room], dtype=np.uint8).astype(_TOKEN_DTYPE) + BYTE_OFFSET
+    head = np.array([CLS_ID], _TOKEN_DTYPE) if prepend_cls else np.zeros(0, _TOKEN_DTYPE)
+    tail = np.array([EOS_ID], _TOKEN_DTYPE) if append_eos else np.zeros(0, _TOKEN_DTYPE)
+    return np.concatenate([head, ids, tail])
+
+
+# ---------------------------------------------------------------------------------------------
+# Flat token cache (memory-mapped; shared with Retrieval)
+# ---------------------------------------------------------------------------------------------
+class TokenWriter:
+    """Appends token arrays to ``<prefix>.bin`` and records offsets (for 100K+ documents)."""
+
+    def __init__(self, prefix: Path) -> None:
+        self.path = prefix.with_name(prefix.name + ".bin")
+        self._f = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self.offsets = [0]
+
+    def add(self, ids: np.ndarray) -> None:
+        self._f.write(np.ascontiguousarray(ids, dtype=_TOKEN_DTYPE).tobytes())
+        self.offsets.append(self.offsets[-1] + len(ids))
+
+    def close(self) -> np.ndarray:
+        self._f.close()
+        return np.asarray(self.offsets, dtype=np.int64)
+
+
+def _load_tokens(path: Path) -> np.ndarray:
+    if path.stat().st_size == 0:
+        return np.zeros(0, _TOKEN_DTYPE)
+    return np.memmap(path, dtype=_TOKEN_DTYPE, mode="r")
+
+
+def save_token_split(
+    cache: Path,
+    split: str,
+    docs: Iterable[np.ndarray | tuple[np.ndarray, np.ndarray]],
+    labels: Sequence[int] | np.ndarray,
+    pairwise: bool = False,
+) -> None:
+    """Write one split's documents (or document pairs) and labels into ``cache``."""
+    w1 = TokenWriter(cache / f"{split}.tokens")
+    w2 = TokenWriter(cache / f"{split}.tokens2") if pairwise else None
+    try:
+        for doc in docs:
+            if w2 is not None:
+                a, b = doc  # type: ignore[misc]
+                w1.add(a)
+                w2.add(b)
+            else:
+                w1.add(doc)  # type: ignore[arg-type]
+    finally:
+        offsets = w1.close()
+        offsets2 = w2.close() if w2 is not None else None
+    np.save(cache / f"{split}.offsets.npy", offsets)
+    if offsets2 is not None:
+        np.save(cache / f"{split}.offsets2.npy", offsets2)
+    np.save(cache / f"{split}.labels.npy", np.asarray(labels, dtype=np.int64))
+
+
+def load_token_split(cache: Path, split: str) -> TokenSequences:
+    """A split written by :func:`save_token_split`, tokens memory-mapped."""
+    tokens = _load_tokens(cache / f"{split}.tokens.bin")
+    offsets = np.load(cache / f"{split}.offsets.npy")
+    labels = np.load(cache / f"{split}.labels.npy")
+    tokens2 = offsets2 = None
+    if (cache / f"{split}.tokens2.bin").exists():
+        tokens2 = _load_tokens(cache / f"{split}.tokens2.bin")
+        offsets2 = np.load(cache / f"{split}.offsets2.npy")
+    return TokenSequences(tokens, offsets, labels, tokens2, offsets2)
+
+
+def fresh_cache(cache: Path) -> None:
+    """Empty a cache directory left half-written by an interrupted preparation."""
+    for p in cache.iterdir():
+        if p.name != "params.json":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, Subset]:
+    """Train/validation subsets as ``random_split(train, [n - k, k], Generator(seed))``."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {fraction}")
+    n = len(train)  # type: ignore[arg-type]
+    k = int(n * fraction)
+    if k == 0 or k == n:
+        raise ValueError(f"val_fraction={fraction} of {n} training examples leaves a split empty")
+    a, b = torch.utils.data.random_split(
+        range(n), [n - k, k], generator=torch.Generator().manual_seed(seed)
+    )
+    return Subset(train, list(a.indices)), Subset(train, list(b.indices))
+
+
+# ---------------------------------------------------------------------------------------------
+# DataModule
+# ---------------------------------------------------------------------------------------------
+class IMDBDataModule(SequenceDataModule):
+    """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes)."""
+
+    SPLITS = ("train", "test")
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        max_len: int = 4001,
+        append_eos: bool = True,
+        prepend_cls: bool = False,
+        val_source: str = "test",
+        val_fraction: float = 0.1,
+        split_seed: int = 42,
+        hub_id: str = HUB_ID,
+        download: bool = True,
+        hf_cache_dir: str | None = None,
+        cache_root: str | Path | None = None,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("vocab_size", VOCAB_SIZE)
+        kwargs.setdefault("num_classes", NUM_CLASSES)
+        kwargs.setdefault("pad_id", PAD_ID)
+        super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
+        _check_spec(self, "LRA Text")
+        if val_source not in ("test", "train"):
+            raise ValueError(f"val_source must be 'test' or 'train', got {val_source!r}")
+        self.append_eos, self.prepend_cls = append_eos, prepend_cls
+        self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
+        self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
+        self.cache_root = Path(cache_root) if cache_root else self.data_dir / "prepared"
+        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
+
+    def cache_path(self) -> Path:
+        params = {
+            "dataset": self.hub_id,
+            "max_len": self.max_len,
+            "append_eos": self.append_eos,
+            "prepend_cls": self.prepend_cls,
+            "sources": hub_fingerprint(self.data_dir, self.SPLITS),
+        }
+        return cache_dir(self.cache_root, "imdb", params, version=_CACHE_VERSION)
+
+    def prepare_data(self) -> None:
+        require_hub_dataset(
+            self.hub_id,
+            self.data_dir,
+            self.SPLITS,
+            dataset="LRA Text (IMDB)",
+            download=self.download,
+            cache_dir=self.hf_cache_dir,
+            command=f"megalab-data imdb --out {self.data_dir}",
+        )
+        cache = self.cache_path()
+        if prepared(cache):
+            return
+        fresh_cache(cache)
+        sizes = {}
+        for split in self.SPLITS:
+            table = read_hub_split(self.data_dir, split, ["text", "label"], hub_id=self.hub_id)
+            texts = table.column("text").to_pylist()
+            labels = table.column("label").to_pylist()
+            bad = [i for i, y in enumerate(labels) if y not in (0, 1)]
+            if bad:
+                raise LRAFormatError(
+                    f"{self.data_dir} ({split}): row {bad[0]} has label {labels[bad[0]]!r}; "
+                    "IMDB labels are 0 (neg) and 1 (pos)"
+                )
+            for i, t in enumerate(texts):
+                if not isinstance(t, str):
+                    raise LRAFormatError(f"{self.data_dir} ({split}): row {i} has no text ({t!r})")
+            docs = (
+                encode_bytes(t.encode("utf-8"), self.max_len, self.append_eos, self.prepend_cls)
+                for t in texts
+            )
+            save_token_split(cache, split, docs, np.asarray(labels, dtype=np.int64))
+            sizes[split] = len(texts)
+        mark_prepared(cache, {"sizes": sizes})
+        log.info("IMDB tokens prepared in %s (%s)", cache, json.dumps(sizes))
+
+    def build_datasets(self) -> dict[str, Dataset]:
+        cache = self.cache_path()
+        if not prepared(cache):
+            self.prepare_data()
+        train = load_token_split(cache, "train")
+        test = load_token_split(cache, "test")
+        if self.val_source == "test":
+            return {"train": train, "val": test, "test": test}
+        tr, va = holdout_split(train, self.val_fraction, self.split_seed)
+        return {"train": tr, "val": va, "test": test}
+
+
+def _check_spec(dm: SequenceDataModule, name: str) -> None:
+    """The config's data spec must match the byte vocabulary (models size themselves by it)."""
+    if dm.spec.vocab_size != VOCAB_SIZE:
+        raise ValueError(f"{name} has vocab_size {VOCAB_SIZE}, the config says {dm.vocab_size}")
+    if dm.spec.num_classes != NUM_CLASSES:
+        raise ValueError(f"{name} has {NUM_CLASSES} classes, the config says {dm.num_classes}")
+    if dm.spec.pad_id != PAD_ID:
+        raise ValueError(f"{name} pads with id {PAD_ID}, the config says {dm.spec.pad_id}")
