@@ -106,6 +106,15 @@ def test_loggers_write_their_files(compose_cfg, tmp_path: Path, logger: str) -> 
         assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+def test_resumed_run_logs_to_the_same_wandb_run(compose_cfg, tmp_path: Path) -> None:
+    train(compose_cfg("logger=wandb", "trainer.max_steps=2"))
+    train(compose_cfg("logger=wandb", "trainer.max_steps=4", "ckpt_path=last"))
+    ids = {p.name.rsplit("-", 1)[-1] for p in (tmp_path / "run" / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert f"id: {ids.pop()}" in saved
+
+
 def test_unknown_override_fails_with_hydra_message(fixture_data_dir: Path) -> None:
     proc = run_cli(
         "-m", "megalab.train", "model.backbone.num_layerz=2", f"paths.data_dir={fixture_data_dir}"

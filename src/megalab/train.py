@@ -16,7 +16,7 @@ from typing import Any
 
 import hydra
 import lightning as L
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from megalab.utils import run as run_utils
 
@@ -25,6 +25,18 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = os.environ.get("MEGALAB_CONFIG_DIR", str(ROOT / "configs"))
 os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
+
+
+def reuse_wandb_run(cfg: DictConfig, output_dir: Path) -> None:
+    """On `ckpt_path=last`, log to the W&B run the interrupted run used (same id)."""
+    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
+    if cfg.get("ckpt_path") != "last" or not wandb_cfg or wandb_cfg.get("id"):
+        return
+    runs = sorted((output_dir / "wandb").glob("*run-*"), key=lambda p: p.stat().st_mtime)
+    if runs:
+        with open_dict(cfg):
+            cfg.logger.wandb.id = runs[-1].name.rsplit("-", 1)[-1]
+        log.info("resuming W&B run %s", cfg.logger.wandb.id)
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -42,6 +54,7 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit and test; return the final metrics record written to `metrics.json`."""
     output_dir = Path(cfg.paths.output_dir)
+    reuse_wandb_run(cfg, output_dir)
     run_utils.save_config(cfg, output_dir / "config.yaml")
     objs = build(cfg)
     datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
