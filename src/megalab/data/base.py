@@ -69,6 +69,42 @@ class TokenSequences(Dataset):
         return item
 
 
+def cached_sequences(
+    cache_root: str | Path,
+    name: str,
+    params: dict[str, Any],
+    build: Callable[[], TokenSequences],
+) -> TokenSequences:
+    """Load prepared token sequences from a cache keyed by `params`, or build and store them.
+
+    The arrays are saved as .npy files and memory-mapped on load, so a 100K-document split is
+    tokenised once and then opens instantly in every process.
+    """
+    from megalab.data.download import cache_dir, mark_prepared, prepared
+
+    path = cache_dir(cache_root, name, params)
+    names = ("tokens", "offsets", "labels", "tokens2", "offsets2")
+    if not prepared(path):
+        ds = build()
+        for key in names:
+            value = getattr(ds, key)
+            if value is not None:
+                np.save(path / f"{key}.npy", np.asarray(value))
+        mark_prepared(path, {"sequences": len(ds)})
+        return ds
+    arrays = {
+        key: np.load(path / f"{key}.npy", mmap_mode="r") if (path / f"{key}.npy").exists() else None
+        for key in names
+    }
+    return TokenSequences(**arrays)
+
+
+def file_key(path: Path) -> dict[str, Any]:
+    """What identifies a source file's content for caching: path, size and mtime."""
+    stat = path.stat()
+    return {"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
 def pad_stack(seqs: Sequence[Tensor], pad_value: float | int = 0) -> tuple[Tensor, Tensor]:
     """Right-pad sequences (L_i, ...) to (B, L_max, ...); return them and the (B, L) mask."""
     length = max(int(s.shape[0]) for s in seqs)
@@ -182,9 +218,12 @@ class SequenceDataModule(L.LightningDataModule):
         pad_id: int | None = None,
         pairwise: bool = False,
         drop_last: bool = False,
+        cache_dir: str | Path | None = None,
     ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
+        # Prepared (tokenised) arrays; a read-only data folder can point this elsewhere.
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else self.data_dir / "cache"
         self.spec = DataSpec(
             max_len=max_len,
             vocab_size=vocab_size,

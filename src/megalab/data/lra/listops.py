@@ -9,6 +9,7 @@ MIN, MAX, MED, SM; depth <= 10; <= 10 arguments; 500-2000 tokens; value probabil
 from __future__ import annotations
 
 import csv
+import functools
 import logging
 import random
 from concurrent.futures import ProcessPoolExecutor
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from megalab.data.base import SequenceDataModule, TokenSequences
+from megalab.data.base import SequenceDataModule, TokenSequences, cached_sequences, file_key
 
 log = logging.getLogger(__name__)
 
@@ -303,4 +304,12 @@ class ListOpsDataModule(SequenceDataModule):
                     f"{p} not found; run `megalab-data listops --out {self.data_dir}` or set "
                     "`data.data_dir` to the LRA release's listops-1000 folder"
                 )
-        return {split: read_listops(p, self.max_len) for split, p in self.files().items()}
+        return {
+            split: cached_sequences(
+                self.cache_dir,
+                f"listops_{split}",
+                {**file_key(path), "max_len": self.max_len, "append_eos": True, "vocab": VOCAB},
+                functools.partial(read_listops, path, self.max_len),
+            )
+            for split, path in self.files().items()
+        }
