@@ -6,7 +6,7 @@ state dict for the matching megalab module (load it with `load_state_dict(..., s
     convert_ema            MultiHeadEMA                 -> megalab.nn.ema.DampedEMA
     convert_maga           MovingAverageGatedAttention  -> models.mega.MovingAverageGatedAttention
     convert_encoder_layer  MegaSentenceEncoderLayer     -> models.mega.MegaBlock
-    convert_lra_model      LRAModel (Mega LRA / SC)     -> ClassificationTask(encoder, Mega, head)
+    convert_lra_model      LRAModel (Mega LRA)          -> ClassificationTask(encoder, Mega, head)
 
 Renames: EMA `delta`/`alpha` are the paper's α/δ (the code swaps the names) and become our
 `alpha`/`delta`; EMA `gamma` (η) becomes `eta`; the (D', h, 1) EMA tensors lose their last axis;
@@ -115,7 +115,10 @@ def convert_lra_model(
     backbone_prefix: str = "backbone.",
     head_prefix: str = "head.",
 ) -> dict[str, Tensor]:
-    """A Mega `LRAModel` (LRA text/image, SC-Raw) -> `ClassificationTask` state dict.
+    """A Mega `LRAModel` (LRA text/image/retrieval) -> `ClassificationTask` state dict.
+
+    SC-Raw's `SCRawModel` is built from the same parts; its checkpoint names are expected to
+    follow the same scheme but no reference tensors cover them (an unknown name raises).
 
     The task's encoder is a `TokenEmbedding` (text: `embedding.weight`) or a
     `FeatureEmbedding` (pixels/audio: `proj.weight` (D, 1) and `proj.bias`, the authors'
