@@ -1,0 +1,45 @@
+"""Trainer configs: every one composes; multi-process strategies are built from config."""
+
+from __future__ import annotations
+
+import hydra
+import pytest
+import torch
+
+from conftest import CONFIG_DIR
+from megalab.train import train
+
+TRAINERS = sorted(p.stem for p in (CONFIG_DIR / "trainer").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", TRAINERS)
+def test_trainer_config_composes(compose_cfg, name: str) -> None:
+    cfg = compose_cfg(f"trainer={name}", fast=False)
+    assert cfg.trainer._target_ == "lightning.pytorch.trainer.Trainer"
+    if "strategy" in cfg.trainer:
+        strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+        assert type(strategy).__name__ in ("DDPStrategy", "FSDPStrategy")
+
+
+def test_fsdp_wraps_each_large_layer(compose_cfg) -> None:
+    cfg = compose_cfg("trainer=fsdp", "model=mega", fast=False)
+    policy = hydra.utils.instantiate(cfg.trainer.strategy.auto_wrap_policy)
+    block = torch.nn.Linear(400, 400)
+    assert policy(block, recurse=False, nonwrapped_numel=160_400)
+    assert not policy(torch.nn.Linear(4, 4), recurse=False, nonwrapped_numel=20)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trainer", ["gpu", "fsdp"])
+def test_gpu_trainers_run_two_steps(compose_cfg, trainer: str) -> None:
+    cfg = compose_cfg(
+        f"trainer={trainer}",
+        "trainer.devices=1",
+        "trainer.max_steps=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "trainer.precision=bf16-mixed",
+        "model=mega",
+        "data.batch_size=4",
+    )
+    assert train(cfg)["global_step"] == 2
