@@ -24,7 +24,9 @@ os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One intra-op thread: the suite is many small ops, where a second OpenMP thread costs more
+# than it gains (and oversubscribes a 2-core runner).
+torch.set_num_threads(1)
 
 # Overrides that make any configuration run in seconds on a CPU.
 FAST = [
