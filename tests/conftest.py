@@ -86,7 +86,7 @@ def run_cli(
     *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     """Run a command with the test interpreter; return the completed process (no check)."""
-    full_env = {**os.environ, "MEGALAB_ROOT": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "MEGALAB_ROOT": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, *args],
         cwd=cwd,
