@@ -1,0 +1,602 @@
+"""Language-model token streams and the batches recurrent and stateless models train on.
+
+A split is one token stream `s[0..N)`; the model predicts `s[p]` from `s[<p]` for p = 1..N-1
+(word-level corpora store a leading `<eos>` so that every real token is predicted). Three batch
+orders are built from it, each a pure function of (seed, epoch, batch index, rank) so that a
+resumed run continues exactly:
+
+- `StreamBatches` (training, Transformer-XL order): the N-1 predictions are cut into R equal
+  contiguous rows (the remainder is dropped), R = global batch; consecutive batches are
+  consecutive segments of length L of the same rows, so a model can carry its state from one
+  batch to the next (`reset` is True on the first batch of every epoch). Each epoch rolls the
+  stream by a seeded random offset (wrapping around), so the rows start at new places.
+- `EvalBatches`: the predictions are cut into R rows that cover them all (lengths differ by at
+  most one); segments run in order with carried state, the last one partial and padded, and
+  `target_mask` marks what is scored: every token is predicted exactly once. With a stride S,
+  `sliding windows` instead: each window holds up to L - S tokens of context before S new
+  tokens, only the new ones are scored, and every window starts afresh (`reset` True).
+- `RandomWindowBatches` (training for stateless models): independent uniformly drawn windows,
+  optionally of a length m x unit with m drawn per step (Mega's variable-length blocks).
+
+Under DDP each rank takes its own rows (training: equal numbers, disjoint; evaluation: the
+global rows split across ranks), with gradient accumulation the micro-batches of one step take
+different rows ("stream groups", `stream_group` in the batch) so each group's state is carried
+separately. Lightning's distributed sampler stays off: the module shards data itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from megalab.data.base import ResumableDataLoader, SequenceDataModule, ShardedSampler
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+SAMPLERS = ("stream", "random")
+
+
+# --------------------------------------------------------------------------- token streams
+
+
+class TokenStream:
+    """One split: a 1-D token array, memory-mapped from a raw `.bin` file or held in memory.
+
+    `words` (optional, same length) counts the words that start in each token, for word-level
+    perplexity with subword vocabularies; `words="tokens"` counts every token as a word
+    (WikiText-103's convention). Memory maps are opened lazily in each process, so the stream
+    pickles cheaply into DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        tokens: np.ndarray | str | os.PathLike[str],
+        *,
+        dtype: str | None = None,
+        length: int | None = None,
+        words: np.ndarray | str | os.PathLike[str] | None = None,
+        words_per_token: bool = False,
+        max_id: int | None = None,
+        name: str = "",
+    ) -> None:
+        self.name = name
+        self.words_per_token = words_per_token
+        self._tokens: np.ndarray | None = None
+        self._words: np.ndarray | None = None
+        self._path = self._words_path = None
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1:
+                raise ValueError(f"a token stream must be 1-D, got shape {tokens.shape}")
+            self._tokens, self.dtype, self.length = tokens, str(tokens.dtype), len(tokens)
+        else:
+            if dtype is None or length is None:
+                raise ValueError("a token file needs its dtype and length")
+            self._path, self.dtype, self.length = Path(tokens), dtype, int(length)
+        if isinstance(words, np.ndarray):
+            self._words = words
+        elif words is not None:
+            self._words_path = Path(words)
+        self.max_id = max_id
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._path is not None:
+            state["_tokens"] = None
+        if self._words_path is not None:
+            state["_words"] = None
+        return state
+
+    @property
+    def tokens(self) -> np.ndarray:
+        if self._tokens is None:
+            self._tokens = np.memmap(self._path, dtype=self.dtype, mode="r", shape=(self.length,))
+        return self._tokens
+
+    @property
+    def has_words(self) -> bool:
+        return self.words_per_token or self._words is not None or self._words_path is not None
+
+    @property
+    def words(self) -> np.ndarray | None:
+        if self._words is None and self._words_path is not None:
+            self._words = np.memmap(
+                self._words_path, dtype=np.uint8, mode="r", shape=(self.length,)
+            )
+        return self._words
+
+    def take(self, index: np.ndarray) -> np.ndarray:
+        """Tokens at `index` (any shape) as int64."""
+        return np.asarray(self.tokens[index], dtype=np.int64)
+
+    def word_count(self, index: np.ndarray, scored: np.ndarray) -> int:
+        """Words covered by the scored target positions `index[scored]`."""
+        if self.words_per_token:
+            return int(scored.sum())
+        words = self.words
+        if words is None:
+            return 0
+        return int(np.asarray(words[index[scored]], dtype=np.int64).sum())
+
+    def compute_max_id(self) -> int:
+        if self.max_id is None:
+            self.max_id = int(self.tokens.max()) if self.length else -1
+        return self.max_id
+
+
+# --------------------------------------------------------------------------- writing streams
+
+
+def write_tokens(path: Path, chunks: Iterable[np.ndarray], dtype: str) -> dict[str, int]:
+    """Write token chunks to a raw `.bin` file (native byte order), atomically.
+
+    Returns the number of tokens and the largest id.
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    count, max_id = 0, -1
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                chunk = np.asarray(chunk)
+                if chunk.size == 0:
+                    continue
+                if chunk.min() < 0 or chunk.max() > np.iinfo(dtype).max:
+                    raise ValueError(f"token ids out of range for {dtype} while writing {path}")
+                f.write(chunk.astype(dtype).tobytes())
+                count += chunk.size
+                max_id = max(max_id, int(chunk.max()))
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    return {"tokens": count, "max_id": max_id}
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned dtype that holds ids below `vocab_size`."""
+    for dtype in ("uint8", "uint16", "uint32"):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return dtype
+    raise ValueError(f"vocabulary of {vocab_size} ids is too large")
+
+
+def write_meta(cache: Path, meta: Mapping[str, Any]) -> None:
+    tmp = cache / f".meta.json.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(dict(meta), indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, cache / "meta.json")
+
+
+def load_streams(cache: Path) -> dict[str, TokenStream]:
+    """The `TokenStream`s of a prepared directory (from its `meta.json`)."""
+    meta = json.loads((cache / "meta.json").read_text())
+    streams = {}
+    for split, info in meta["splits"].items():
+        words = info.get("words_file")
+        streams[split] = TokenStream(
+            cache / info["file"],
+            dtype=info["dtype"],
+            length=info["tokens"],
+            words=None if not words else cache / words,
+            words_per_token=info.get("words_per_token", False),
+            max_id=info.get("max_id"),
+            name=split,
+        )
+    return streams
+
+
+# --------------------------------------------------------------------------- batch layouts
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits: its rank, the world size and gradient-accumulation groups."""
+
+    rank: int = 0
+    world_size: int = 1
+    accumulate: int = 1
+
+
+def _batch(
+    stream: TokenStream,
+    index: np.ndarray,
+    target_index: np.ndarray,
+    valid: np.ndarray,
+    scored: np.ndarray,
+    reset: bool,
+    group: int,
+    words: bool,
+) -> dict[str, Tensor]:
+    """Batch dict for input positions `index` and target positions `target_index` (R, W)."""
+    index = np.where(valid, index, 0)
+    target_index = np.where(valid, target_index, 0)
+    batch = {
+        "inputs": torch.from_numpy(np.where(valid, stream.take(index), 0)),
+        "targets": torch.from_numpy(np.where(valid, stream.take(target_index), 0)),
+        "mask": torch.from_numpy(valid.copy()),
+        "target_mask": torch.from_numpy(scored.copy()),
+        "reset": torch.tensor(bool(reset)),
+        "stream_group": torch.tensor(int(group)),
+    }
+    if words:
+        batch["num_words"] = torch.tensor(
+            stream.word_count(target_index, scored), dtype=torch.float64
+        )
+    return batch
+
+
+class StreamBatches(Dataset):
+    """Training batches in Transformer-XL order: B contiguous rows read in segments of L.
+
+    Items are addressed by `(epoch, i)`; batch i is segment `i // accumulate` of stream group
+    `i % accumulate`. `roll` rotates the whole stream by a per-epoch random offset first.
+    """
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        rows_per_device: int,
+        seq_len: int,
+        layout: Layout = Layout(),
+        roll: bool = True,
+        seed: int = 0,
+    ) -> None:
+        self.stream, self.seq_len, self.layout = stream, seq_len, layout
+        self.rows = rows_per_device
+        self.roll, self.seed = roll, seed
+        self.total_rows = rows_per_device * layout.world_size * layout.accumulate
+        n_pred = len(stream) - 1
+        self.row_len = n_pred // self.total_rows
+        if self.row_len < 1:
+            raise ValueError(
+                f"the {stream.name or 'training'} split has {n_pred} predictions, fewer than the "
+                f"{self.total_rows} rows of a global batch: lower data.batch_size"
+            )
+        self.segments = -(-self.row_len // seq_len)
+
+    def __len__(self) -> int:
+        return self.segments * self.layout.accumulate
+
+    def offset(self, epoch: int) -> int:
+        if not self.roll:
+            return 0
+        return int(np.random.default_rng([self.seed, 104729, epoch]).integers(len(self.stream)))
+
+    def row_ids(self, group: int) -> np.ndarray:
+        """Global row numbers of this rank's rows in stream group `group`."""
+        first = (group * self.layout.world_size + self.layout.rank) * self.rows
+        return np.arange(first, first + self.rows)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
+        epoch, i = key
+        segment, group = divmod(i, self.layout.accumulate)
+        a = segment * self.seq_len
+        width = min(self.seq_len, self.row_len - a)
+        starts = self.row_ids(group) * self.row_len + a
+        positions = self.offset(epoch) + starts[:, None] + np.arange(width)[None, :]
+        n = len(self.stream)
+        valid = np.ones(positions.shape, dtype=bool)
+        return _batch(
+            self.stream,
+            positions % n,
+            (positions + 1) % n,
+            valid,
+            valid,
+            segment == 0,
+            group,
+            words=False,
+        )
+
+
+class EvalBatches(Dataset):
+    """Evaluation batches covering every prediction of a split exactly once.
+
+    The N-1 predictions are split into `rows` contiguous rows (lengths differ by at most one)
+    and this rank takes its share of them. Without `stride`: consecutive segments of length
+    `seq_len` with carried state (`reset` on the first). With `stride` S: windows of up to
+    `seq_len` tokens whose last S (new) tokens are scored, each with `reset`.
+    """
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        rows: int,
+        seq_len: int,
+        layout: Layout = Layout(),
+        stride: int | None = None,
+        words: bool = False,
+    ) -> None:
+        n_pred = len(stream) - 1
+        if n_pred < 1:
+            raise ValueError(f"the {stream.name} split has no token to predict")
+        if layout.world_size > rows:
+            raise ValueError(
+                f"{rows} evaluation streams cannot be shared by {layout.world_size} processes: "
+                "raise data.eval_batch_size to at least the number of processes"
+            )
+        if stride is not None and not 0 < stride <= seq_len:
+            raise ValueError(f"eval_stride={stride} must be in [1, eval segment length {seq_len}]")
+        self.stream, self.seq_len, self.stride, self.words = stream, seq_len, stride, words
+        rows = min(rows, n_pred)
+        bounds = np.linspace(0, n_pred, rows + 1).round().astype(np.int64)
+        lengths = np.diff(bounds)
+        mine = np.array_split(np.arange(rows), layout.world_size)[layout.rank]
+        self.starts, self.lengths = bounds[:-1][mine], lengths[mine]
+        step = stride or seq_len
+        self.num_batches = int(-(-int(lengths.max()) // step))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
+        _, t = key
+        if self.stride is None:
+            a = t * self.seq_len
+            width = min(self.seq_len, int(self.lengths.max()) - a) if len(self.lengths) else 0
+            width = max(width, 1)
+            offs = np.arange(width)[None, :]
+            valid = a + offs < self.lengths[:, None]
+            index = self.starts[:, None] + a + offs
+            return _batch(self.stream, index, index + 1, valid, valid, t == 0, 0, self.words)
+        S, context = self.stride, self.seq_len - self.stride
+        new_start = self.starts + t * S  # absolute input positions of the new tokens
+        new_len = np.clip(self.lengths - t * S, 0, S)
+        ctx_start = np.maximum(new_start - context, 0)
+        ctx_len = new_start - ctx_start
+        width = max(int((ctx_len + new_len).max()), 1)
+        offs = np.arange(width)[None, :]
+        valid = offs < (ctx_len + new_len)[:, None]
+        scored = valid & (offs >= ctx_len[:, None])
+        index = ctx_start[:, None] + offs
+        return _batch(self.stream, index, index + 1, valid, scored, True, 0, self.words)
+
+
+class RandomWindowBatches(Dataset):
+    """Independent random windows (stateless training); every batch has `reset`.
+
+    `multiples=(lo, hi)` draws m uniformly from lo..hi per optimizer step (the same on every
+    rank) and uses windows of m x `unit` tokens, `seq_len // (m x unit)` times as many rows, so
+    each step holds about the same number of tokens (fairseq's max-tokens batching).
+    """
+
+    def __init__(
+        self,
+        stream: TokenStream,
+        rows_per_device: int,
+        seq_len: int,
+        layout: Layout = Layout(),
+        seed: int = 0,
+        multiples: tuple[int, int] | None = None,
+        unit: int | None = None,
+    ) -> None:
+        self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
+        self.seed, self.multiples, self.unit = seed, multiples, unit
+        if multiples is not None:
+            lo, hi = multiples
+            if unit is None or not 1 <= lo <= hi or hi * unit > seq_len:
+                raise ValueError(
+                    f"train_len_multiples={list(multiples)} with train_len_unit={unit} must "
+                    f"give windows of at most data.max_len={seq_len} tokens"
+                )
+        n_pred = len(stream) - 1
+        longest = seq_len
+        if n_pred < longest:
+            raise ValueError(
+                f"the {stream.name or 'training'} split has {n_pred} predictions, fewer than one "
+                f"window of {longest}: lower data.max_len"
+            )
+        per_step = rows_per_device * layout.world_size * layout.accumulate * seq_len
+        self.steps = max(1, n_pred // per_step)
+
+    def __len__(self) -> int:
+        return self.steps * self.layout.accumulate
+
+    def window(self, epoch: int, step: int) -> tuple[int, np.random.Generator]:
+        rng = np.random.default_rng([self.seed, 15485863, epoch, step])
+        if self.multiples is None:
+            return self.seq_len, rng
+        m = int(rng.integers(self.multiples[0], self.multiples[1] + 1))
+        return m * self.unit, rng
+
+    def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
+        epoch, i = key
+        step, group = divmod(i, self.layout.accumulate)
+        length, rng = self.window(epoch, step)
+        rows = self.rows * (self.seq_len // length)
+        total = rows * self.layout.world_size * self.layout.accumulate
+        starts = rng.integers(0, len(self.stream) - length, size=total)
+        first = (group * self.layout.world_size + self.layout.rank) * rows
+        index = starts[first : first + rows, None] + np.arange(length)[None, :]
+        valid = np.ones(index.shape, dtype=bool)
+        return _batch(self.stream, index, index + 1, valid, valid, True, group, words=False)
+
+
+class BatchIndexSampler(ShardedSampler):
+    """Yields `(epoch, i)` for the batches of an epoch, skipping those done before a resume."""
+
+    def __init__(self, num_batches: int) -> None:
+        super().__init__(num_batches, shuffle=False)
+
+    def __iter__(self):
+        return ((self.epoch, i) for i in range(self.skip, self.size))
+
+
+# --------------------------------------------------------------------------- the DataModule
+
+
+class LMStreamDataModule(SequenceDataModule):
+    """Base DataModule of the language-model datasets (enwik8, text8, WikiText-103, PG-19).
+
+    Subclasses prepare their splits in `prepare_data` and return them from `load_streams`.
+
+    Args:
+        max_len: training segment (or window) length L; the spec's `max_len`.
+        batch_size: global number of rows (streams) per optimizer step.
+        eval_batch_size: global number of evaluation streams (independent of the number of
+            processes, so results do not depend on it).
+        sampler: `stream` (contiguous rows, Transformer-XL order, for models that carry
+            state) or `random` (independent random windows, for stateless models).
+        roll: rotate the training stream by a random offset each epoch (`stream` sampler).
+        eval_max_len: evaluation segment/window length (default: max_len).
+        eval_stride: sliding-window evaluation: score this many new tokens per window of
+            `eval_max_len` (None: consecutive segments with carried state).
+        train_len_multiples, train_len_unit: variable-length windows m x unit, m uniform in
+            [lo, hi] per step (`random` sampler; Mega's variant blocks).
+        vocab_size, pad_id: the spec (`d_input`/`num_classes` must stay None for LM data).
+    """
+
+    word_level: bool = False
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        max_len: int,
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        seed: int = 42,
+        vocab_size: int | None = None,
+        d_input: int | None = None,
+        num_classes: int | None = None,
+        pad_id: int | None = None,
+        sampler: str = "stream",
+        roll: bool = True,
+        eval_max_len: int | None = None,
+        eval_stride: int | None = None,
+        train_len_multiples: list[int] | tuple[int, int] | None = None,
+        train_len_unit: int | None = None,
+    ) -> None:
+        if d_input is not None or num_classes is not None:
+            raise ValueError(
+                "language-model data has tokens and no classes: set data.d_input "
+                "and data.num_classes to null"
+            )
+        if vocab_size is None or vocab_size <= 0:
+            raise ValueError(f"language-model data needs a positive vocab_size, got {vocab_size}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler {sampler!r}; choose one of {SAMPLERS}")
+        if train_len_multiples is not None and sampler != "random":
+            raise ValueError("train_len_multiples (variable-length windows) needs sampler=random")
+        if max_len < 1:
+            raise ValueError(f"max_len must be positive, got {max_len}")
+        super().__init__(
+            data_dir,
+            max_len,
+            batch_size,
+            eval_batch_size,
+            num_workers,
+            pin_memory,
+            seed,
+            vocab_size=vocab_size,
+            pad_id=pad_id,
+        )
+        self.sampler = sampler
+        self.roll = roll
+        self.eval_max_len = eval_max_len or max_len
+        self.eval_stride = eval_stride
+        self.train_len_multiples = (
+            None if train_len_multiples is None else tuple(int(m) for m in train_len_multiples)
+        )
+        self.train_len_unit = train_len_unit
+
+    # -- hooks for subclasses -------------------------------------------------------------------
+    def load_streams(self) -> dict[str, TokenStream]:
+        """The prepared `train`/`val`/`test` streams (prepare first when needed)."""
+        raise NotImplementedError
+
+    # -- setup ----------------------------------------------------------------------------------
+    def build_datasets(self) -> dict[str, Dataset]:
+        streams = self.load_streams()
+        missing = [s for s in SPLITS if s not in streams]
+        if missing:
+            raise ValueError(f"{type(self).__name__}: no {', '.join(missing)} split prepared")
+        for split, stream in streams.items():
+            if len(stream) < 2:
+                raise ValueError(
+                    f"{type(self).__name__}: the {split} split has {len(stream)} token(s) in "
+                    f"{self.data_dir}: at least 2 are needed (check the files or split sizes)"
+                )
+            top = stream.compute_max_id()
+            if top >= self.spec.vocab_size:
+                raise ValueError(
+                    f"{type(self).__name__}: the {split} split holds token id {top}, outside the "
+                    f"vocabulary of data.vocab_size={self.spec.vocab_size}; set data.vocab_size "
+                    f"to at least {top + 1} (or re-prepare the data with the right vocabulary)"
+                )
+        return dict(streams)
+
+    def layout(self, train: bool) -> Layout:
+        rank, world = self.rank_and_world()
+        accumulate = self.trainer.accumulate_grad_batches if (train and self.trainer) else 1
+        return Layout(rank, world, accumulate)
+
+    def batches(self, split: str, layout: Layout | None = None) -> Dataset:
+        """The batch dataset of `split` for a process at `layout` (its rank, world, groups)."""
+        if split not in self.datasets:
+            self.setup()
+        stream = self.datasets[split]
+        train = split == "train"
+        layout = layout or self.layout(train)
+        if not train:
+            rows = self.eval_batch_size or self.batch_size
+            return EvalBatches(
+                stream,
+                rows,
+                self.eval_max_len,
+                layout,
+                self.eval_stride,
+                words=self.word_level and stream.has_words,
+            )
+        parts = layout.world_size * layout.accumulate
+        if self.batch_size % parts:
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by world_size x "
+                f"accumulate_grad_batches = {layout.world_size} x {layout.accumulate}; choose "
+                "a batch size that is"
+            )
+        rows = self.batch_size // parts
+        if self.sampler == "random":
+            return RandomWindowBatches(
+                stream,
+                rows,
+                self.max_len,
+                layout,
+                self.seed,
+                self.train_len_multiples,
+                self.train_len_unit,
+            )
+        return StreamBatches(stream, rows, self.max_len, layout, self.roll, self.seed)
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        dataset = self.batches(split)
+        return ResumableDataLoader(
+            dataset,
+            batch_size=None,
+            sampler=BatchIndexSampler(len(dataset)),
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            position=self.resumed_batches if train else None,
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
+    def describe(self) -> str:
+        """One line per split: tokens and what one epoch of it is."""
+        lines = []
+        for split in SPLITS:
+            ds = self.batches(split, Layout())
+            lines.append(f"{split}: {len(self.datasets[split]):,} tokens, {len(ds):,} batches")
+        return "; ".join(lines)
