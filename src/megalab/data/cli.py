@@ -5,6 +5,7 @@
     megalab-data lra --task retrieval pathx --root data
     megalab-data imdb --out data/lra/imdb
     megalab-data cifar10 --out data/lra/cifar10
+    megalab-data enwik8 --root data   (also text8, wikitext103, pg19 [data.key=value ...])
 
 Each subcommand is a thin wrapper around the dataset module's own function.
 """
@@ -83,6 +84,29 @@ def _hub(args: argparse.Namespace) -> None:
     print(f"{args.hub_id} (train, test) in {args.out}")
 
 
+def _lm(args: argparse.Namespace) -> None:
+    """Download (or read) and prepare a language-model dataset with its data config."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from megalab.data.download import DatasetMissingError
+    from megalab.train import CONFIG_DIR
+
+    root = Path(args.root).expanduser().absolute()
+    overrides = [f"data={args.command}", f"paths.data_dir={root}", *args.overrides]
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    dm = instantiate(cfg.data)
+    try:
+        dm.prepare_data()
+        dm.setup()
+    except DatasetMissingError as e:
+        raise SystemExit(str(e)) from None
+    print(f"{args.command} ready in {dm.data_dir}: {dm.describe()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalab-data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--hub-id", default=hub_id, help="Hub dataset to fetch")
         p.add_argument("--cache-dir", default=None, help="cache folder for `datasets`")
         p.set_defaults(func=_hub)
+    for name, help_text in (
+        ("enwik8", "download and prepare enwik8 (bytes, 90M/5M/5M)"),
+        ("text8", "download and prepare text8 (27 characters, 90M/5M/5M)"),
+        ("wikitext103", "prepare WikiText-103 (words) from local parquet shards or the Hub"),
+        ("pg19", "prepare PG-19 from local parquet shards or the Hub; train its tokenizer"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+        p.add_argument(
+            "overrides", nargs="*", help="data config overrides, e.g. data.vocab_size=16000"
+        )
+        p.set_defaults(func=_lm)
     return parser
 
 
