@@ -449,13 +449,24 @@ def write_manifest(plan: Plan, seeds: list[int] | None, smoke: bool, extra: Sequ
         "seeds": seeds,
         "smoke": smoke,
         "runs": len(plan.runnable),
-        "skipped": [{"params": p.params, "reason": p.skip} for p in plan.skipped],
+        "points": [
+            {"experiment": _experiment(p), "params": p.params, "skipped": p.skip}
+            for p in plan.points
+        ],
         "commands": [" ".join(c) for c in plan.commands],
         "created": dt.datetime.now().isoformat(timespec="seconds"),
     }
     path = plan.out / "sweep.json"
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path
+
+
+def _experiment(point: Point) -> str | None:
+    """The experiment a point runs (from its `experiment=` override)."""
+    for override in point.overrides:
+        if override_key(override) == "experiment":
+            return override.split("=", 1)[1]
+    return None
 
 
 def _describe(params: dict[str, Any]) -> str:

@@ -455,6 +455,32 @@ def collect_runs(paths: Iterable[str | Path]) -> list[Run]:
     return runs
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A point of an offline sweep (from its `sweep.json`), run or skipped."""
+
+    experiment: str | None
+    swept: Mapping[str, Any]
+    skipped: str | None = None
+
+
+def collect_planned(paths: Iterable[str | Path]) -> list[Planned]:
+    """The points of every offline sweep under `paths` (`sweep.json` manifests)."""
+    planned = []
+    for root in paths:
+        root = Path(root)
+        for manifest in sorted(root.rglob("sweep.json")) if root.is_dir() else []:
+            try:
+                record = json.loads(manifest.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            for point in record.get("points", []):
+                swept = {k: v for k, v in point.get("params", {}).items() if k not in _NOT_PARAMS}
+                experiment = point.get("experiment") or point.get("params", {}).get("experiment")
+                planned.append(Planned(experiment, swept, point.get("skipped")))
+    return planned
+
+
 def run_from_wandb(run: Any) -> Run:
     """A W&B public-API run (`wandb.Api().runs(...)` item) as a `Run`."""
     config = dict(run.config or {})
@@ -555,6 +581,26 @@ def summarize(table: PaperTable, runs: Sequence[Run]) -> dict[tuple[str, str], S
     return out
 
 
+def plan_status(table: PaperTable, planned: Sequence[Planned]) -> dict[tuple[str, str], str]:
+    """For reproducible cells that an offline sweep planned: "" (it runs), or why every
+    matching point was skipped."""
+    out: dict[tuple[str, str], str] = {}
+    for key, cell in table.cells.items():
+        if not cell.experiment:
+            continue
+        points = [
+            p
+            for p in planned
+            if p.experiment == cell.experiment
+            and all(k in cell.params for k in p.swept)
+            and all(_same(p.swept[k], v) for k, v in cell.params.items() if k in p.swept)
+        ]
+        if points:
+            reasons = [p.skipped for p in points]
+            out[key] = reasons[0] if all(reasons) else ""  # type: ignore[assignment]
+    return out
+
+
 # -- Markdown --------------------------------------------------------------------------------
 def _num(x: float, digits: int) -> str:
     return f"{x:.{digits}f}"
@@ -617,9 +663,17 @@ def _metric_text(columns: Sequence[Column]) -> str:
     return ", ".join(f"{c.label}: {one(c)}" for c in metered)
 
 
-def render_table(table: PaperTable, stats: Mapping[tuple[str, str], Stat | None]) -> str:
-    """One paper table as Markdown: per reproducible row a paper line, an ours line and a
-    Δ (n) line; other rows show the paper's numbers only."""
+def render_table(
+    table: PaperTable,
+    stats: Mapping[tuple[str, str], Stat | None],
+    status: Mapping[tuple[str, str], str] | None = None,
+) -> str:
+    """One paper table as Markdown: per row we ran (or planned) a paper line, an ours line and
+    a Δ (n) line; other rows show the paper's numbers only. Without runs or plans at all, every
+    reproducible row shows its ours line (all `missing`)."""
+    status = status or {}
+    active = {k for k, v in stats.items() if v is not None} | set(status)
+    skipped: dict[str, list[str]] = {}
     shown = [c for c in table.columns if c.compare]
     hidden = [c.label for c in table.columns if not c.compare]
     lines = [f"### {table.paper} {table.table}: {table.title}".rstrip(": "), ""]
@@ -637,6 +691,8 @@ def render_table(table: PaperTable, stats: Mapping[tuple[str, str], Stat | None]
     for row in table.rows:
         cells = [table.cell(row.id, c.id) for c in shown]
         reproducible = any(c is not None and c.experiment for c in cells)
+        if active:
+            reproducible = any((row.id, c.id) in active for c in shown)
         paper = [_paper_text(c, col.digits) for c, col in zip(cells, shown)]
         lines.append(f"| {row.label} | paper | " + " | ".join(paper) + " |")
         if not reproducible:
@@ -651,7 +707,13 @@ def render_table(table: PaperTable, stats: Mapping[tuple[str, str], Stat | None]
                 delta.append("")
             else:
                 stat = stats.get((row.id, col.id))
-                ours.append(_ours_text(stat, col.digits))
+                reason = status.get((row.id, col.id))
+                if stat is None and reason:
+                    mark = skipped.setdefault(reason, [])
+                    mark.append(f"{row.label} / {col.label}")
+                    ours.append(f"skipped[^{list(skipped).index(reason) + 1}]")
+                else:
+                    ours.append(_ours_text(stat, col.digits))
                 delta.append(_delta_text(cell, stat, col.digits))
         lines.append("| | ours | " + " | ".join(ours) + " |")
         lines.append("| | Δ (n) | " + " | ".join(delta) + " |")
@@ -665,6 +727,10 @@ def render_table(table: PaperTable, stats: Mapping[tuple[str, str], Stat | None]
     if hidden:
         lines.append(f"Not compared: {', '.join(hidden)} (in the data file).")
     lines.append("")
+    for i, (reason, where) in enumerate(skipped.items(), start=1):
+        lines.append(f"[^{i}]: Skipped ({', '.join(where)}): {reason}")
+    if skipped:
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -870,13 +936,15 @@ class Report:
 def build_report(
     runs: Sequence[Run],
     tables: Sequence[PaperTable],
+    planned: Sequence[Planned] = (),
     wanted: Sequence[str] = (),
     everything: bool = False,
     out: Path | None = None,
     metric: str = "test/acc",
     scale: float = 100.0,
 ) -> Report:
-    """Render the tables that have runs (plus `wanted` ones, or all) and the sweep plots."""
+    """Render the `wanted` tables (default: every table some run reproduces; `everything`:
+    all), the runs no table covers, and, when `out` is given, the sweep plots."""
     by_id = {t.id: t for t in tables}
     unknown = [w for w in wanted if w not in by_id]
     if unknown:
@@ -885,13 +953,12 @@ def build_report(
     matched: set[int] = set()
     rendered = []
     for table in tables:
-        stats = summarize(table, runs)
         hits = [id(r) for c in table.reproducible for r in runs if matches(c, r)]
-        if not (everything or table.id in wanted or hits):
-            continue
         matched.update(hits)
-        rendered.append(table.id)
-        parts.append(render_table(table, stats))
+        if everything or table.id in wanted or (hits and not wanted):
+            rendered.append(table.id)
+            stats = summarize(table, runs)
+            parts.append(render_table(table, stats, plan_status(table, planned)))
     other = render_other_runs(runs, matched, metric, scale)
     if other:
         parts.append(other)
@@ -940,7 +1007,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ID",
-        help="render this paper table even without runs (e.g. mega/table2_lra; repeatable)",
+        help="render this paper table (e.g. mega/table2_lra; repeatable); default: every "
+        "table that some run reproduces",
     )
     parser.add_argument("--all", action="store_true", help="render every paper table")
     parser.add_argument("--tables-dir", type=Path, default=TABLES_DIR, help="paper tables")
@@ -966,12 +1034,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         parser.error(f"not found: {', '.join(missing)}")
     runs = collect_runs(ns.paths)
+    planned = collect_planned(ns.paths)
     if ns.wandb:
         runs += collect_wandb_runs(ns.wandb)
     tables = load_tables(ns.tables_dir)
     out = ns.out or (ns.paths[0] if ns.paths and ns.paths[0].is_dir() else None)
     try:
-        report = build_report(runs, tables, ns.table, ns.all, out, ns.metric, ns.scale)
+        report = build_report(runs, tables, planned, ns.table, ns.all, out, ns.metric, ns.scale)
     except ValueError as err:
         parser.error(str(err))
     print(report.markdown)
