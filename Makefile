@@ -52,3 +52,44 @@ clean: ## Remove caches and build artefacts (keeps .venv, data/ and logs/)
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 # --- Reproducing the papers' tables ---------------------------------------------------------
+# Each target runs its sweep files offline (megalab-sweep: Hydra multiruns, no W&B server) into
+# $(REPRO_ROOT)/<target>/<time>/, then prints the paper-vs-ours table and writes it there as
+# table.md, with the sweep plots. Variables:
+#   SEEDS=5 | SEEDS=1,2,7    number of seeds (1..N) or a list; empty: the sweep file's own
+#   SMOKE=1                  2 CPU steps per run on the fixture datasets (megalab-data smoke)
+#   TRAINER=gpu|ddp|cpu      trainer config for every run (default: each experiment's own)
+#   ONLY='experiment=mega/lra_listops,mega/lra_text'   restrict a swept parameter
+#   ARGS='key=value ...'     extra Hydra overrides for every run
+#   REPRO_INSTALL=           skip the install step (use the current .venv as it is)
+SEEDS ?= 5
+SMOKE ?=
+TRAINER ?=
+ONLY ?=
+REPRO_ROOT ?= logs/reproduce
+REPRO_INSTALL ?= install
+REPRO_TIME := $(shell date +%Y-%m-%d_%H-%M-%S)
+REPRO_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+MEGA_ABLATIONS := $(addprefix sweeps/mega_lra_,text_chunk_size.yaml image_chunk_size.yaml \
+	text_ema_dim.yaml image_ema_dim.yaml text_attention.yaml image_attention.yaml)
+
+# $(call reproduce,<sweep files>,<paper tables to render>)
+define reproduce
+	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
+	$(REPRO_PY) -m megalab.sweep $(1) --out "$$dir" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) \
+		$(foreach o,$(ONLY),--only $(o)) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS); \
+	status=$$?; \
+	$(REPRO_PY) -m megalab.tables "$$dir" $(foreach t,$(2),--table $(t)) || status=1; \
+	echo "Runs, table.md and plots: $$dir"; \
+	exit $$status
+endef
+
+.PHONY: reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc
+
+reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega and Mega-chunk on the 6 LRA tasks x SEEDS (SMOKE=1, TRAINER=)
+	$(call reproduce,sweeps/mega_lra.yaml,mega/table2_lra)
+
+reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size, EMA dim, attention fn on LRA Text/Image
+	$(call reproduce,$(MEGA_ABLATIONS),mega/fig4_chunk_size mega/fig4_ema_dim mega/table3_attention)
+
+reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big on raw Speech Commands SC10 x SEEDS
+	$(call reproduce,sweeps/mega_sc10.yaml,mega/table4_sc)
