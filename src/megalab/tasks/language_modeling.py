@@ -182,9 +182,10 @@ class LanguageModelingTask(SequenceTask):
                 head.tie(embedding)
         self.carry_state = carry_state
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the `_nll` style suffixes.
+        # NaN is kept (torchmetrics would drop it by default) so that `epoch_metrics` reports it.
         self.sums = nn.ModuleDict(
             {
-                f"{s}_{k}": SumMetric().set_dtype(torch.float64)
+                f"{s}_{k}": SumMetric(nan_strategy="disable").set_dtype(torch.float64)
                 for s in SPLITS
                 for k in ("nll", "tokens", "words")
             }
@@ -235,9 +236,10 @@ class LanguageModelingTask(SequenceTask):
             )
         return loss
 
-    def _log_epoch(self, split: str) -> None:
+    def epoch_metrics(self, split: str) -> dict[str, Tensor]:
+        """Loss, perplexities and bits of the batches of `split` seen since the last reset."""
         if not self.sums[f"{split}_nll"].update_called:
-            return  # no batch in this epoch (e.g. limit_val_batches=0)
+            return {}  # no batch in this epoch (e.g. limit_val_batches=0)
         total = self.sums[f"{split}_nll"].compute()
         count = self.sums[f"{split}_tokens"].compute()
         if self.check_finite and not bool(torch.isfinite(total)):
@@ -255,7 +257,12 @@ class LanguageModelingTask(SequenceTask):
         words = words_metric.compute() if words_metric.update_called else torch.zeros(())
         if words > 0:
             metrics[f"{split}/word_ppl"] = torch.exp((total / words).clamp(max=50.0))
-        self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=split != "train")
+        return metrics
+
+    def _log_epoch(self, split: str) -> None:
+        metrics = self.epoch_metrics(split)
+        if metrics:
+            self.log_dict({k: v.float() for k, v in metrics.items()}, prog_bar=split != "train")
         for kind in ("nll", "tokens", "words"):
             self.sums[f"{split}_{kind}"].reset()
 

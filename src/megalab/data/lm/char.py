@@ -107,8 +107,8 @@ class CharLMDataModule(LMStreamDataModule):
             "test_size": self.test_size,
         }
 
-    def encode(self, data: bytes) -> np.ndarray:
-        """Raw bytes -> token ids (uint8)."""
+    def encode(self, data: bytes, split: str) -> np.ndarray:
+        """Raw bytes of `split` -> token ids (uint8)."""
         raise NotImplementedError
 
     def prepare_data(self) -> None:
@@ -122,7 +122,7 @@ class CharLMDataModule(LMStreamDataModule):
         splits = {"train": data[:a], "val": data[a:b], "test": data[b:]}
         meta: dict = {"dataset": self.name, "vocab_size": self.spec.vocab_size, "splits": {}}
         for split, part in splits.items():
-            info = write_tokens(cache / f"{split}.bin", [self.encode(part)], "uint8")
+            info = write_tokens(cache / f"{split}.bin", [self.encode(part, split)], "uint8")
             meta["splits"][split] = {"file": f"{split}.bin", "dtype": "uint8", **info}
             log.info("%s %s: %s tokens", self.name, split, f"{info['tokens']:,}")
         write_meta(cache, meta)
@@ -159,7 +159,7 @@ class Enwik8DataModule(CharLMDataModule):
     def params(self) -> dict:
         return {**super().params(), "drop_newlines": self.drop_newlines}
 
-    def encode(self, data: bytes) -> np.ndarray:
+    def encode(self, data: bytes, split: str) -> np.ndarray:
         tokens = np.frombuffer(data, dtype=np.uint8)
         return tokens[tokens != 10] if self.drop_newlines else tokens
 
@@ -181,7 +181,7 @@ class Text8DataModule(CharLMDataModule):
     ) -> None:
         super().__init__(data_dir, max_len, url, sha256, vocab_size=vocab_size, **kwargs)
 
-    def encode(self, data: bytes) -> np.ndarray:
+    def encode(self, data: bytes, split: str) -> np.ndarray:
         table = np.full(256, 255, dtype=np.uint8)
         for i, ch in enumerate(TEXT8_ALPHABET):
             table[ord(ch)] = i
@@ -189,7 +189,8 @@ class Text8DataModule(CharLMDataModule):
         bad = np.flatnonzero(tokens == 255)
         if bad.size:
             raise ValueError(
-                f"text8: byte {data[bad[0]]!r} at offset {int(bad[0]):,} of a split is not in "
-                f"text8's alphabet (a-z and space): this is not the text8 corpus"
+                f"text8: character {chr(data[bad[0]])!r} (byte {data[bad[0]]}) at offset "
+                f"{int(bad[0]):,} of the {split} split is not in text8's alphabet (a-z and "
+                "space): this is not the text8 corpus"
             )
         return tokens

@@ -1,0 +1,314 @@
+"""The language-modelling task: metrics, carried state, exact resume, adaptive input/softmax."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor, nn
+
+from megalab.data.lm.stream import EvalBatches, Layout, LMStreamDataModule, TokenStream
+from megalab.models.mega import Mega
+from megalab.models.transformer import Transformer
+from megalab.nn.adaptive import AdaptiveInput, AdaptiveSoftmax
+from megalab.nn.embedding import SequenceEncoder
+from megalab.tasks.base import NonFiniteLossError
+from megalab.tasks.language_modeling import (
+    LanguageModelingTask,
+    LinearLMHead,
+    pack_state,
+    unpack_state,
+)
+
+
+class Recurrent(nn.Module):
+    """A tiny causal recurrence h_t = a h_{t-1} + x_t that records the states it receives."""
+
+    causal = True
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.logit = nn.Parameter(torch.zeros(d))
+        self.out = nn.Linear(d, d)
+        self.received: list[Tensor | None] = []
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, state: Tensor | None = None):
+        self.received.append(None if state is None else state.clone())
+        a = torch.sigmoid(self.logit)
+        h = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state
+        outs = []
+        for t in range(x.shape[1]):
+            h = a * h + x[:, t]
+            outs.append(h)
+        return self.out(torch.stack(outs, 1)), h
+
+
+class FixedHead(nn.Module):
+    """A head whose per-token NLL is given (to check the metric arithmetic by hand)."""
+
+    def __init__(self, values: Tensor) -> None:
+        super().__init__()
+        self.values = values
+
+    def nll(self, hidden: Tensor, targets: Tensor) -> Tensor:
+        return self.values + 0.0 * hidden.sum()
+
+
+def make_task(backbone: nn.Module | None = None, head: nn.Module | None = None, **kwargs):
+    encoder = SequenceEncoder(4, vocab_size=11)
+    head = head or LinearLMHead(4, 11)
+    optim = {"optimizer": functools.partial(torch.optim.SGD, lr=0.5), "param_groups": []}
+    return LanguageModelingTask(encoder, backbone or Recurrent(4), head, optim=optim, **kwargs)
+
+
+def batch(inputs, reset=False, group=0, **extra) -> dict[str, Tensor]:
+    inputs = torch.as_tensor(inputs)
+    out = {
+        "inputs": inputs,
+        "targets": (inputs + 1) % 11,
+        "reset": torch.tensor(reset),
+        "stream_group": torch.tensor(group),
+    }
+    out.update(extra)
+    return out
+
+
+def test_word_level_perplexity_by_hand() -> None:
+    nll = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    task = make_task(head=FixedHead(nll))
+    task._step(
+        batch(
+            [[1, 2, 3, 4]],
+            target_mask=torch.tensor([[True, True, True, False]]),
+            num_words=torch.tensor(2),
+        ),
+        "val",
+    )
+    m = task.epoch_metrics("val")
+    # 3 scored tokens, 6 nats, covering 2 words
+    assert m["val/loss"].item() == pytest.approx(2.0)
+    assert m["val/ppl"].item() == pytest.approx(math.exp(2.0))
+    assert m["val/bpc"].item() == pytest.approx(2.0 / math.log(2.0))
+    assert m["val/word_ppl"].item() == pytest.approx(math.exp(3.0))
+    task._log_epoch = lambda split: None  # no trainer to log to
+    for k in ("nll", "tokens", "words"):
+        task.sums[f"val_{k}"].reset()
+    task._step(batch([[1, 2]]), "val")
+    assert "val/word_ppl" not in task.epoch_metrics("val"), "no word counts, no word_ppl"
+
+
+def test_nan_at_unscored_positions_does_not_leak_but_nan_loss_fails() -> None:
+    nll = torch.tensor([[1.0, float("nan")]])
+    task = make_task(head=FixedHead(nll))
+    loss = task._step(batch([[1, 2]], target_mask=torch.tensor([[True, False]])), "train")
+    assert loss.item() == 1.0
+    task._step(batch([[1, 2]]), "val")
+    with pytest.raises(NonFiniteLossError, match="val loss is nan"):
+        task.epoch_metrics("val")
+
+
+def test_bidirectional_backbones_fail_early() -> None:
+    with pytest.raises(ValueError, match=r"needs a causal backbone.*model.backbone.causal=true"):
+        make_task(Transformer(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=False))
+    with pytest.raises(ValueError, match="needs a causal backbone"):
+        make_task(Mega(d_model=4, num_layers=1, z_dim=4, v_dim=4, ffn_dim=4, causal=False))
+    make_task(Transformer(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True))
+
+
+def test_state_is_carried_per_group_and_reset() -> None:
+    backbone = Recurrent(4)
+    task = make_task(backbone, carry_state=True)
+    x = [[1, 2, 3]]
+    task._step(batch(x, reset=True, group=0), "train")
+    s0 = task._state["train"][0]
+    task._step(batch(x, reset=True, group=1), "train")
+    task._step(batch(x, group=0), "train")
+    task._step(batch(x, group=1), "train")
+    task._step(batch(x, reset=True, group=0), "train")
+    got = backbone.received
+    assert got[0] is None and got[1] is None and got[4] is None
+    assert torch.equal(got[2], s0) and not s0.requires_grad, "detached training state"
+    assert torch.equal(got[3], got[2]), "both groups saw the same inputs"
+    # evaluation keeps its own states
+    task._step(batch(x, reset=True), "val")
+    task._step(batch(x), "val")
+    assert got[-1] is not None and 0 in task._state["train"]
+    stateless = make_task(Recurrent(4), carry_state=False)
+    stateless._step(batch(x, reset=True), "train")
+    stateless._step(batch(x), "train")
+    assert stateless.backbone.received == [None, None]
+
+
+def test_streamed_evaluation_equals_one_pass_for_mega() -> None:
+    torch.manual_seed(0)
+    mega = Mega(
+        d_model=8,
+        num_layers=2,
+        z_dim=4,
+        v_dim=8,
+        ffn_dim=8,
+        chunk_size=4,
+        rel_pos_bias="rotary",
+        prenorm=True,
+        final_norm_affine=False,
+        causal=True,
+    )
+    encoder, head = SequenceEncoder(8, vocab_size=11), LinearLMHead(8, 11)
+    stream = TokenStream(np.random.default_rng(0).integers(0, 11, 83), name="val")
+
+    def evaluate(seq_len: int, carry: bool) -> float:
+        task = LanguageModelingTask(encoder, mega, head, carry_state=carry).double().eval()
+        ds = EvalBatches(stream, rows=2, seq_len=seq_len, layout=Layout())
+        with torch.no_grad():
+            for t in range(len(ds)):
+                task._step(ds[(0, t)], "val")
+        return task.epoch_metrics("val")["val/loss"].item()
+
+    one_pass = evaluate(41, carry=False)  # each of the 2 rows (41 tokens) at once
+    # segments of 8 with the carried state give the same result (logits are float32)
+    assert evaluate(8, carry=True) == pytest.approx(one_pass, rel=1e-6)
+    assert abs(evaluate(8, carry=False) - one_pass) > 1e-3, "without the state it differs"
+
+
+def test_carried_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
+    mega = Mega(
+        d_model=8,
+        num_layers=2,
+        z_dim=4,
+        v_dim=8,
+        ffn_dim=8,
+        chunk_size=4,
+        rel_pos_bias="rotary",
+        causal=True,
+    )
+    _, state = mega(torch.randn(2, 6, 8))
+    torch.save({"s": pack_state({0: state, 1: (torch.ones(2), None)})}, tmp_path / "c.pt")
+    back = unpack_state(torch.load(tmp_path / "c.pt", weights_only=True)["s"])
+    assert type(back[0]) is type(state) and back[1][1] is None
+    for a, b in zip(state.layers, back[0].layers):
+        assert torch.equal(a.ema, b.ema) and torch.equal(a.kv.key, b.kv.key)
+
+
+class RandomTokens(LMStreamDataModule):
+    def __init__(self, **kwargs) -> None:
+        super().__init__("unused", max_len=5, batch_size=2, vocab_size=11, **kwargs)
+
+    def load_streams(self) -> dict[str, TokenStream]:
+        rng = np.random.default_rng(0)
+        return {
+            s: TokenStream(rng.integers(0, 11, n), name=s)
+            for s, n in (("train", 301), ("val", 40), ("test", 40))
+        }
+
+
+def fit(tmp_path: Path, max_steps: int, resume: bool) -> LanguageModelingTask:
+    torch.manual_seed(0)
+    task = make_task(Recurrent(4), carry_state=True)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        deterministic=True,
+        callbacks=[ModelCheckpoint(tmp_path, save_last=True, every_n_train_steps=1, save_top_k=0)],
+    )
+    trainer.fit(task, datamodule=RandomTokens(), ckpt_path="last" if resume else None)
+    return task
+
+
+def test_resume_mid_epoch_continues_exactly_with_the_carried_state(tmp_path: Path) -> None:
+    straight = fit(tmp_path / "a", 9, resume=False)
+    fit(tmp_path / "b", 4, resume=False)
+    resumed = fit(tmp_path / "b", 9, resume=True)
+    # the resumed run received exactly the states of steps 5..9 of the straight run
+    for a, b in zip(straight.backbone.received[4:], resumed.backbone.received):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+    assert len(resumed.backbone.received) == 5 and resumed.backbone.received[0] is not None
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+# ----------------------------------------------------------------- adaptive input / softmax
+
+
+def adaptive_pair(vocab=50, d=16, cutoffs=(10, 30), factor=2, tie_proj=True):
+    inp = AdaptiveInput(vocab, d, cutoffs, factor)
+    out = AdaptiveSoftmax(d, vocab, cutoffs, factor, tie_proj=tie_proj)
+    return inp, out
+
+
+def test_adaptive_softmax_is_a_distribution_and_nll_matches_it() -> None:
+    torch.manual_seed(0)
+    _, out = adaptive_pair()
+    h = torch.randn(3, 5, 16)
+    logp = out.log_probs(h)
+    torch.testing.assert_close(logp.exp().sum(-1), torch.ones(3, 5))
+    t = torch.tensor([[0, 9, 10, 29, 30], [49, 3, 15, 35, 1], [11, 12, 13, 40, 45]])
+    torch.testing.assert_close(out.nll(h, t), -logp.gather(-1, t.unsqueeze(-1)).squeeze(-1))
+    with pytest.raises(ValueError, match="target id 50 is outside the vocabulary of 50"):
+        out.nll(h[:, :1], torch.full((3, 1), 50))
+
+
+def test_adaptive_input_bands_and_scale() -> None:
+    inp = AdaptiveInput(50, 16, [10, 30], factor=2, scale=True)
+    assert [e.weight.shape for e in inp.embeddings] == [(10, 16), (20, 8), (20, 4)]
+    tokens = torch.tensor([[0, 12, 45]])
+    x = inp(tokens, torch.tensor([[True, True, False]]))
+    e, p = inp.band_weights(1)
+    torch.testing.assert_close(x[0, 1], (e[2] @ p.t()) * 4.0)
+    assert torch.equal(x[0, 2], torch.zeros(16))
+    with pytest.raises(ValueError, match="token id 50"):
+        inp(torch.tensor([[50]]))
+
+
+def test_tied_weights_and_projections_are_shared() -> None:
+    inp, out = adaptive_pair()
+    task = LanguageModelingTask(inp, Recurrent(16), out, tie_weights=True)
+    assert out.head_words is inp.embeddings[0].weight
+    for i, tail in enumerate(out.tails):
+        assert tail.out is inp.embeddings[i + 1].weight
+        assert tail.proj is inp.projections[i + 1].weight and tail.proj_transposed
+    n_params = sum(p.numel() for p in task.parameters())
+    assert n_params == sum(p.numel() for p in inp.parameters()) + 2 * 16 + sum(
+        p.numel() for p in task.backbone.parameters()
+    )
+    with pytest.raises(ValueError, match="ties only to an AdaptiveInput"):
+        AdaptiveSoftmax(16, 50, [10, 30], 2).tie(nn.Embedding(50, 16))
+
+
+def test_mega_wikitext103_adaptive_parameters_match_the_paper() -> None:
+    """Adaptive input + tied softmax of Mega's WT103 model (vocab 267,744, the fairseq
+    dictionary, as in reference/mega-paper.md §7): embeddings 45.39M of the 252.2M."""
+    with torch.device("meta"):
+        inp = AdaptiveInput(267_744, 1024, [20000, 60000], 4, scale=True)
+        out = AdaptiveSoftmax(1024, 267_744, [20000, 60000], 4, dropout=0.2, tie_proj=True)
+    out.tie(inp)
+    unique = {id(p): p.numel() for m in (inp, out) for p in m.parameters()}
+    band = [20000 * 1024 + 1024 * 1024, 40000 * 256 + 256 * 1024, 207744 * 64 + 64 * 1024]
+    assert sum(unique.values()) == sum(band) + 2 * 1024  # + the 2 cluster logits of the head
+
+
+def test_mega_wikitext103_experiment_has_252m_parameters(compose_cfg) -> None:
+    """The experiment config gives the paper's 252M (Table 5): one layer built, 16 counted."""
+    import hydra
+
+    cfg = compose_cfg("experiment=mega/wikitext103", "model.backbone.num_layers=1")
+    assert cfg.data.vocab_size == 267_735 and cfg.model.backbone.v_dim == 2048
+    backbone = hydra.utils.instantiate(cfg.task.backbone)
+    with torch.device("meta"):  # 45M embedding parameters: count them without allocating
+        encoder = hydra.utils.instantiate(cfg.task.encoder)
+        head = hydra.utils.instantiate(cfg.task.head)
+    task = LanguageModelingTask(encoder, backbone, head, tie_weights=cfg.task.tie_weights)
+    per_layer = sum(p.numel() for p in backbone.layers[0].parameters())
+    total = sum(p.numel() for p in task.parameters()) + 15 * per_layer
+    assert round(total / 1e6, 1) == 252.2, total
