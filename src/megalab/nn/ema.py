@@ -18,6 +18,20 @@ with a second kernel set running backwards in time, both sums including the curr
 
     y_t = Σ_{m<K} 𝒦_fwd[m] x̃_{t−m} + Σ_{m<K} 𝒦_bwd[m] x̃_{t+m}.
 
+The ImageNet model of the authors' separate mega-image repo (`shift=True`, its default) starts
+the backward sum one step later, at x̃_{t+1}, so the current token enters through 𝒦_fwd[0] only:
+
+    y_t = Σ_{m<K} 𝒦_fwd[m] x̃_{t−m} + Σ_{m<K} 𝒦_bwd[m] x̃_{t+1+m}        (`shift=True`)
+
+That code computes it as one circular FFT of length N = L + K: the kernel is 𝒦_fwd followed
+by L zeros, plus L zeros followed by the time-reversed 𝒦_bwd (𝒦_bwd[m] at index N − 1 − m),
+and x̃ is zero-padded to N. The circular wrap never reaches real data: a forward tap m > t reads
+index N + t − m ∈ [L + 1, N − 1] and a backward tap reads index t + 1 + m ≤ N − 1, and x̃ is zero
+on [L, N). So for every L and every K ≤ L (truncated or not; the ImageNet model has K = L = 196)
+it is exactly the linear sum above, which is what we compute: the backward kernel gets a zero
+lag-0 tap, [0, 𝒦_bwd[0], …, 𝒦_bwd[K−1]], on an FFT of length ≥ L + K. The shifted model is the
+non-shifted one with that delayed backward kernel; the fairseq repo has no shift.
+
 Parameter names follow the paper: our `alpha` (input weight α) is the code's `delta` and our
 `delta` (damping δ) is the code's `alpha`; our `eta` is the code's `gamma` (see
 `megalab.convert`).
@@ -112,6 +126,8 @@ class DampedEMA(nn.Module):
         truncation: keep only the first `truncation` kernel taps in the full (stateless) pass.
             Like the authors' code, the streaming path (a state is passed) is the exact
             infinite-memory recurrence and ignores truncation.
+        shift: bidirectional only: the backward kernel starts at x_{t+1} instead of x_t (the
+            mega-image ImageNet model; see the module docstring). False: the fairseq EMA.
     """
 
     def __init__(
@@ -120,10 +136,16 @@ class DampedEMA(nn.Module):
         ema_dim: int = 16,
         bidirectional: bool = False,
         truncation: int | None = None,
+        shift: bool = False,
     ) -> None:
         super().__init__()
         if ema_dim < 0:
             raise ValueError(f"ema_dim must be >= 0, got {ema_dim}")
+        if shift and not bidirectional:
+            raise ValueError(
+                "shift=True moves the backward kernel of a bidirectional EMA one step ahead; a "
+                "causal EMA has no backward kernel (use bidirectional=True or shift=False)"
+            )
         if truncation is not None and truncation <= 0:
             raise ValueError(
                 f"truncation must be a positive kernel length or None (no truncation), "
@@ -133,6 +155,7 @@ class DampedEMA(nn.Module):
         self.ema_dim = ema_dim
         self.bidirectional = bidirectional
         self.truncation = truncation
+        self.shift = shift
         rows = 2 * d_model if bidirectional else d_model
         # α (input weight) and δ (damping) as logits; β expansion; η output projection.
         self.alpha = nn.Parameter(torch.empty(rows, ema_dim))
@@ -161,6 +184,7 @@ class DampedEMA(nn.Module):
         return (
             f"d_model={self.d_model}, ema_dim={self.ema_dim}, "
             f"bidirectional={self.bidirectional}, truncation={self.truncation}"
+            + (", shift=True" if self.shift else "")
         )
 
     # ----------------------------------------------------------------------------- coefficients
@@ -191,6 +215,9 @@ class DampedEMA(nn.Module):
             if key == self._cache_key:
                 return self._cache_val
         k = self.kernel(K).to(dtype)
+        if self.shift:
+            # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel delayed by one tap (its lag 0 is 0).
+            k = torch.cat([F.pad(k[: self.d_model], (0, 1)), F.pad(k[self.d_model :], (1, 0))])
         spec = torch.fft.rfft(k, n=n_fft, dim=-1)  # (D', F)
         if self.bidirectional:
             # Σ_m k_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
@@ -259,7 +286,9 @@ class DampedEMA(nn.Module):
     def _fft_conv(self, x: Tensor, K: int) -> Tensor:
         """Linear convolution of (B, D, L) x with the length-K kernel(s) by one real FFT."""
         L = x.shape[-1]
-        n_fft = next_fast_len(L + K - 1)
+        # A linear convolution needs n_fft ≥ L + (taps − 1); the shifted backward kernel has
+        # K + 1 taps (its lag 0 is zero), so it needs L + K, the mega-image code's FFT length.
+        n_fft = next_fast_len(L + K - 1 + int(self.shift))
         spec = self._kernel_spectrum(K, n_fft, x.dtype)
         x_f = torch.fft.rfft(x, n=n_fft, dim=-1)
         return torch.fft.irfft(x_f * spec, n=n_fft, dim=-1)[..., :L]
