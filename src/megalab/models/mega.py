@@ -25,6 +25,14 @@ values (and key mask) of the chunk still open, which is dropped at every chunk b
 the code's incremental decoding; feeding a sequence segment by segment gives the outputs of one
 pass (with `truncation` set, only while the whole stream fits in the truncation window, since
 streaming uses the exact recurrence as the code does).
+
+Options of the authors' ImageNet model (mega-image repo, `VisionMEGA`), all off by default:
+`ema_shift` (the backward EMA starts at x_{t+1}, see `megalab.nn.ema`), `drop_path`
+(stochastic depth on both sub-layers, linear over depth), `positions="learned"` (a learned
+absolute position table added to the input) and `output_proj` (SiLU(Linear(D, D)) after the
+final norm, before pooling). Following that code, DropPath acts on Ĥ *before* the gated
+residual: Y = X + φ ⊙ (DropPath(Ĥ) − X), so a dropped MAGA gives (1 − φ) ⊙ X, not X; on the
+FFN it acts on the branch before its plain residual.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
 from megalab.nn.norms import SequenceNorm
+from megalab.nn.regularization import DropPath, drop_path_rates
+
+POSITIONS = ("none", "learned")
 
 
 @dataclass
@@ -87,6 +98,8 @@ class MovingAverageGatedAttention(nn.Module):
         causal: causal EMA and attention mask (decoder); False: bidirectional EMA (encoder).
         dropout, attention_dropout, hidden_dropout: see the module docstring.
         activation: for V and Ĥ (silu in every Mega config; Z and γ always use SiLU).
+        ema_shift: bidirectional EMA whose backward kernel starts at x_{t+1} (mega-image).
+        drop_path: stochastic-depth rate on Ĥ, before the gated residual (mega-image).
     """
 
     def __init__(
@@ -107,6 +120,8 @@ class MovingAverageGatedAttention(nn.Module):
         attention_dropout: float = 0.0,
         hidden_dropout: float = 0.0,
         activation: str = "silu",
+        ema_shift: bool = False,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         self.d_model, self.z_dim, self.v_dim = d_model, z_dim, v_dim
@@ -114,7 +129,9 @@ class MovingAverageGatedAttention(nn.Module):
         self.causal = causal
         self.act = get_activation(activation)
         self.norm = SequenceNorm(norm_type, d_model)
-        self.ema = DampedEMA(d_model, ema_dim, bidirectional=not causal, truncation=truncation)
+        self.ema = DampedEMA(
+            d_model, ema_dim, bidirectional=not causal, truncation=truncation, shift=ema_shift
+        )
         self.v_proj = nn.Linear(d_model, v_dim)
         self.mx_proj = nn.Linear(d_model, z_dim + v_dim + 2 * d_model)
         self.h_proj = nn.Linear(v_dim, d_model)
@@ -132,6 +149,7 @@ class MovingAverageGatedAttention(nn.Module):
         )
         self.dropout = nn.Dropout(dropout)
         self.hidden_dropout = nn.Dropout(hidden_dropout)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -176,6 +194,9 @@ class MovingAverageGatedAttention(nn.Module):
             Q, K, V, mask, None if state is None else state.kv, return_cache=want_state
         )
         H_hat = self.dropout(self.act(hx + self.h_proj(O * gamma)))  # (14)
+        if self.drop_path is not None:
+            # mega-image: stochastic depth on Ĥ inside the gated residual (not on Y − X).
+            H_hat = self.drop_path(H_hat)
         Y = residual + phi * (H_hat - residual)  # (15)
         if not self.prenorm:
             Y = self.norm(Y)
@@ -183,7 +204,10 @@ class MovingAverageGatedAttention(nn.Module):
 
 
 class MegaBlock(nn.Module):
-    """One Mega layer: MAGA followed by the normalized FFN (skipped when ffn_dim <= 0)."""
+    """One Mega layer: MAGA followed by the normalized FFN (skipped when ffn_dim <= 0).
+
+    `drop_path` is this layer's stochastic-depth rate, on both sub-layers (mega-image).
+    """
 
     def __init__(
         self,
@@ -205,6 +229,8 @@ class MegaBlock(nn.Module):
         hidden_dropout: float = 0.0,
         activation_dropout: float = 0.0,
         activation: str = "silu",
+        ema_shift: bool = False,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         self.maga = MovingAverageGatedAttention(
@@ -224,6 +250,8 @@ class MegaBlock(nn.Module):
             attention_dropout=attention_dropout,
             hidden_dropout=hidden_dropout,
             activation=activation,
+            ema_shift=ema_shift,
+            drop_path=drop_path,
         )
         self.ffn = (
             NormalizedFFN(
@@ -238,6 +266,23 @@ class MegaBlock(nn.Module):
             if ffn_dim > 0
             else None
         )
+        self.ffn_drop_path = DropPath(drop_path) if drop_path > 0 and ffn_dim > 0 else None
+
+    def _ffn_with_drop_path(self, x: Tensor) -> Tensor:
+        """`NormalizedFFN.forward` with DropPath on its branch: x + DropPath(branch) (mega-image).
+
+        It runs the FFN's own submodules in the same order, so with DropPath inactive (eval) it
+        equals `self.ffn(x)` exactly (tested).
+        """
+        ffn = self.ffn
+        residual = x
+        if ffn.prenorm:
+            x = ffn.norm(x)
+        x = ffn.hidden_dropout(ffn.act(ffn.fc1(x)))
+        x = self.ffn_drop_path(ffn.dropout(ffn.fc2(x))) + residual
+        if not ffn.prenorm:
+            x = ffn.norm(x)
+        return x
 
     def forward(
         self,
@@ -248,7 +293,9 @@ class MegaBlock(nn.Module):
     ) -> tuple[Tensor, MAGAState | None]:
         """(B, L, D) -> (B, L, D), plus the MAGA streaming state."""
         x, state = self.maga(x, mask, state, return_state)
-        if self.ffn is not None:
+        if self.ffn_drop_path is not None:
+            x = self._ffn_with_drop_path(x)
+        elif self.ffn is not None:
             x = self.ffn(x)
         return x, state
 
@@ -260,6 +307,10 @@ class Mega(nn.Module):
     or causal decoder (`causal=True`: causal EMA and chunk-local causal attention; language
     modelling with streaming state). Pre-norm adds a final norm after the last block
     (`final_norm_affine=False` makes it non-affine, as the authors' LM).
+
+    The authors' ImageNet model (mega-image `VisionMEGA`) is this backbone with
+    `ema_shift=True, drop_path=0.2, positions="learned", max_len=196, output_proj=True`
+    between a patch `FeatureEmbedding` and mean pooling + a Linear head.
 
     Args:
         d_model: d.  num_layers: number of blocks.
@@ -277,6 +328,14 @@ class Mega(nn.Module):
         dropout: on X', Ĥ and the FFN output.  attention_dropout: on attention weights.
         hidden_dropout: on V.  activation_dropout: on the FFN hidden layer.
         activation: for V, Ĥ and the FFN (silu in every Mega config).
+        ema_shift: bidirectional EMAs whose backward kernel starts at x_{t+1} (mega-image).
+        drop_path: stochastic-depth rate of the last block; block i of n gets
+            drop_path · i / (n − 1), on both sub-layers (mega-image's linear rule).
+        positions: "none" (every Mega but ImageNet) or "learned": a (max_len, D) table added
+            to the input, trunc-normal with std D^-1/2 (mega-image `pos_embed`).
+        max_len: rows of the learned position table (the input length, 196 for ImageNet).
+        output_proj: SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`; weight
+            N(0, 0.02), bias 0), so pooling and the head read projected features.
     """
 
     def __init__(
@@ -301,10 +360,21 @@ class Mega(nn.Module):
         hidden_dropout: float = 0.0,
         activation_dropout: float = 0.0,
         activation: str = "silu",
+        ema_shift: bool = False,
+        drop_path: float = 0.0,
+        positions: str = "none",
+        max_len: int | None = None,
+        output_proj: bool = False,
     ) -> None:
         super().__init__()
+        if positions not in POSITIONS:
+            raise ValueError(f"unknown positions {positions!r}; choose one of {POSITIONS}")
+        if positions == "learned" and not max_len:
+            raise ValueError("learned positions need `max_len` (the input length)")
         self.d_model = d_model
         self.causal = causal
+        self.positions = positions
+        self.drop_path_rates = drop_path_rates(drop_path, num_layers)
         self.layers = nn.ModuleList(
             MegaBlock(
                 d_model,
@@ -325,19 +395,35 @@ class Mega(nn.Module):
                 hidden_dropout=hidden_dropout,
                 activation_dropout=activation_dropout,
                 activation=activation,
+                ema_shift=ema_shift,
+                drop_path=rate,
             )
-            for _ in range(num_layers)
+            for rate in self.drop_path_rates
         )
         self.final_norm = (
             SequenceNorm(norm_type, d_model, affine=final_norm_affine) if prenorm else None
         )
+        self.pos_embed: nn.Parameter | None = None
+        if positions == "learned":
+            # timm's trunc_normal_(std=D^-1/2) as mega-image: cut at ±2 absolute (~55σ at D=768).
+            self.pos_embed = nn.Parameter(torch.empty(max_len, d_model))
+            nn.init.trunc_normal_(self.pos_embed, mean=0.0, std=d_model**-0.5, a=-2.0, b=2.0)
+        self.out_proj: nn.Linear | None = None
+        if output_proj:
+            self.out_proj = nn.Linear(d_model, d_model)
+            nn.init.normal_(self.out_proj.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(self.out_proj.bias)
 
     @property
     def max_len(self) -> int | None:
-        """Longest input (for a causal stream: total length) the model takes; None: unlimited."""
-        if not self.layers:
-            return None
-        return self.layers[0].maga.attention.max_len
+        """Longest input (for a causal stream: total length) the model takes; None: unlimited.
+
+        The smaller of the 'simple' bias limit (full attention) and the position table.
+        """
+        limits = [] if self.pos_embed is None else [self.pos_embed.shape[0]]
+        if self.layers and self.layers[0].maga.attention.max_len is not None:
+            limits.append(self.layers[0].maga.attention.max_len)
+        return min(limits) if limits else None
 
     def initial_state(self, batch_size: int, like: Tensor) -> MegaState:
         """An empty streaming state; passing it makes every segment use the exact recurrence."""
@@ -367,11 +453,23 @@ class Mega(nn.Module):
             if state is not None and state.layers and state.layers[0].kv is not None:
                 seen = state.layers[0].kv.key.shape[1]
             if seen + x.shape[1] > max_len:
+                if self.pos_embed is not None and self.pos_embed.shape[0] == max_len:
+                    raise ValueError(
+                        f"input length {seen + x.shape[1]} exceeds max_len={max_len} of the "
+                        "learned position table: raise max_len or shorten the input"
+                    )
                 raise ValueError(
                     f"input length {seen + x.shape[1]} exceeds max_positions={max_len} of the "
                     "'simple' relative position bias with full attention (chunk_size=-1): raise "
                     "max_positions, set chunk_size > 0, or use rel_pos_bias='rotary'"
                 )
+        if self.pos_embed is not None:
+            if state is not None:
+                raise ValueError(
+                    "learned absolute positions are not defined for a streamed input (the "
+                    "state does not count the tokens seen); use positions='none' to stream"
+                )
+            x = x + self.pos_embed[: x.shape[1]].to(x.dtype)
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
         new_layers: list[MAGAState] = []
@@ -383,6 +481,8 @@ class Mega(nn.Module):
                 new_layers.append(layer_state)
         if self.final_norm is not None:
             x = self.final_norm(x)
+        if self.out_proj is not None:
+            x = F.silu(self.out_proj(x))
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
         return x, (MegaState(new_layers) if self.causal else None)
