@@ -7,6 +7,7 @@ state dict for the matching megalab module (load it with `load_state_dict(..., s
     convert_maga           MovingAverageGatedAttention  -> models.mega.MovingAverageGatedAttention
     convert_encoder_layer  MegaSentenceEncoderLayer     -> models.mega.MegaBlock
     convert_lra_model      LRAModel (Mega LRA)          -> ClassificationTask(encoder, Mega, head)
+    convert_vision_mega    VisionMEGA (mega-image repo) -> ClassificationTask(encoder, Mega, head)
 
 Renames: EMA `delta`/`alpha` are the paper's α/δ (the code swaps the names) and become our
 `alpha`/`delta`; EMA `gamma` (η) becomes `eta`; the (D', h, 1) EMA tensors lose their last axis;
@@ -38,6 +39,16 @@ import torch
 from torch import Tensor
 
 _EMA_NAMES = {"delta": "alpha", "alpha": "delta", "beta": "beta", "gamma": "eta", "omega": "omega"}
+# The mega-image repo's EMA computes p = σ(alpha)·beta, q = 1 − σ(alpha)·σ(delta): its `alpha` is
+# already the paper's input weight α, so only `gamma` (η) is renamed.
+_EMA_NAMES_IMAGE = {
+    "alpha": "alpha",
+    "delta": "delta",
+    "beta": "beta",
+    "gamma": "eta",
+    "omega": "omega",
+}
+EMA_NAMINGS = {"fairseq": _EMA_NAMES, "mega-image": _EMA_NAMES_IMAGE}
 _LINEARS = ("v_proj.", "mx_proj.", "h_proj.")
 
 
@@ -50,22 +61,37 @@ def _unknown(kind: str, name: str) -> KeyError:
     return KeyError(f"unexpected {kind} entry {name!r}: not a parameter of the authors' {kind}")
 
 
-def convert_ema(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
-    """`MultiHeadEMA` entries under `prefix` -> `DampedEMA` state dict."""
+def _ema_names(naming: str) -> dict[str, str]:
+    if naming not in EMA_NAMINGS:
+        raise ValueError(f"unknown EMA naming {naming!r}; choose one of {sorted(EMA_NAMINGS)}")
+    return EMA_NAMINGS[naming]
+
+
+def convert_ema(
+    sd: Mapping[str, Tensor], prefix: str = "", naming: str = "fairseq"
+) -> dict[str, Tensor]:
+    """`MultiHeadEMA` entries under `prefix` -> `DampedEMA` state dict.
+
+    `naming`: "fairseq" (`delta` is the input weight α; the default) or "mega-image" (`alpha`
+    is α).
+    """
+    names = _ema_names(naming)
     out: dict[str, Tensor] = {}
     for name, t in _sub(sd, prefix).items():
-        if name not in _EMA_NAMES:
+        if name not in names:
             raise _unknown("MultiHeadEMA", name)
         if name in ("delta", "alpha", "beta"):
             t = t.reshape(t.shape[0], -1)  # (D', h, 1) -> (D', h)
-        out[_EMA_NAMES[name]] = t
+        out[names[name]] = t
     return out
 
 
-def convert_maga(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+def convert_maga(
+    sd: Mapping[str, Tensor], prefix: str = "", ema_naming: str = "fairseq"
+) -> dict[str, Tensor]:
     """`MovingAverageGatedAttention` entries under `prefix` -> our MAGA state dict."""
     sub = _sub(sd, prefix)
-    out = {"ema." + k: v for k, v in convert_ema(sub, "move.").items()}
+    out = {"ema." + k: v for k, v in convert_ema(sub, "move.", ema_naming).items()}
     for name, t in sub.items():
         if name.startswith("move."):
             continue
@@ -98,13 +124,15 @@ def convert_ffn(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]
     return out
 
 
-def convert_encoder_layer(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
-    """`MegaSentenceEncoderLayer` entries under `prefix` -> `MegaBlock` state dict."""
+def convert_encoder_layer(
+    sd: Mapping[str, Tensor], prefix: str = "", ema_naming: str = "fairseq"
+) -> dict[str, Tensor]:
+    """`MegaSentenceEncoderLayer` (or mega-image `MegaLayer`) under `prefix` -> `MegaBlock`."""
     sub = _sub(sd, prefix)
     for name in sub:
         if not name.startswith(("mega_layer.", "nffn.")):
             raise _unknown("MegaSentenceEncoderLayer", name)
-    out = {"maga." + k: v for k, v in convert_maga(sub, "mega_layer.").items()}
+    out = {"maga." + k: v for k, v in convert_maga(sub, "mega_layer.", ema_naming).items()}
     out.update({"ffn." + k: v for k, v in convert_ffn(sub, "nffn.").items()})
     return out
 
@@ -155,6 +183,84 @@ def convert_lra_model(
             )
         else:
             raise _unknown("LRAModel", name)
+    return out
+
+
+def conv_patch_weight_to_linear(weight: Tensor) -> Tensor:
+    """A stride-p patch convolution's (D, C, p, p) weight -> the (D, C·p·p) `FeatureEmbedding`.
+
+    `megalab.data.imagenet.patchify` flattens each patch channel-major, (C, p, p), exactly the
+    layout of a conv weight's input axes, and orders patches row-major like the conv's
+    flattened (H/p, W/p) output; so the mapping is a reshape, no permutation:
+    Linear(patchify(x)) = Conv2d(x, stride=p).flatten(2).transpose(1, 2).
+    """
+    if weight.dim() != 4:
+        raise ValueError(f"expected a (D, C, p, p) conv weight, got shape {tuple(weight.shape)}")
+    return weight.reshape(weight.shape[0], -1)
+
+
+def linear_to_conv_patch_weight(weight: Tensor, channels: int = 3) -> Tensor:
+    """The inverse of `conv_patch_weight_to_linear`: (D, C·p·p) -> (D, C, p, p)."""
+    D, F = weight.shape
+    p = round((F / channels) ** 0.5)
+    if channels * p * p != F:
+        raise ValueError(f"{F} features are not {channels} channels of a square patch")
+    return weight.reshape(D, channels, p, p)
+
+
+def convert_vision_mega(
+    sd: Mapping[str, Tensor],
+    encoder_prefix: str = "encoder.embed.",
+    backbone_prefix: str = "backbone.",
+    head_prefix: str = "head.",
+    ema_naming: str = "mega-image",
+) -> dict[str, Tensor]:
+    """The mega-image repo's `VisionMEGA` (e.g. `mega_base_patch16_224`) -> task state dict.
+
+    The target is `ClassificationTask(SequenceEncoder(d_input=3·p², ...), Mega(...,
+    ema_shift=True, positions="learned", max_len=(img/p)², output_proj=True),
+    ClassificationHead(D, 0, classes))` (configs/experiment/mega/imagenet.yaml), fed with
+    `megalab.data.imagenet.patchify` patches; the default prefixes are that config's names
+    (`encoder.embed.proj` is the `FeatureEmbedding` inside `SequenceEncoder`). Mapping:
+
+        patch_embed.pemb.proj.{weight,bias}  -> encoder proj (conv (D, C, p, p) reshaped, or the
+                                                 `patch_impl=linear` (D, C·p·p) as is)
+        pos_embed (1, N, D)                   -> backbone.pos_embed (N, D)
+        blocks.i.{mega_layer,nffn}.*          -> backbone.layers.i.{maga,ffn}.* (as LRA)
+        final_norm.norm.*                     -> backbone.final_norm.norm.*
+        out_proj.fc.*                         -> backbone.out_proj.*
+        head.{weight,bias}                    -> head.fc2.{weight,bias}
+
+    `ema_naming="mega-image"`: that repo's EMA names its input weight `alpha` (no swap, unlike
+    fairseq); pass "fairseq" for a checkpoint whose EMA uses the fairseq names. DropPath has no
+    weights. A `pre_logits` layer (`--representation-size`) is not supported.
+    """
+    out: dict[str, Tensor] = {}
+    layer_ids = sorted({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
+    for i in layer_ids:
+        layer = convert_encoder_layer(sd, f"blocks.{i}.", ema_naming)
+        out.update({f"{backbone_prefix}layers.{i}.{k}": v for k, v in layer.items()})
+    for name, t in sd.items():
+        if name.startswith("blocks."):
+            continue
+        if name == "patch_embed.pemb.proj.weight":
+            out[encoder_prefix + "proj.weight"] = (
+                conv_patch_weight_to_linear(t) if t.dim() == 4 else t
+            )
+        elif name == "patch_embed.pemb.proj.bias":
+            out[encoder_prefix + "proj.bias"] = t
+        elif name == "pos_embed":
+            out[backbone_prefix + "pos_embed"] = t.reshape(t.shape[-2], t.shape[-1])
+        elif name.startswith("final_norm.norm."):
+            out[backbone_prefix + name] = t
+        elif name.startswith("out_proj.fc."):
+            out[backbone_prefix + "out_proj." + name[len("out_proj.fc.") :]] = t
+        elif name in ("head.weight", "head.bias"):
+            out[head_prefix + "fc2." + name[len("head.") :]] = t
+        elif name.startswith("pre_logits."):
+            raise KeyError(f"{name!r}: a representation layer (pre_logits) is not supported")
+        else:
+            raise _unknown("VisionMEGA", name)
     return out
 
 
