@@ -26,6 +26,8 @@ FIXTURE_OVERRIDES: dict[str, list[str]] = {}
 # pixels, 100M+ parameter models): they still compose and instantiate in the default suite,
 # and train in `make test-full`.
 HEAVY: set[str] = set()
+# Mega-base ImageNet (90.7M parameters, 12 layers over 196 patches): ~2 min for two steps.
+HEAVY |= {"mega/imagenet"}
 
 
 def test_experiments_exist() -> None:
