@@ -2,6 +2,8 @@
 
     megalab-data listops --out data/lra/listops
     megalab-data pathfinder --resolution 32 --num-samples 2000 --out data/lra/pathfinder
+    megalab-data sc10 --root data --protocol mega
+    megalab-data imagenet --root data [--from-hub]
     megalab-data lra --task retrieval pathx --root data
     megalab-data imdb --out data/lra/imdb
     megalab-data cifar10 --out data/lra/cifar10
@@ -82,6 +84,40 @@ def _hub(args: argparse.Namespace) -> None:
     except DatasetMissingError as e:
         raise SystemExit(str(e)) from None
     print(f"{args.hub_id} (train, test) in {args.out}")
+
+
+def _sc10(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from megalab.data.speech_commands import SpeechCommandsDataModule
+
+    dm = SpeechCommandsDataModule(Path(args.root) / "speech_commands", protocol=args.protocol)
+    dm.prepare_data()
+    dm.setup()
+    sizes = ", ".join(f"{split} {len(ds):,}" for split, ds in dm.datasets.items())
+    print(f"Speech Commands SC10 ({args.protocol} protocol) ready in {dm.data_dir}: {sizes}")
+
+
+def _imagenet(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from megalab.data.imagenet import ImageNetDataModule
+
+    dm = ImageNetDataModule(
+        Path(args.root) / "imagenet",
+        source="hub" if args.from_hub else "folder",
+        augment="none",
+        mixup=0.0,
+        cutmix=0.0,
+        repeated_aug=1,
+        num_classes=args.num_classes,
+    )
+    dm.prepare_data()
+    dm.setup()
+    print(
+        f"ImageNet ({dm.source}) ready in {dm.data_dir}: {len(dm.classes)} classes, "
+        f"train {len(dm.datasets['train']):,}, val {len(dm.datasets['val']):,} images"
+    )
 
 
 def _lm(args: argparse.Namespace) -> None:
@@ -168,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--hub-id", default=hub_id, help="Hub dataset to fetch")
         p.add_argument("--cache-dir", default=None, help="cache folder for `datasets`")
         p.set_defaults(func=_hub)
+
+    p = sub.add_parser("sc10", help="download and prepare Speech Commands SC10 (raw audio)")
+    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    p.add_argument("--protocol", default="mega", choices=("mega", "official"))
+    p.set_defaults(func=_sc10)
+
+    p = sub.add_parser("imagenet", help="check the ImageNet folders, or fetch the Hub copy")
+    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    p.add_argument("--from-hub", action="store_true", help="download ILSVRC/imagenet-1k (gated)")
+    p.add_argument("--num-classes", type=int, default=1000, help="classes expected (subsets)")
+    p.set_defaults(func=_imagenet)
+
     for name, help_text in (
         ("enwik8", "download and prepare enwik8 (bytes, 90M/5M/5M)"),
         ("text8", "download and prepare text8 (27 characters, 90M/5M/5M)"),
