@@ -29,6 +29,14 @@ HEAVY: set[str] = set()
 # Mega-base ImageNet (90.7M parameters, 12 layers over 196 patches): ~2 min for two steps.
 HEAVY |= {"mega/imagenet"}
 
+# LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
+# 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.
+FIXTURE_OVERRIDES["lra_text"] = ["data.max_len=512"]
+FIXTURE_OVERRIDES["lra_retrieval"] = ["data.max_len=512"]
+# Path-X: full attention over 16,384 pixels. With attention dropout, CPU attention materialises
+# the (B, heads, L, L) scores: a fixture step at batch 4 went past 20 GB of memory and was killed.
+HEAVY |= {"transformer/lra_pathx"}
+
 
 def test_experiments_exist() -> None:
     assert "quickstart" in EXPERIMENTS
