@@ -355,6 +355,8 @@ def check_points(points: list[Point], smoke: bool) -> None:
                 except MissingConfigException as err:
                     point.skip = str(err).strip().splitlines()[0]
                     continue
+                except Exception as err:  # a bad override: no point of this sweep would run
+                    raise SweepError(f"{' '.join(point.overrides)}: {err}") from err
                 with open_dict(cfg):
                     cfg.hydra.runtime.output_dir = str(ROOT)
                     cfg.hydra.job.num = 0
@@ -540,7 +542,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `megalab-sweep`; returns the process exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns = parser.parse_intermixed_args(argv)
     try:
         files, extra = split_args(ns.args)
         seeds = parse_seeds(ns.seeds)
