@@ -108,6 +108,9 @@ def test_cosine_and_constant_schedules() -> None:
     assert lrs[0] == 0.0 and lrs[2] == pytest.approx(0.5) and lrs[4] == pytest.approx(1.0)
     assert lrs[12] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lrs[20] == pytest.approx(0.1)
+    # timm-style: the cosine runs its full length after warmup; training stops before its end
+    timm = _lrs(cosine_warmup, 21, 1.0, total_steps=20, warmup_steps=4, decay_steps=20)
+    assert timm[20] == pytest.approx(0.5 * (1 + math.cos(math.pi * 16 / 20)))
     assert _lrs(constant_warmup, 6, 2.0, total_steps=10, warmup_steps=2) == [
         0.0,
         1.0,

@@ -138,15 +138,22 @@ def cosine_warmup(
     warmup_steps: int = 0,
     init_lr: float = 0.0,
     min_lr_ratio: float = 0.0,
+    decay_steps: int | None = None,
 ) -> LambdaLR:
-    """Linear warmup from `init_lr` to each group's lr, then cosine decay to `min_lr_ratio`."""
+    """Linear warmup from `init_lr` to each group's lr, then cosine decay to `min_lr_ratio`.
+
+    The cosine spans `decay_steps` after the warmup (default: the rest of training). timm's
+    schedule, used by DeiT-style recipes, runs its cosine over all epochs *after* the warmup,
+    so training ends before the minimum: `decay_steps = total_steps` reproduces that.
+    """
     _check_steps(total_steps, warmup_steps)
+    span = decay_steps if decay_steps is not None else total_steps - warmup_steps
 
     def factor(peak: float) -> Callable[[int], float]:
         def f(t: int) -> float:
             if warmup_steps > 0 and t < warmup_steps:
                 return (init_lr + t * (peak - init_lr) / warmup_steps) / peak if peak > 0 else 0.0
-            progress = min(1.0, (t - warmup_steps) / max(1, total_steps - warmup_steps))
+            progress = min(1.0, (t - warmup_steps) / max(1, span))
             return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
         return f

@@ -36,7 +36,8 @@ def pool(y: Tensor, mask: Tensor | None, mode: str = "mean") -> Tensor:
 class ClassificationHead(nn.Module):
     """The Mega-family classifier: act(dropout(fc1(x))) -> fc2 without bias, xavier init.
 
-    With `d_hidden=0` it is a single linear layer (with bias).
+    With `d_hidden=0` it is a single linear layer with a zero-initialised bias (the mega-image
+    head), also xavier-initialised.
     """
 
     def __init__(
@@ -62,6 +63,8 @@ class ClassificationHead(nn.Module):
             nn.init.xavier_uniform_(self.fc2.weight)
         else:
             self.fc2 = nn.Linear(d_in, num_classes)
+            nn.init.xavier_uniform_(self.fc2.weight)
+            nn.init.zeros_(self.fc2.bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
