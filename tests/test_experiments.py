@@ -18,6 +18,16 @@ EXPERIMENTS = sorted(
     for p in (CONFIG_DIR / "experiment").rglob("*.yaml")
 )
 
+
+def _has_timm() -> bool:
+    """Whether timm (and the torchvision it needs) imports."""
+    try:
+        import timm.data  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 # Per data config: overrides that fit the experiment to its fixture (small batches).
 COMMON = ["data.batch_size=4", "data.eval_batch_size=4"]
 FIXTURE_OVERRIDES: dict[str, list[str]] = {}
@@ -28,6 +38,17 @@ FIXTURE_OVERRIDES: dict[str, list[str]] = {}
 HEAVY: set[str] = set()
 # Mega-base ImageNet (90.7M parameters, 12 layers over 196 patches): ~2 min for two steps.
 HEAVY |= {"mega/imagenet"}
+
+# Speech Commands and ImageNet (tests/fixtures/{speech_commands,imagenet}.py): SC10 clips are
+# subsampled 16x (1000 steps: one Mega chunk; 16,000 samples take minutes per CPU step); the
+# ImageNet fixture has 3 classes; timm (the `vision` extra) is optional, so without it the DeiT
+# recipe is swapped for the PIL-only training transform (tests/data/test_imagenet.py covers it).
+FIXTURE_OVERRIDES["sc10"] = ["data.resolution=16", "data.max_len=1000"]
+FIXTURE_OVERRIDES["imagenet"] = ["data.num_classes=3"] + (
+    [] if _has_timm() else ["data.augment=basic", "data.mixup=0", "data.cutmix=0"]
+)
+# DeiT-B has 86M parameters.
+HEAVY |= {"transformer/imagenet"}
 
 # LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
 # 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.
