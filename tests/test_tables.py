@@ -1,0 +1,332 @@
+"""Paper tables (`tables/`), the table tool (`megalab.tables`) and the reproduce targets.
+
+The published numbers load with their provenance and match the paper's own averages; runs are
+matched to cells, averaged over seeds and rendered beside the paper's numbers with the
+difference, the seed count and `missing` marks; sweep results become plots; and
+`make reproduce-mega-lra SMOKE=1` runs end to end offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from conftest import CONFIG_DIR, ROOT
+from megalab import tables as tb
+
+TABLES = tb.load_tables(ROOT / "tables")
+BY_ID = {t.id: t for t in TABLES}
+
+
+def write_run(
+    root: Path,
+    name: str,
+    experiment: str,
+    seed: int | None,
+    acc: float | None,
+    config: dict | None = None,
+    **metrics: float,
+) -> Path:
+    """A run folder as megalab.train writes it: metrics.json and the resolved config.yaml."""
+    run = root / name
+    run.mkdir(parents=True, exist_ok=True)
+    values = {"val/acc_best": 0.5, **metrics}
+    if acc is not None:
+        values["test/acc"] = acc
+    record = {"experiment": experiment, "seed": seed, "metrics": values, "params": {"total": 1000}}
+    (run / "metrics.json").write_text(json.dumps(record))
+    (run / "config.yaml").write_text(yaml.safe_dump(config or {"seed": seed}))
+    return run
+
+
+def write_sweep(root: Path, key: str, experiment: str, values: dict, smoke: bool = False) -> None:
+    """A megalab-sweep folder: sweep.json plus runs {value: [acc per seed]}."""
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = {"parameters": [key, "seed"], "smoke": smoke, "points": []}
+    i = 0
+    for value, accs in values.items():
+        for seed, acc in enumerate(accs, start=1):
+            section, name = key.rsplit(".", 1)
+            config: dict = {"seed": seed}
+            node = config
+            for part in section.split("."):
+                node = node.setdefault(part, {})
+            node[name] = value
+            write_run(root, str(i), experiment, seed, acc, config)
+            params = {key: value, "seed": seed}
+            manifest["points"].append({"experiment": experiment, "params": params, "skipped": None})
+            i += 1
+    (root / "sweep.json").write_text(json.dumps(manifest))
+
+
+# -- the paper files -------------------------------------------------------------------------
+def test_mega_tables_are_there() -> None:
+    assert {
+        "mega/table2_lra",
+        "mega/table3_attention",
+        "mega/table4_sc",
+        "mega/table5_lm",
+        "mega/fig4_chunk_size",
+        "mega/fig4_ema_dim",
+    } <= set(BY_ID)
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.id)
+def test_every_cell_has_provenance(table: tb.PaperTable) -> None:
+    assert table.paper and table.table and table.citation and table.rows and table.columns
+    for cell in table.cells.values():
+        assert cell.paper == table.paper and cell.table == table.table
+        assert cell.row and cell.column and cell.source.endswith(Path(table.source).name)
+        if cell.experiment:
+            assert cell.metric, f"{table.id} {cell.row}/{cell.column} has no metric"
+
+
+@pytest.mark.parametrize("table", TABLES, ids=lambda t: t.id)
+def test_cells_name_existing_experiments(table: tb.PaperTable) -> None:
+    for cell in table.reproducible:
+        path = CONFIG_DIR / "experiment" / f"{cell.experiment}.yaml"
+        assert path.is_file(), f"{table.id} {cell.row}/{cell.column}: no {path}"
+
+
+def test_published_numbers() -> None:
+    t2 = BY_ID["mega/table2_lra"]
+    assert t2.cell("mega", "listops").value == 63.14
+    assert t2.cell("mega", "listops").experiment == "mega/lra_listops"
+    assert t2.cell("mega_chunk", "pathx").experiment == "mega_chunk/lra_pathx"
+    assert t2.cell("xfm", "pathx").display == "✗" and t2.cell("xfm", "pathx").value is None
+    assert t2.seeds == 5 and t2.cell("mega", "text").seeds == 5
+    assert BY_ID["mega/table3_attention"].cell("relu2", "image").value == 90.22
+    assert BY_ID["mega/table4_sc"].cell("mega_big", "acc").value == 97.30
+    lm = BY_ID["mega/table5_lm"]
+    assert (
+        lm.cell("mega", "wt103_ppl").value == 18.07 and lm.cell("mega", "wt103_ppl").goal == "min"
+    )
+    c16 = BY_ID["mega/fig4_chunk_size"].cell("image", "c16")
+    assert c16.approx and c16.value == 75 and c16.display == "≈75"
+    assert c16.params == {"model.backbone.chunk_size": 16}
+
+
+def test_table2_averages_match_the_paper() -> None:
+    """Transcription check: each row's Avg. is the mean of its tasks (five when Path-X is ✗)."""
+    t2 = BY_ID["mega/table2_lra"]
+    avg = next(c for c in t2.columns if c.id == "avg")
+    for row in t2.rows:
+        values = [t2.cell(row.id, c).value for c in avg.mean_of]
+        values = [v for v in values if v is not None]
+        assert abs(statistics.fmean(values) - t2.cell(row.id, "avg").value) < 0.011, row.label
+
+
+def test_csv_tables_load(tmp_path: Path) -> None:
+    path = tmp_path / "seqboat" / "table1.csv"
+    path.parent.mkdir()
+    path.write_text(
+        "paper,table,row,column,value,experiment,params,metric,scale,seeds,notes\n"
+        "SeqBoat,Table 1,SeqBoat,ListOps,61.70,seqboat/lra_listops,,test/acc,100,3,\n"
+        "SeqBoat,Table 1,SeqBoat,Text,≈89,seqboat/lra_text,a.b=1;c=x,test/acc,100,3,approx\n",
+        encoding="utf-8",
+    )
+    (table,) = tb.load_tables(tmp_path)
+    assert table.id == "seqboat/table1"
+    cell = table.cell("SeqBoat", "Text")
+    assert cell.approx and cell.value == 89 and cell.params == {"a.b": 1, "c": "x"}
+    assert cell.seeds == 3 and cell.scale == 100
+    runs = [tb.Run("seqboat/lra_listops", 1, {"metrics": {"test/acc": 0.6}})]
+    assert "| | ours | 60.00 | missing |" in tb.render_table(table, tb.summarize(table, runs))
+
+
+# -- matching, statistics, rendering ---------------------------------------------------------
+def test_render_mean_std_delta_and_missing(tmp_path: Path) -> None:
+    for seed, acc in ((1, 0.62), (2, 0.63), (3, 0.64)):
+        write_run(tmp_path, f"listops{seed}", "mega/lra_listops", seed, acc)
+    write_run(tmp_path, "text1", "mega/lra_text", 1, 0.95)
+    os.utime(tmp_path / "text1" / "metrics.json", (1, 1))
+    write_run(tmp_path, "text1-again", "mega/lra_text", 1, 0.90)  # the newest run of seed 1
+    write_run(tmp_path, "other", "mega/lra_listops_variant", 7, 0.5)
+    runs = tb.collect_runs([tmp_path])
+    report = tb.build_report(runs, TABLES, wanted=["mega/table2_lra"])
+    text = report.markdown
+    assert report.tables == ["mega/table2_lra"]
+    mega = text[text.index("| Mega | paper |") :].splitlines()
+    assert mega[0].startswith("| Mega | paper | 63.14 | 90.43 |")
+    assert mega[1].startswith("| | ours | 63.00 ± 1.00 | 90.00 | missing | missing |")
+    assert mega[1].endswith("| missing (2/6) |")
+    assert mega[2].startswith("| | Δ (n) | -0.14 (3) | -0.43 (1) |")
+    assert "| XFM‡ | paper |" in text and "| Mega-chunk | paper |" in text
+    assert text.count("| | ours |") == 1  # rows without runs show the paper's line only
+    assert "mean of 5 seeds" in text and "Smoke" not in text
+    assert "| mega/lra_listops_variant | 50.00 | 1 |" in text  # no paper cell for it
+
+
+def test_all_rows_show_when_nothing_ran() -> None:
+    text = tb.render_table(BY_ID["mega/table4_sc"], tb.summarize(BY_ID["mega/table4_sc"], []))
+    assert "| Mega (base) | paper | 300 | 96.92 |" in text
+    assert text.count("| | ours | missing | missing |") == 3
+    assert "| S4‡ | paper | 300 | 97.50 |\n| Mega (base)" in text
+
+
+def test_skipped_cells_say_why(tmp_path: Path) -> None:
+    table = BY_ID["mega/table2_lra"]
+    planned = [
+        tb.Planned("mega/lra_listops", {}),
+        tb.Planned("mega/lra_pathx", {}, "too long for a CPU"),
+    ]
+    runs = [tb.Run("mega/lra_listops", 1, {"metrics": {"test/acc": 0.6}})]
+    text = tb.render_table(table, tb.summarize(table, runs), tb.plan_status(table, planned))
+    assert "| | ours | 60.00 | missing | missing | missing | missing | skipped[^1] |" in text
+    assert "[^1]: Skipped (Mega / Path-X): too long for a CPU" in text
+
+
+def test_sweep_runs_match_only_cells_with_their_parameter(tmp_path: Path) -> None:
+    write_sweep(
+        tmp_path / "s", "model.backbone.chunk_size", "mega/lra_text", {16: [0.9], -1: [0.8]}
+    )
+    runs = tb.collect_runs([tmp_path])
+    assert {r.swept["model.backbone.chunk_size"] for r in runs} == {16, -1}
+    fig4 = BY_ID["mega/fig4_chunk_size"]
+    stats = tb.summarize(fig4, runs)
+    assert stats[("text", "c16")].mean == pytest.approx(90.0)
+    assert stats[("text", "full")].mean == pytest.approx(80.0) and stats[("image", "full")] is None
+    # Table 2's Mega/Text cell is Mega's own setting, not a point of the chunk sweep.
+    assert tb.summarize(BY_ID["mega/table2_lra"], runs)[("mega", "text")] is None
+    # A plain Mega run reproduces Table 2 and Table 3's softmax cell (its configuration).
+    plain = tb.Run(
+        "mega/lra_text",
+        1,
+        {"metrics": {"test/acc": 0.9}},
+        config={"model": {"backbone": {"attention_activation": "softmax"}}},
+    )
+    t3 = BY_ID["mega/table3_attention"]
+    assert tb.matches(t3.cell("softmax", "text"), plain)
+    assert not tb.matches(t3.cell("relu2", "text"), plain)
+
+
+def test_sweep_plot_with_paper_points(tmp_path: Path) -> None:
+    key = "model.backbone.chunk_size"
+    values = {16: [0.75, 0.76, 0.74], 128: [0.85, 0.86], -1: [0.9, 0.91]}
+    write_sweep(tmp_path / "image", key, "mega/lra_image", values, smoke=True)
+    write_sweep(tmp_path / "text", key, "mega/lra_text", {16: [0.9], 64: [0.89]})
+    runs = tb.collect_runs([tmp_path])
+    ticks, series = tb.sweep_series(key, runs, BY_ID["mega/fig4_chunk_size"], "test/acc", 100)
+    assert ticks == ["16", "32", "64", "128", "256", "512", "full"]
+    assert [s.label for s in series] == ["Text", "Image"]
+    image = series[1]
+    assert image.ours[0].n == 3 and image.ours[0].mean == pytest.approx(75.0)
+    assert image.ours[1] is None and image.paper[0].display == "≈75"
+    out = tmp_path / "report"
+    report = tb.build_report(runs, TABLES, out=out)
+    assert [p.name for p in report.plots] == ["chunk_size.png"]
+    assert (out / "chunk_size.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.tables == ["mega/fig4_chunk_size"] and "**Smoke runs**" in report.markdown
+
+
+def test_wandb_runs_are_read_through_the_public_api() -> None:
+    """A stand-in for `wandb.Api()`: the attributes the public API's runs have."""
+    sweep = SimpleNamespace(config={"parameters": {"model.backbone.ema_dim": {"values": [0, 16]}}})
+    run = SimpleNamespace(
+        config={
+            "model.backbone.ema_dim": 0,  # what the agent sets
+            "experiment_name": "mega/lra_image",
+            "seed": 3,
+            "model": {"backbone": {"ema_dim": 0}},
+            "params": {"total": 123},
+        },
+        summary={"test/acc": 0.45, "val/acc_best": 0.46, "_runtime": 10},
+        sweep=sweep,
+        path=["team", "megalab", "abc123"],
+        created_at="2026-01-01T00:00:00Z",
+    )
+
+    class Api:
+        def runs(self, path: str, filters: dict | None = None) -> list:
+            assert path == "team/megalab" and filters == {"state": "finished"}
+            return [run]
+
+    (got,) = tb.collect_wandb_runs("team/megalab", api=Api())
+    assert got.experiment == "mega/lra_image" and got.seed == 3 and got.metric("test/acc") == 0.45
+    assert got.swept == {"model.backbone.ema_dim": 0} and got.metric("params.total") == 123
+    assert got.source == "wandb:team/megalab/abc123"
+    fig4 = BY_ID["mega/fig4_ema_dim"]
+    assert tb.matches(fig4.cell("image", "h0"), got)
+    assert not tb.matches(fig4.cell("image", "h16"), got)
+
+
+def test_cli_writes_table_and_rejects_unknown_tables(tmp_path: Path, capsys) -> None:
+    write_run(tmp_path, "a", "mega/lra_listops", 1, 0.6)
+    assert tb.main([str(tmp_path)]) == 0
+    assert "| | ours | 60.00 |" in capsys.readouterr().out
+    assert "### Mega Table 2" in (tmp_path / "table.md").read_text()
+    with pytest.raises(SystemExit):
+        tb.main([str(tmp_path), "--table", "mega/no_such_table"])
+
+
+# -- make targets ----------------------------------------------------------------------------
+def _make(tmp_path: Path, target: str, *args: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "MEGALAB_ROOT": str(ROOT),
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }
+    cmd = ["make", "--no-print-directory", "-C", str(ROOT), target, "SMOKE=1", "SEEDS=1"]
+    cmd += ["REPRO_INSTALL=", f"REPRO_ROOT={tmp_path}", f"BIN={Path(sys.executable).parent}"]
+    return subprocess.run(
+        [*cmd, *args], env=env, capture_output=True, text=True, timeout=3000, check=False
+    )
+
+
+def _table(tmp_path: Path, target: str) -> str:
+    (folder,) = (tmp_path / target).iterdir()
+    return (folder / "table.md").read_text()
+
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+
+
+@needs_make
+def test_make_reproduce_mega_lra_smoke_listops(tmp_path: Path) -> None:
+    """The target's wiring on one task: sweep, runs, table (the full target is slow)."""
+    proc = _make(tmp_path, "reproduce-mega-lra", "ONLY=experiment=mega/lra_listops")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| Mega | paper | 63.14 | 90.43 |" in proc.stdout  # printed at the end
+    text = _table(tmp_path, "reproduce-mega-lra")
+    ours = text[text.index("| Mega | paper |") :].splitlines()[1]
+    assert ours.startswith("| | ours | ") and ours.split("|")[3].strip()[0].isdigit()
+    assert "**Smoke runs**" in text
+
+
+@needs_make
+@pytest.mark.slow
+def test_make_reproduce_mega_lra_smoke_end_to_end(tmp_path: Path) -> None:
+    proc = _make(tmp_path, "reproduce-mega-lra")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = _table(tmp_path, "reproduce-mega-lra")
+    for row, paper in (("Mega", "63.14"), ("Mega-chunk", "58.76")):
+        lines = text[text.index(f"| {row} | paper | {paper} |") :].splitlines()
+        cells = [c.strip() for c in lines[1].split("|")[3:-1]]
+        # Every task ran, except Path-X (16K pixels: skipped on CPU) and the average.
+        assert all(c[0].isdigit() for c in cells[:5]), cells
+        assert cells[5].startswith("skipped")
+
+
+@needs_make
+@pytest.mark.slow
+def test_make_reproduce_mega_ablations_and_sc_smoke(tmp_path: Path) -> None:
+    proc = _make(tmp_path, "reproduce-mega-ablations", "SEEDS=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (folder,) = (tmp_path / "reproduce-mega-ablations").iterdir()
+    assert {"chunk_size.png", "ema_dim.png", "attention_activation.png"} <= {
+        p.name for p in folder.iterdir()
+    }
+    proc = _make(tmp_path, "reproduce-mega-sc")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| Mega (big) | paper | 476 | 97.30 |" in _table(tmp_path, "reproduce-mega-sc")
