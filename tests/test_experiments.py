@@ -50,6 +50,20 @@ FIXTURE_OVERRIDES["imagenet"] = ["data.num_classes=3"] + (
 # DeiT-B has 86M parameters.
 HEAVY |= {"transformer/imagenet"}
 
+# Language modelling (tests/fixtures/lm.py): 30,000-byte enwik8/text8 zips split 24K/3K/3K, a
+# WikiText-103 fixture with 61,056 word types (so Mega's adaptive cutoffs 20000/60000 fit) and a
+# PG-19 tokenizer trained to at most 400 tokens; 64-token segments (Mega's variable blocks: 20 to
+# 60 tokens), and no official checksums for the fixture zips.
+_LM_SHORT = ["data.max_len=64", "data.eval_max_len=64", "data.train_len_unit=10"]
+_CHAR_FIXTURE = ["data.sha256=null", "data.valid_size=3000", "data.test_size=3000"]
+FIXTURE_OVERRIDES["enwik8"] = [*_LM_SHORT, *_CHAR_FIXTURE]
+FIXTURE_OVERRIDES["text8"] = [*_LM_SHORT, *_CHAR_FIXTURE]
+FIXTURE_OVERRIDES["wikitext103"] = [*_LM_SHORT, "data.vocab_size=61056"]
+FIXTURE_OVERRIDES["pg19"] = [*_LM_SHORT, "data.vocab_size=400", "data.tokenizer_sample_books=null"]
+# Mega on WikiText-103 has 252M parameters (~200M in its 16 layers whatever the vocabulary), the
+# PG-19 Transformer 85M (GPT-2 small's shape, like DeiT-B above).
+HEAVY |= {"mega/wikitext103", "transformer/pg19"}
+
 # LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
 # 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.
 FIXTURE_OVERRIDES["lra_text"] = ["data.max_len=512"]

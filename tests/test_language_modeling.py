@@ -312,3 +312,43 @@ def test_mega_wikitext103_experiment_has_252m_parameters(compose_cfg) -> None:
     per_layer = sum(p.numel() for p in backbone.layers[0].parameters())
     total = sum(p.numel() for p in task.parameters()) + 15 * per_layer
     assert round(total / 1e6, 1) == 252.2, total
+
+
+@pytest.mark.slow
+def test_ddp_streams_and_carried_state_in_checkpoints(fixture_data_dir: Path, tmp_path: Path):
+    """Two CPU processes: each takes its own rows, and the checkpoint holds both states."""
+    from conftest import FAST, run_cli
+
+    proc = run_cli(
+        "-m",
+        "megalab.train",
+        *FAST,
+        "trainer=ddp_cpu",
+        "data=enwik8",
+        "model=mega",
+        "task=language_modeling",
+        f"paths.data_dir={fixture_data_dir}",
+        f"hydra.run.dir={tmp_path}",
+        "data.sha256=null",
+        "data.valid_size=3000",
+        "data.test_size=3000",
+        "data.max_len=16",
+        "data.batch_size=4",
+        "data.eval_batch_size=4",
+        "model.d_model=16",
+        "model.backbone.num_layers=1",
+        "model.backbone.z_dim=8",
+        "model.backbone.v_dim=16",
+        "model.backbone.ffn_dim=16",
+        "model.backbone.causal=true",
+        "model.backbone.chunk_size=8",
+        "model.backbone.rel_pos_bias=rotary",
+        "task.carry_state=true",
+        "+callbacks.model_checkpoint.every_n_train_steps=1",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    ranks = ckpt["lm_train_state"]["ranks"]
+    assert len(ranks) == 2 and all(r["items"] for r in ranks)
+    states = [unpack_state(r["items"][0][1]) for r in ranks]
+    assert not torch.equal(states[0].layers[0].ema, states[1].layers[0].ema), "own rows"

@@ -321,15 +321,16 @@ class EvalBatches(Dataset):
         n_pred = len(stream) - 1
         if n_pred < 1:
             raise ValueError(f"the {stream.name} split has no token to predict")
+        rows = min(rows, n_pred)
         if layout.world_size > rows:
             raise ValueError(
-                f"{rows} evaluation streams cannot be shared by {layout.world_size} processes: "
-                "raise data.eval_batch_size to at least the number of processes"
+                f"{rows} evaluation stream(s) of the {stream.name} split cannot be shared by "
+                f"{layout.world_size} processes: raise data.eval_batch_size to at least the "
+                "number of processes"
             )
         if stride is not None and not 0 < stride <= seq_len:
             raise ValueError(f"eval_stride={stride} must be in [1, eval segment length {seq_len}]")
         self.stream, self.seq_len, self.stride, self.words = stream, seq_len, stride, words
-        rows = min(rows, n_pred)
         bounds = np.linspace(0, n_pred, rows + 1).round().astype(np.int64)
         lengths = np.diff(bounds)
         mine = np.array_split(np.arange(rows), layout.world_size)[layout.rank]
