@@ -61,7 +61,7 @@ FIXTURE_OVERRIDES["text8"] = [*_LM_SHORT, *_CHAR_FIXTURE]
 FIXTURE_OVERRIDES["wikitext103"] = [*_LM_SHORT, "data.vocab_size=61056"]
 FIXTURE_OVERRIDES["pg19"] = [*_LM_SHORT, "data.vocab_size=400", "data.tokenizer_sample_books=null"]
 # Mega on WikiText-103 has 252M parameters (~200M in its 16 layers whatever the vocabulary), the
-# PG-19 Transformer 85M (GPT-2 small's shape, like DeiT-B above).
+# PG-19 Transformer 110M (85M in its layers: GPT-2 small's shape, like DeiT-B above).
 HEAVY |= {"mega/wikitext103", "transformer/pg19"}
 
 # LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
