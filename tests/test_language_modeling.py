@@ -121,6 +121,14 @@ def test_bidirectional_backbones_fail_early() -> None:
     make_task(Transformer(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True))
 
 
+def test_segment_longer_than_the_model_fails_loudly() -> None:
+    backbone = Transformer(
+        d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True, positions="learned", max_len=8
+    )
+    with pytest.raises(ValueError, match=r"exceeds the model's limit of 8.*data.max_len"):
+        make_task(backbone)._step(batch(torch.zeros(1, 16, dtype=torch.long)), "val")
+
+
 def test_state_is_carried_per_group_and_reset() -> None:
     backbone = Recurrent(4)
     task = make_task(backbone, carry_state=True)
