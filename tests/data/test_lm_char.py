@@ -96,3 +96,26 @@ def test_offline_without_data_names_the_file_url_and_place(tmp_path: Path) -> No
     message = str(err.value)
     assert str(tmp_path / "enwik8" / "enwik8.zip") in message
     assert ENWIK8_URL in message and "paths.data_dir" in message
+
+
+def test_cli_prepares_with_the_data_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from megalab.data.cli import main
+
+    zip_member(tmp_path / "text8" / "text8.zip", "text8", text8_bytes())
+    main(
+        [
+            "text8",
+            "--root",
+            str(tmp_path),
+            "data.sha256=null",
+            "data.valid_size=3000",
+            "data.test_size=3000",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "text8 ready" in out and "train: 24,000 tokens" in out
+    assert list((tmp_path / "text8" / "prepared").glob("*/meta.json"))
+    with pytest.raises(SystemExit, match=r"enwik8\.zip"):
+        main(["enwik8", "--root", str(tmp_path)])
