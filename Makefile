@@ -86,7 +86,7 @@ endef
 .PHONY: reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc
 
 reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega and Mega-chunk on the 6 LRA tasks x SEEDS (SMOKE=1, TRAINER=)
-	$(call reproduce,sweeps/mega_lra.yaml,mega/table2_lra)
+	$(call reproduce,sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,mega/table2_lra)
 
 reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size, EMA dim, attention fn on LRA Text/Image
 	$(call reproduce,$(MEGA_ABLATIONS),mega/fig4_chunk_size mega/fig4_ema_dim mega/table3_attention)

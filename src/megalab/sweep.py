@@ -276,10 +276,8 @@ def expand(
         lists = []
         for key in keys:
             values = grid_values(key, params[key])
-            if key in only:
+            if key in only:  # may leave nothing: then this sweep has no point to run
                 values = [v for v in values if format_value(v) in only[key] or str(v) in only[key]]
-                if not values:
-                    raise SweepError(f"--only {key}: none of {only[key]} is in the grid")
             lists.append(values)
         return [dict(zip(keys, combo)) for combo in itertools.product(*lists)]
     n = count or sweep.run_cap or 10
@@ -369,7 +367,8 @@ def check_points(points: list[Point], smoke: bool) -> None:
                     if length * span > SMOKE_MAX_CPU_ATTENTION:
                         point.skip = (
                             f"attention over {length:,} x {span:,} positions per example takes "
-                            "minutes per step on a CPU; smoke it on a GPU (add trainer=gpu)"
+                            "minutes per step on a CPU; smoke it on a GPU (trainer=gpu; make: "
+                            "TRAINER=gpu)"
                         )
     finally:
         GlobalHydra.instance().clear()
@@ -566,8 +565,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_smoke_data(data_dir)
         smoke_overrides.append(f"paths.data_dir={format_value(str(data_dir))}")
 
-    failures = 0
-    runs = 0
+    failures = runs = planned = 0
     for sweep in sweeps:
         try:
             plan = plan_sweep(
@@ -582,10 +580,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         except SweepError as err:
             parser.error(str(err))
+        if not plan.points:
+            print(f"[sweep {sweep.stem}] no grid point left after --only: nothing to run")
+            continue
+        planned += len(plan.points)
         if not ns.dry_run:
             write_manifest(plan, seeds, ns.smoke, extra)
         failures += run_plan(plan, dry_run=ns.dry_run)
         runs += len(plan.runnable)
+    if not planned:
+        parser.error("--only leaves no grid point in any of the sweeps")
     if not ns.dry_run:
         print(f"[sweep] {runs} run(s) under {out}; table: megalab-tables {out}")
     return 1 if failures else 0
