@@ -838,13 +838,17 @@ def plot_sweep(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.0, 4.4), dpi=150)
+    fig, ax = plt.subplots(figsize=(7.0, 5.0), dpi=150)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    positions = list(range(len(labels)))
+    # Ordered numeric values (chunk size, EMA dimension) are joined by lines; categories
+    # (attention functions) are not, and each series is shifted a little so they do not overlap.
+    categorical = any(not isinstance(x, int | float) for s in series for x in s.x)
     handles = []
-    notes: list[tuple[int, float, str, str]] = []  # paper labels: (x, y, text, color)
+    notes: list[tuple[float, float, str, str]] = []  # paper labels: (x, y, text, color)
     for i, s in enumerate(series):
         color = colors[i % len(colors)]
+        shift = (i - (len(series) - 1) / 2) * 0.15 if categorical else 0.0
+        positions = [p + shift for p in range(len(labels))]
         have = [o for o in s.ours if o is not None]
         if have:
             # NaN at missing points breaks the line there instead of bridging the gap.
@@ -857,7 +861,8 @@ def plot_sweep(
                     color=color,
                     marker="o",
                     markersize=6,
-                    linewidth=2,
+                    linewidth=0 if categorical else 2,
+                    elinewidth=2,
                     capsize=4,
                     label=f"{s.label}, ours"
                     + (f" (mean ± std, n = {n})" if n > 1 else " (1 seed)"),
@@ -887,9 +892,11 @@ def plot_sweep(
     # Paper values above their markers, stacked where points of several series coincide.
     ax.margins(y=0.14)
     low, high = ax.get_ylim()
-    placed: list[tuple[int, float]] = []
+    placed: list[tuple[float, float]] = []
     for x, y, text, color in sorted(notes, key=lambda n: (n[0], n[1])):
-        level = sum(1 for px, py in placed if px == x and abs(py - y) < 0.04 * (high - low))
+        level = sum(
+            1 for px, py in placed if abs(px - x) < 0.1 and abs(py - y) < 0.04 * (high - low)
+        )
         placed.append((x, y))
         ax.annotate(
             text,
@@ -901,13 +908,20 @@ def plot_sweep(
             color=color,
             bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.8},
         )
-    ax.set_xticks(positions, labels)
+    ax.set_xticks(range(len(labels)), labels)
     ax.set_xlim(-0.5, len(labels) - 0.5)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=11)
     ax.grid(True, alpha=0.3)
-    ax.legend(handles=handles, fontsize=8, loc="best", frameon=False)
+    ax.legend(
+        handles=handles,
+        fontsize=8,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=2,
+        frameon=False,
+    )
     if smoke:
         fig.text(
             0.5,
