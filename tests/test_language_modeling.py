@@ -195,7 +195,8 @@ def test_carried_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
         rel_pos_bias="rotary",
         causal=True,
     )
-    _, state = mega(torch.randn(2, 6, 8))
+    x = torch.randn(2, 6, 8)
+    _, state = mega(x, state=mega.initial_state(2, x))
     torch.save({"s": pack_state({0: state, 1: (torch.ones(2), None)})}, tmp_path / "c.pt")
     back = unpack_state(torch.load(tmp_path / "c.pt", weights_only=True)["s"])
     assert type(back[0]) is type(state) and back[1][1] is None

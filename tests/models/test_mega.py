@@ -62,7 +62,7 @@ def test_too_long_input_raises_with_advice() -> None:
     with pytest.raises(ValueError, match=r"max_positions=16.*chunk_size"):
         model(data(L=17))
     causal = make(chunk_size=-1, max_positions=16, causal=True)
-    _, state = causal(data(L=10))
+    _, state = causal(data(L=10), state=causal.initial_state(2, data(L=10)))
     with pytest.raises(ValueError, match="input length 17"):
         causal(data(L=7), state=state)
 
@@ -85,12 +85,13 @@ def test_streaming_equals_one_pass(cfg: dict, segments: list[int]) -> None:
         assert torch.allclose(torch.cat(outs, 1), full, rtol=1e-10, atol=1e-12)
 
 
-def test_state_from_a_stateless_pass_continues_the_stream() -> None:
+def test_a_stream_starts_from_the_initial_state() -> None:
     model = make(causal=True, chunk_size=8)
     x = data()
     with torch.no_grad():
-        full, _ = model(x)
-        y1, state = model(x[:, :13])  # no state in: the returned state still continues
+        full, none = model(x)
+        assert none is None  # no state in: a stateless pass, no state out
+        y1, state = model(x[:, :13], state=model.initial_state(2, x))
         y2, state = model(x[:, 13:], state=state)
     assert torch.allclose(torch.cat([y1, y2], 1), full, rtol=1e-10, atol=1e-12)
     assert all(t.shape[0] == 2 for layer in state.layers for t in (layer.ema, *layer.kv[:2]))
@@ -166,7 +167,7 @@ def test_gradients_reach_every_parameter(cfg: dict) -> None:
 def test_state_helpers_and_bidirectional_errors() -> None:
     model = make(causal=True, chunk_size=8)
     x = data()
-    _, state = model(x[:, :11])
+    _, state = model(x[:, :11], state=model.initial_state(2, x))
     assert isinstance(state, MegaState)
     picked = state.index_select(torch.tensor([1, 1, 0]))
     assert picked.layers[0].ema.shape[0] == 3

@@ -442,8 +442,9 @@ class Mega(nn.Module):
     ) -> tuple[Tensor, MegaState | None]:
         """x (B, L, D), mask (B, L) bool True at real tokens, state from the previous segment.
 
-        Returns (y (B, L, D) with zeros at padded positions, the new state for a causal model
-        or None for a bidirectional one).
+        Returns (y (B, L, D) with zeros at padded positions, the state to pass with the next
+        segment). A stream starts from `initial_state`; without a state the pass is stateless
+        and returns None, which spares the state reduction in stateless training.
         """
         if state is not None:
             self._check_causal()
@@ -475,7 +476,7 @@ class Mega(nn.Module):
         new_layers: list[MAGAState] = []
         for i, layer in enumerate(self.layers):
             x, layer_state = layer(
-                x, mask, None if state is None else state.layers[i], return_state=self.causal
+                x, mask, None if state is None else state.layers[i], return_state=state is not None
             )
             if layer_state is not None:
                 new_layers.append(layer_state)
@@ -485,4 +486,4 @@ class Mega(nn.Module):
             x = F.silu(self.out_proj(x))
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
-        return x, (MegaState(new_layers) if self.causal else None)
+        return x, (MegaState(new_layers) if state is not None else None)

@@ -200,6 +200,19 @@ class LanguageModelingTask(SequenceTask):
         """Hidden states (B, L, D) and the state to carry into the next segment."""
         return self.encode(inputs, mask, state)
 
+    def initial_state(self, batch_size: int) -> Any:
+        """The start of a stream: the backbone's empty state, or None for a stateless backbone.
+
+        Stateful backbones define `initial_state(batch_size, like)` and return a state only when
+        given one; starting from it makes every segment use the exact recurrence (Mega's EMA
+        state is carried beyond its training truncation, as the authors evaluate).
+        """
+        make = getattr(self.backbone, "initial_state", None)
+        if make is None:
+            return None
+        like = next(self.backbone.parameters())
+        return make(batch_size, like)
+
     def _step(self, batch: dict[str, Tensor], split: str) -> Tensor:
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
@@ -210,6 +223,8 @@ class LanguageModelingTask(SequenceTask):
         if state is not None and self._restored:
             device = batch["inputs"].device
             state = _map_tensors(state, lambda t: t.to(device))
+        if state is None and self.carry_state:
+            state = self.initial_state(batch["inputs"].shape[0])
         hidden, new_state = self(batch["inputs"], batch.get("mask"), state)
         if self.carry_state:
             states[group] = detach_state(new_state) if split == "train" else new_state
