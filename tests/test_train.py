@@ -179,3 +179,25 @@ def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> N
     record = read_metrics(tmp_path)
     assert record["global_step"] == 2
     assert "GLOBAL_RANK: 1" in proc.stderr + proc.stdout or "world_size=2" in proc.stderr
+
+
+def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) -> None:
+    from megalab.eval import merge_run_config
+
+    # rotary bias: its parameters do not depend on the chunk size, so the test chunk can differ
+    mega = ("model=mega", "model.backbone.chunk_size=16", "model.backbone.rel_pos_bias=rotary")
+    train(compose_cfg(*mega))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    (tmp_path / "run" / ".hydra").mkdir(exist_ok=True)
+    # What Hydra saves for a run: the composed, unresolved config.
+    from omegaconf import OmegaConf
+
+    run_cfg = compose_cfg(*mega)
+    (tmp_path / "run" / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run_cfg))
+    eval_cfg = compose_cfg(f"ckpt_path={ckpt}", config="eval")
+    assert eval_cfg.model.backbone._target_.endswith("Transformer")
+    merged = merge_run_config(eval_cfg, ["model.backbone.chunk_size=8", f"ckpt_path={ckpt}"])
+    assert merged.task.backbone._target_ == "megalab.models.mega.Mega"
+    assert merged.task.backbone.chunk_size == 8  # the override reaches the interpolated task
+    record = evaluate(merged)
+    assert set(record["metrics"]) == {"test/acc", "test/loss"}

@@ -46,7 +46,9 @@ class ClassificationTask(SequenceTask):
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the suffixes.
-        self.losses = nn.ModuleDict({f"{s}_loss": MeanMetric() for s in SPLITS})
+        self.losses = nn.ModuleDict(
+            {f"{s}_loss": MeanMetric(nan_strategy="disable") for s in SPLITS}
+        )
         self.accs = nn.ModuleDict(
             {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in SPLITS}
         )
