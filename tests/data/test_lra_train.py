@@ -64,11 +64,11 @@ def test_documented_offline_pathfinder_command(tmp_path: Path) -> None:
         "experiment=transformer/lra_pathfinder",
         "data.generate_if_missing=true",
         "data.generator_samples=2000",
-        "trainer.max_steps=4",
-        "trainer=cpu",
-        "logger=none",
+        "data.batch_size=16",
+        "trainer.max_steps=20",
+        "trainer.val_check_interval=10",
         f"paths.data_dir={tmp_path / 'data'}",
-        f"hydra.run.dir={tmp_path / 'run'}",
+        f"paths.log_dir={tmp_path / 'logs'}",
         env={"HF_HUB_OFFLINE": "1", "MEGALAB_OFFLINE": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -33,6 +33,7 @@ pixels are prepared once (rank 0) as a ``uint8`` array under ``<data_dir>/prepar
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -58,6 +59,13 @@ BLACKLIST = ("pathfinder32/curv_baseline/imgs/0/sample_172.png",)
 NUM_CLASSES = 2
 MEAN, STD = 0.5, 0.5
 _CACHE_VERSION = 1
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def difficulty_dir(data_dir: str | os.PathLike[str], resolution: int, difficulty: str) -> Path:
@@ -199,6 +207,12 @@ class PathfinderDataModule(SequenceDataModule):
         m = re.fullmatch(r"curv_contour_length_(\d+)", self.difficulty)
         if m is None:
             raise ValueError(f"cannot generate difficulty {self.difficulty!r}")
+        done = _read_json(self.folder / ".complete")
+        if done and (done.get("num_samples"), done.get("seed")) == (
+            self.generator_samples,
+            self.generator_seed,
+        ):
+            return  # already generated with these settings
         log.info(
             "generating %d Pathfinder images (%dx%d) in %s",
             self.generator_samples,
