@@ -116,15 +116,25 @@ def test_one_task_and_plain_prefix_from_a_local_archive(tmp_path: Path) -> None:
     assert (root / "lra" / "aan" / "new_aan_pairs.eval.tsv").is_file()
 
 
-def test_release_replaces_generated_pathfinder_data(tmp_path: Path) -> None:
+def test_release_replaces_generated_data(tmp_path: Path) -> None:
     archive = tmp_path / "lra_release.gz"
     archive.write_bytes(make_archive(tmp_path))
-    target = tmp_path / "data" / "lra" / "pathfinder" / "pathfinder32" / D14
-    target.mkdir(parents=True)
-    (target / "stale.txt").write_text("generated")
-    prepare_release(tmp_path / "data", ["pathfinder"], archive=archive)
-    assert not (target / "stale.txt").exists()
+    lra = tmp_path / "data" / "lra"
+    target = lra / "pathfinder" / "pathfinder32" / D14
+    write_difficulty(target, 32, batches=3, per_batch=2)  # complete, but not the release's
+    (target / ".generator.json").write_text("{}")
+    generate_listops(
+        lra / "listops",
+        5,
+        2,
+        2,
+        progress=False,
+        settings=ListOpsSettings(max_depth=2, max_args=2, min_length=3, max_length=9),
+    )
+    prepare_release(tmp_path / "data", ["pathfinder", "listops"], archive=archive)
+    assert not (target / ".generator.json").exists()
     assert sorted(p.name for p in (target / "metadata").iterdir()) == ["0.npy", "1.npy"]
+    assert len((lra / "listops" / "basic_train.tsv").read_text().splitlines()) == 13
 
 
 def test_offline_and_malformed_archives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

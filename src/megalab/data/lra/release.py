@@ -125,6 +125,9 @@ def _tasks(tasks: Iterable[str]) -> list[str]:
     return out
 
 
+_MARKER = ".lra_release"  # written into every folder this module put in place
+
+
 def _complete(target: Path, part: ReleasePart) -> bool:
     if not all((target / r).exists() for r in part.required):
         return False
@@ -147,8 +150,9 @@ def prepare_release(
     ``root`` is the data root (``paths.data_dir``). ``tasks`` are ``listops``, ``retrieval``,
     ``pathfinder`` (32x32), ``pathx`` (128x128) or ``all``. ``archive`` uses a copy of
     ``lra_release.gz`` already on disk instead of downloading ``url``. Tasks whose folders are
-    already in place are skipped; a folder in the way (for example generated Pathfinder images)
-    is replaced by the release's. Returns ``{task: folder}``.
+    already extracted here are skipped; any other folder in the way (generated ListOps or
+    Pathfinder data, a copy placed by hand) is replaced by the release's. Returns
+    ``{task: folder}``.
     """
     root = Path(root).expanduser().absolute()
     lra = root / "lra"
@@ -157,7 +161,7 @@ def prepare_release(
         (task, part)
         for task in wanted
         for part in RELEASE_PARTS[task]
-        if not _complete(lra / part.target, part)
+        if not ((lra / part.target / _MARKER).is_file() and _complete(lra / part.target, part))
     ]
     result = {task: lra / RELEASE_PARTS[task][0].target for task in wanted}
     if not todo:
@@ -209,6 +213,7 @@ def prepare_release(
                     f"the release's {part.member!r} for {task} lacks {missing or 'metadata/*.npy'}"
                     f" (now in {target}); the archive may be damaged: delete {path} and retry"
                 )
+            (target / _MARKER).write_text(f"{path.name}: {part.member}\n")
             log.info("%s: %s", task, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
