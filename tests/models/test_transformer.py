@@ -96,3 +96,12 @@ def test_torch_compile_matches_eager() -> None:
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     compiled = torch.compile(model)
     torch.testing.assert_close(compiled(x)[0], model(x)[0])
+
+
+def test_drop_path_grows_over_depth_and_is_identity_in_eval() -> None:
+    model = make(num_layers=3, drop_path=0.2)
+    assert [layer.drop_path.p for layer in model.layers] == pytest.approx([0.0, 0.1, 0.2])
+    x = torch.randn(4, 6, 16, dtype=torch.float64)
+    torch.testing.assert_close(model(x)[0], make(num_layers=3)(x)[0])  # eval: no drop
+    with pytest.raises(ValueError, match="share_layers"):
+        Transformer(d_model=16, num_heads=4, share_layers=True, drop_path=0.1)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.regularization import DropPath, drop_path_rates
+
 POSITIONS = ("sinusoidal", "learned", "none")
 
 
@@ -59,7 +61,8 @@ class MultiHeadSelfAttention(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Self-attention + position-wise FFN, each with a residual and a pre- or post-norm."""
+    """Self-attention + position-wise FFN, each with a residual (optionally with stochastic
+    depth) and a pre- or post-norm."""
 
     def __init__(
         self,
@@ -71,9 +74,11 @@ class TransformerLayer(nn.Module):
         activation_dropout: float = 0.0,
         activation: str = "gelu",
         prenorm: bool = True,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         self.attn = MultiHeadSelfAttention(d_model, num_heads, attention_dropout)
+        self.drop_path = DropPath(drop_path)
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
         self.attn_norm = nn.LayerNorm(d_model)
@@ -85,12 +90,12 @@ class TransformerLayer(nn.Module):
 
     def forward(self, x: Tensor, attn_mask: Tensor | None, causal: bool) -> Tensor:
         h = self.attn_norm(x) if self.prenorm else x
-        x = x + self.dropout(self.attn(h, attn_mask, causal))
+        x = x + self.drop_path(self.dropout(self.attn(h, attn_mask, causal)))
         if not self.prenorm:
             x = self.attn_norm(x)
         h = self.ffn_norm(x) if self.prenorm else x
         h = self.fc2(self.activation_dropout(self.activation(self.fc1(h))))
-        x = x + self.dropout(h)
+        x = x + self.drop_path(self.dropout(h))
         if not self.prenorm:
             x = self.ffn_norm(x)
         return x
@@ -114,6 +119,7 @@ class Transformer(nn.Module):
         max_len: int | None = None,
         causal: bool = False,
         share_layers: bool = False,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         if positions not in POSITIONS:
@@ -129,20 +135,28 @@ class Transformer(nn.Module):
         self.pos_embedding = nn.Embedding(max_len, d_model) if positions == "learned" else None
         if self.pos_embedding is not None:
             nn.init.normal_(self.pos_embedding.weight, std=0.02)
-        make = lambda: TransformerLayer(  # noqa: E731
-            d_model,
-            num_heads,
-            ffn_dim,
-            dropout,
-            attention_dropout,
-            activation_dropout,
-            activation,
-            prenorm,
-        )
-        # Weight sharing across depth (the LRA ListOps baseline ties its layers).
-        shared = make() if share_layers else None
+        if share_layers and drop_path > 0:
+            raise ValueError("drop_path needs one module per layer: set share_layers=false")
+
+        def make(rate: float) -> TransformerLayer:
+            return TransformerLayer(
+                d_model,
+                num_heads,
+                ffn_dim,
+                dropout,
+                attention_dropout,
+                activation_dropout,
+                activation,
+                prenorm,
+                drop_path=rate,
+            )
+
+        # Stochastic depth grows linearly over depth (DeiT); weight sharing across depth is the
+        # LRA ListOps baseline's tied layers.
+        rates = drop_path_rates(drop_path, num_layers)
+        shared = make(0.0) if share_layers else None
         self.layers = nn.ModuleList(
-            [shared if shared is not None else make() for _ in range(num_layers)]
+            [shared if shared is not None else make(rates[i]) for i in range(num_layers)]
         )
         self.final_norm = nn.LayerNorm(d_model) if prenorm else None
         self.dropout = nn.Dropout(dropout)
