@@ -608,7 +608,9 @@ def _num(x: float, digits: int) -> str:
 
 def _signed(x: float, digits: int) -> str:
     text = _num(abs(x), digits)
-    return f"+{text}" if x >= 0 else f"-{text}"
+    if float(text) == 0:
+        return text
+    return f"+{text}" if x > 0 else f"-{text}"
 
 
 def _paper_text(cell: Cell | None, digits: int) -> str:
