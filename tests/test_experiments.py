@@ -7,6 +7,7 @@ and optimisation settings stay exactly as the experiment defines them.
 
 from __future__ import annotations
 
+import hydra
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
@@ -28,8 +29,8 @@ def _has_timm() -> bool:
     return True
 
 
-# Per data config: overrides that fit the experiment to its fixture (small batches).
-COMMON = ["data.batch_size=4", "data.eval_batch_size=4"]
+# Per data config: overrides that fit the experiment to its fixture. Every experiment also gets
+# a small batch: 4 per optimizer step and accumulation step (see `fixture_overrides`).
 FIXTURE_OVERRIDES: dict[str, list[str]] = {}
 
 # Experiments whose two steps take more than ~20 s on 2 CPU cores (full attention over 16K
@@ -68,23 +69,36 @@ HEAVY |= {"mega/wikitext103", "transformer/pg19"}
 # 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.
 FIXTURE_OVERRIDES["lra_text"] = ["data.max_len=512"]
 FIXTURE_OVERRIDES["lra_retrieval"] = ["data.max_len=512"]
-# Path-X: full attention over 16,384 pixels. With attention dropout, CPU attention materialises
-# the (B, heads, L, L) scores: a fixture step at batch 4 went past 20 GB of memory and was killed.
-HEAVY |= {"transformer/lra_pathx"}
+# Path-X: attention over 16,384 pixels materialises (B, heads, 16K, 16K) scores on a CPU (4096²
+# per chunk for Mega-chunk: 80 s and ~5 GB per example for one step)
+# (a Transformer fixture step at batch 4 went past 20 GB and was killed): these train in the
+# slow suite on a CUDA machine only (`GPU_ONLY`), and are instantiated everywhere.
+GPU_ONLY: set[str] = {"transformer/lra_pathx", "mega/lra_pathx", "mega_chunk/lra_pathx"}
+HEAVY |= GPU_ONLY
 
 
 def test_experiments_exist() -> None:
     assert "quickstart" in EXPERIMENTS
 
 
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.slow) if n in HEAVY else n for n in EXPERIMENTS],
-)
-def test_experiment_trains_two_steps(compose_cfg, name: str) -> None:
+def fixture_overrides(compose_cfg, name: str) -> list[str]:
+    """Overrides that fit experiment `name` to the fixtures: its data config's entry and a batch
+    of 4 per accumulation step (paper configs accumulate up to 8 micro-batches)."""
     cfg = compose_cfg(f"experiment={name}")
     data = HydraConfig.get().runtime.choices["data"]
-    cfg = compose_cfg(f"experiment={name}", *COMMON, *FIXTURE_OVERRIDES.get(data, []))
+    batch = 4 * int(cfg.trainer.get("accumulate_grad_batches") or 1)
+    return [f"data.batch_size={batch}", "data.eval_batch_size=4", *FIXTURE_OVERRIDES.get(data, [])]
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    if name in GPU_ONLY:
+        return [pytest.mark.slow, pytest.mark.gpu]
+    return [pytest.mark.slow] if name in HEAVY else []
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in EXPERIMENTS])
+def test_experiment_trains_two_steps(compose_cfg, name: str) -> None:
+    cfg = compose_cfg(f"experiment={name}", *fixture_overrides(compose_cfg, name))
     record = train(cfg)
     assert record["global_step"] == 2
     assert record["experiment"] == name
@@ -93,10 +107,6 @@ def test_experiment_trains_two_steps(compose_cfg, name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(HEAVY))
 def test_heavy_experiment_instantiates(compose_cfg, name: str) -> None:
-    import hydra
-
-    cfg = compose_cfg(f"experiment={name}")
-    data = HydraConfig.get().runtime.choices["data"]
-    cfg = compose_cfg(f"experiment={name}", *COMMON, *FIXTURE_OVERRIDES.get(data, []))
+    cfg = compose_cfg(f"experiment={name}", *fixture_overrides(compose_cfg, name))
     task = hydra.utils.instantiate(cfg.task)
     assert sum(p.numel() for p in task.parameters()) > 0
