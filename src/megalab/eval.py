@@ -53,6 +53,13 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Run `trainer.test` on `cfg.ckpt_path`; return and save the metrics."""
+    try:
+        return _evaluate(cfg)
+    finally:
+        run_utils.finish_wandb()
+
+
+def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
     datamodule = hydra.utils.instantiate(cfg.data)
@@ -71,10 +78,7 @@ def main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     overrides = list(HydraConfig.get().overrides.task)
     cfg = merge_run_config(cfg, overrides)
-    try:
-        record = evaluate(cfg)
-    finally:
-        run_utils.finish_wandb()
+    record = evaluate(cfg)
     for key, val in sorted(record["metrics"].items()):
         if isinstance(val, float):
             print(f"{key} = {val:.4f}")

@@ -52,7 +52,18 @@ def build(cfg: DictConfig) -> dict[str, Any]:
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Fit and test; return the final metrics record written to `metrics.json`."""
+    """Fit and test; return the final metrics record written to `metrics.json`.
+
+    A W&B run opened here is always closed, so the next run in the same process (a multirun
+    job, a test) starts its own.
+    """
+    try:
+        return _train(cfg)
+    finally:
+        run_utils.finish_wandb()
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     reuse_wandb_run(cfg, output_dir)
     run_utils.save_config(cfg, output_dir / "config.yaml")
@@ -111,10 +122,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
-    try:
-        record = train(cfg)
-    finally:
-        run_utils.finish_wandb()
+    record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
     for key, val in sorted(record["metrics"].items()):
