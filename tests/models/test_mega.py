@@ -11,15 +11,6 @@ DT = torch.float64
 D = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP contention on shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make(seed: int = 0, **kw) -> Mega:
     """A small Mega with every parameter perturbed away from the (near-trivial) init."""
     cfg = dict(d_model=D, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, max_positions=64)

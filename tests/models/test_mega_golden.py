@@ -41,15 +41,6 @@ REF_TOL = 2e-5
 PURE64_TOL = 1e-10
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP contention on shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def golden_dir() -> Path | None:
     """The Mega golden directory, or None when no candidate exists."""
     repo = Path(__file__).resolve().parents[2]

@@ -34,7 +34,6 @@ from megalab.optim import build_param_groups
 from megalab.tasks import ClassificationTask
 
 DT = torch.float64
-torch.set_num_threads(1)  # tiny float64 tensors on a shared CPU
 
 
 def make_ema(d=5, h=4, shift=True, truncation=None, seed=0) -> DampedEMA:

@@ -18,15 +18,6 @@ DT = torch.float64
 FUNCS = ["softmax", "laplace", "relu2"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP contention on shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make(fn="softmax", chunk=-1, bias="simple", causal=False, z=8, max_positions=64, seed=0):
     torch.manual_seed(seed)
     att = ChunkedAttention(z, chunk, fn, bias, max_positions, causal).to(DT)

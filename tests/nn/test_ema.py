@@ -11,15 +11,6 @@ from megalab.nn.ema import DampedEMA, log_decay, next_fast_len, vandermonde_appl
 DT = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: one intra-op thread avoids OpenMP contention on shared CPUs."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_ema(d=6, h=4, bidirectional=False, truncation=None, seed=0) -> DampedEMA:
     torch.manual_seed(seed)
     ema = DampedEMA(d, h, bidirectional=bidirectional, truncation=truncation).to(DT)
