@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
 from fixtures import write_all_fixtures
+from megalab.sweep import SMOKE_TRAINER
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = ROOT / "configs"
@@ -28,22 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # than it gains (and oversubscribes a 2-core runner).
 torch.set_num_threads(1)
 
-# Overrides that make any configuration run in seconds on a CPU.
-FAST = [
-    "trainer=cpu",
-    "trainer.max_steps=2",
-    "trainer.max_epochs=null",
-    "trainer.val_check_interval=null",
-    "trainer.check_val_every_n_epoch=1",
-    "trainer.limit_train_batches=2",
-    "trainer.limit_val_batches=1",
-    "trainer.limit_test_batches=1",
-    "trainer.num_sanity_val_steps=0",
-    "trainer.log_every_n_steps=1",
-    "trainer.enable_model_summary=false",
-    "logger=none",
-    "data.num_workers=0",
-]
+# Overrides that make any configuration run in seconds on a CPU (the smoke runs' trainer).
+FAST = [*SMOKE_TRAINER, "logger=none", "data.num_workers=0"]
 
 
 @pytest.fixture(scope="session")

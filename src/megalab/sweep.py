@@ -45,7 +45,7 @@ CONFIG_DIR = Path(os.environ.get("MEGALAB_CONFIG_DIR", str(ROOT / "configs")))
 # What `--smoke` adds to every run: 2 steps of 4 examples on CPU, one validation and one test
 # batch, on the fixture data. Gradient accumulation is turned off so that any paper's batch
 # split (update-freq) fits the 4-example batch.
-SMOKE_OVERRIDES = [
+SMOKE_TRAINER = [
     "trainer=cpu",
     "trainer.max_steps=2",
     "trainer.max_epochs=null",
@@ -57,6 +57,9 @@ SMOKE_OVERRIDES = [
     "trainer.num_sanity_val_steps=0",
     "trainer.log_every_n_steps=1",
     "trainer.enable_model_summary=false",
+]
+SMOKE_OVERRIDES = [
+    *SMOKE_TRAINER,
     "trainer.accumulate_grad_batches=1",
     "callbacks.rich_progress_bar=null",
     "data.batch_size=4",
