@@ -258,8 +258,8 @@ class SequenceDataModule(L.LightningDataModule):
         """Return the `train`/`val`/`test` datasets (called once, in `setup`)."""
         raise NotImplementedError
 
-    def collate_fn(self):
-        """The collate function for this data (a padded-sequence collator by default)."""
+    def collate_fn(self, split: str = "train") -> Callable:
+        """The collate function for `split` (a padded-sequence collator by default)."""
         return SequenceCollator(self.spec.pad_id if self.spec.pad_id is not None else 0)
 
     # -- Lightning ------------------------------------------------------------------------------
@@ -301,33 +301,56 @@ class SequenceDataModule(L.LightningDataModule):
             return 0, 1
         return self.trainer.global_rank, self.trainer.world_size
 
+    def sampler(self, split: str, batch_size: int) -> Sampler[int]:
+        """Index sampler of one process for `split` (shuffled per epoch when training).
+
+        The module shards data itself (Lightning's distributed sampler is turned off in the
+        trainer configs), so that the order is resumable and evaluation sees every example
+        exactly once.
+        """
+        rank, world = self.rank_and_world()
+        size = len(self.datasets[split])
+        return ShardedSampler(
+            size, shuffle=split == "train", seed=self.seed, rank=rank, world_size=world
+        )
+
+    def loader(
+        self,
+        dataset: Dataset,
+        *,
+        train: bool,
+        batch_size: int | None,
+        sampler: Sampler,
+        collate_fn: Callable | None,
+    ) -> ResumableDataLoader:
+        """A loader with the module's worker settings, resumable when training."""
+        return ResumableDataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=self.drop_last if train and batch_size is not None else False,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.num_workers > 0,
+            collate_fn=collate_fn,
+            position=self.resumed_batches if train else None,
+            # A private generator: creating loader iterators (worker seeds) must not consume
+            # the global RNG that dropout uses, or a resumed run would diverge.
+            generator=torch.Generator().manual_seed(self.seed),
+        )
+
     def _loader(self, split: str, train: bool) -> DataLoader:
         if split not in self.datasets:
             self.setup()
         size = self.batch_size if train else (self.eval_batch_size or self.batch_size)
         if train:
             size = self.per_device_batch_size(size)
-        rank, world = self.rank_and_world()
-        dataset = self.datasets[split]
-        # The module shards data itself (Lightning's distributed sampler is turned off in the
-        # trainer configs), so that the order is resumable and evaluation sees every example
-        # exactly once.
-        sampler = ShardedSampler(
-            len(dataset), shuffle=train, seed=self.seed, rank=rank, world_size=world
-        )
-        return ResumableDataLoader(
-            dataset,
+        return self.loader(
+            self.datasets[split],
+            train=train,
             batch_size=size,
-            sampler=sampler,
-            drop_last=self.drop_last if train else False,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
-            collate_fn=self.collate_fn(),
-            position=self.resumed_batches if train else None,
-            # A private generator: creating loader iterators (worker seeds) must not consume
-            # the global RNG that dropout uses, or a resumed run would diverge.
-            generator=torch.Generator().manual_seed(self.seed),
+            sampler=self.sampler(split, size),
+            collate_fn=self.collate_fn(split),
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -25,8 +25,13 @@ def _listops(args: argparse.Namespace) -> None:
 
     settings = ListOpsSettings(args.max_depth, args.max_args, args.min_length, args.max_length)
     out = generate_listops(
-        args.out, args.num_train, args.num_val, args.num_test, seed=args.seed,
-        workers=args.workers, settings=settings,
+        args.out,
+        args.num_train,
+        args.num_val,
+        args.num_test,
+        seed=args.seed,
+        workers=args.workers,
+        settings=settings,
     )
     print(f"ListOps written to {out}")
 
@@ -35,8 +40,12 @@ def _pathfinder(args: argparse.Namespace) -> None:
     from megalab.data.lra.pathfinder_gen import generate_pathfinder
 
     out = generate_pathfinder(
-        args.out, resolution=args.resolution, contour_length=args.contour_length,
-        num_samples=args.num_samples, seed=args.seed, workers=args.workers,
+        args.out,
+        resolution=args.resolution,
+        contour_length=args.contour_length,
+        num_samples=args.num_samples,
+        seed=args.seed,
+        workers=args.workers,
         overwrite=args.overwrite,
     )
     print(f"Pathfinder written to {out}")

@@ -31,11 +31,10 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset, Sampler
 
 from megalab.data import download as dl
 from megalab.data.base import (
-    ResumableDataLoader,
     SequenceCollator,
     SequenceDataModule,
     ShardedSampler,
@@ -555,36 +554,23 @@ class ImageNetDataModule(SequenceDataModule):
         return {"train": train_ds, "val": val_ds, "test": val_ds}
 
     # -- loaders --------------------------------------------------------------------------------
-    def train_dataloader(self) -> DataLoader:
-        """The base loader, with repeated augmentation and Mixup/CutMix when configured."""
-        if not self.mixup_active and self.repeated_aug == 1:
-            return super().train_dataloader()
-        if "train" not in self.datasets:
-            self.setup()
+    def sampler(self, split: str, batch_size: int) -> Sampler[int]:
+        """Repeated augmentation for training when configured; the base sharding otherwise."""
+        if split != "train" or self.repeated_aug == 1:
+            return super().sampler(split, batch_size)
+        rank, world = self.rank_and_world()
+        size = len(self.datasets["train"])
+        return RepeatedAugSampler(size, self.repeated_aug, self.seed, rank, world)
+
+    def collate_fn(self, split: str = "train") -> Callable:
+        """Mixup/CutMix on training batches when configured."""
+        if split != "train" or not self.mixup_active:
+            return super().collate_fn(split)
         size = self.per_device_batch_size(self.batch_size)
-        if self.mixup_active and (size % 2 or not self.drop_last):
+        if size % 2 or not self.drop_last:
             raise ValueError(
                 f"Mixup/CutMix mixes each batch with its reverse and needs even batches: the "
                 f"per-device batch is {size} and drop_last={self.drop_last}; use an even size "
                 "and data.drop_last=true"
             )
-        rank, world = self.rank_and_world()
-        dataset = self.datasets["train"]
-        sampler = RepeatedAugSampler(len(dataset), self.repeated_aug, self.seed, rank, world)
-        collate = (
-            MixupCollator(self.mixup_fn(), self.patch_size, self.img_size)
-            if self.mixup_active
-            else self.collate_fn()
-        )
-        return ResumableDataLoader(
-            dataset,
-            batch_size=size,
-            sampler=sampler,
-            drop_last=self.drop_last,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
-            collate_fn=collate,
-            position=self.resumed_batches,
-            generator=torch.Generator().manual_seed(self.seed),
-        )
+        return MixupCollator(self.mixup_fn(), self.patch_size, self.img_size)

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from megalab.data.base import ResumableDataLoader, SequenceDataModule, ShardedSampler
+from megalab.data.base import SequenceDataModule, ShardedSampler
 
 log = logging.getLogger(__name__)
 
@@ -583,15 +583,13 @@ class LMStreamDataModule(SequenceDataModule):
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         dataset = self.batches(split)
-        return ResumableDataLoader(
+        # The batches are prepared whole: one per index, no collation.
+        return self.loader(
             dataset,
+            train=train,
             batch_size=None,
             sampler=BatchIndexSampler(len(dataset)),
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            persistent_workers=self.num_workers > 0,
-            position=self.resumed_batches if train else None,
-            generator=torch.Generator().manual_seed(self.seed),
+            collate_fn=None,
         )
 
     def describe(self) -> str:
