@@ -38,7 +38,9 @@ def test_enwik8_drop_newlines_and_cache_keyed_by_settings(tmp_path: Path) -> Non
     kept, dropped = tokens(keep), tokens(drop)
     assert (kept["train"] == 10).sum() > 0 and (dropped["train"] == 10).sum() == 0
     np.testing.assert_array_equal(dropped["train"], kept["train"][kept["train"] != 10])
-    prepared = sorted(p.parent.name for p in (tmp_path / "enwik8" / "prepared").glob("*/meta.json"))
+    prepared = sorted(
+        p.parent.name for p in (tmp_path / "enwik8" / "prepared" / "tokens").glob("*/meta.json")
+    )
     assert len(prepared) == 2, "each preprocessing setting has its own cache"
 
 
@@ -116,6 +118,6 @@ def test_cli_prepares_with_the_data_config(
     )
     out = capsys.readouterr().out
     assert "text8 ready" in out and "train: 24,000 tokens" in out
-    assert list((tmp_path / "text8" / "prepared").glob("*/meta.json"))
+    assert list((tmp_path / "text8" / "prepared" / "tokens").glob("*/meta.json"))
     with pytest.raises(SystemExit, match=r"enwik8\.zip"):
         main(["enwik8", "--root", str(tmp_path)])

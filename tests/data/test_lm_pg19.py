@@ -76,7 +76,7 @@ def test_tokenizer_is_cached_and_unigram_works(
     uni = module(pg19_dir, tokenizer_model="unigram", vocab_size=150, tokenizer_sample_books=3)
     uni.setup()
     assert uni.tokenizer().get_vocab_size() <= 150
-    assert len(list((pg19_dir / "tokenizer").glob("*/tokenizer.json"))) == 2
+    assert len(list((pg19_dir / "prepared" / "tokenizer").glob("*/tokenizer.json"))) == 2
 
 
 def test_tokenizer_from_a_file_and_vocabulary_checks(pg19_dir: Path, tmp_path: Path) -> None:

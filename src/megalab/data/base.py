@@ -218,12 +218,15 @@ class SequenceDataModule(L.LightningDataModule):
         pad_id: int | None = None,
         pairwise: bool = False,
         drop_last: bool = False,
-        cache_dir: str | Path | None = None,
+        cache_root: str | Path | None = None,
     ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
-        # Prepared (tokenised) arrays; a read-only data folder can point this elsewhere.
-        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else self.data_dir / "cache"
+        # Prepared (tokenised, decoded) arrays live in `<cache_root>/<name>/<hash of the
+        # preprocessing settings>`; a read-only data folder can point this elsewhere.
+        self.cache_root = (
+            Path(cache_root).expanduser() if cache_root else self.data_dir / "prepared"
+        )
         self.spec = DataSpec(
             max_len=max_len,
             vocab_size=vocab_size,

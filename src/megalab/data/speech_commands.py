@@ -404,7 +404,7 @@ class SpeechCommandsDataModule(SequenceDataModule):
             "sample_rate": self.sample_rate,
             "files": files_digest(self.raw_dir, clips),
         }
-        return dl.cache_dir(self.data_dir / "prepared", "waveforms", params, version=_CACHE_VERSION)
+        return dl.cache_dir(self.cache_root, "waveforms", params, version=_CACHE_VERSION)
 
     # -- Lightning ------------------------------------------------------------------------------
     def prepare_data(self) -> None:

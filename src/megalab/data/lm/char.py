@@ -113,7 +113,7 @@ class CharLMDataModule(LMStreamDataModule):
 
     def prepare_data(self) -> None:
         download(self.url, self.archive, sha256=self.sha256, dataset=self.name)
-        cache = cache_dir(self.data_dir, "prepared", self.params())
+        cache = cache_dir(self.cache_root, "tokens", self.params())
         if prepared(cache):
             return
         log.info("%s: preparing %s into %s", self.name, self.archive, cache)
@@ -131,7 +131,7 @@ class CharLMDataModule(LMStreamDataModule):
     def load_streams(self) -> dict[str, TokenStream]:
         if not self.archive.exists():
             self.prepare_data()
-        cache = cache_dir(self.data_dir, "prepared", self.params())
+        cache = cache_dir(self.cache_root, "tokens", self.params())
         if not prepared(cache):
             self.prepare_data()
         return load_streams(cache)

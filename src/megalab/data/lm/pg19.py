@@ -152,7 +152,7 @@ class PG19DataModule(LMStreamDataModule):
             "seed": self.tokenizer_seed,
             "eos": self.eos_token,
         }
-        return cache_dir(self.data_dir, "tokenizer", params) / "tokenizer.json"
+        return cache_dir(self.cache_root, "tokenizer", params) / "tokenizer.json"
 
     def _sample_texts(self) -> tuple[Iterator[str], int]:
         n = self.source.num_rows("train")
@@ -220,7 +220,7 @@ class PG19DataModule(LMStreamDataModule):
         tok = self.tokenizer()
         digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
         params = {"source": self.source.identity(), "tokenizer": digest, "eos": self.eos_token}
-        return cache_dir(self.data_dir, "prepared", params)
+        return cache_dir(self.cache_root, "tokens", params)
 
     def _encode(self, split: str, counts: list[int], with_words: bool):
         """Chunks of (token ids, words per token) for `split`; counts[0] += total words."""

@@ -124,7 +124,7 @@ class WikiText103DataModule(LMStreamDataModule):
         self.known_vocab_size, self.known_train_tokens = known_vocab_size, known_train_tokens
 
     def cache(self) -> Path:
-        return cache_dir(self.data_dir, "prepared", {"source": self.source.identity()})
+        return cache_dir(self.cache_root, "tokens", {"source": self.source.identity()})
 
     def vocabulary(self) -> list[str]:
         """The prepared vocabulary (id = position)."""

@@ -129,7 +129,6 @@ class CIFAR10DataModule(SequenceDataModule):
         hub_id: str = HUB_ID,
         download: bool = True,
         hf_cache_dir: str | None = None,
-        cache_root: str | Path | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("d_input", 1)
@@ -146,7 +145,6 @@ class CIFAR10DataModule(SequenceDataModule):
         self.mean, self.std = mean, std
         self.val_fraction, self.split_seed = val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
-        self.cache_root = Path(cache_root) if cache_root else self.data_dir / "prepared"
 
     def cache_path(self) -> Path:
         params = {"dataset": self.hub_id, "sources": hub_fingerprint(self.data_dir, self.SPLITS)}

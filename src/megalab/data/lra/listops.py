@@ -306,7 +306,7 @@ class ListOpsDataModule(SequenceDataModule):
                 )
         return {
             split: cached_sequences(
-                self.cache_dir,
+                self.cache_root,
                 f"listops_{split}",
                 {**file_key(path), "max_len": self.max_len, "append_eos": True, "vocab": VOCAB},
                 functools.partial(read_listops, path, self.max_len),

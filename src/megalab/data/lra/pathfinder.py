@@ -160,7 +160,6 @@ class PathfinderDataModule(SequenceDataModule):
         generator_samples: int = 200_000,
         generator_seed: int = 0,
         generator_workers: int | None = None,
-        cache_root: str | Path | None = None,
         progress: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -191,7 +190,6 @@ class PathfinderDataModule(SequenceDataModule):
         self.generator_samples = generator_samples
         self.generator_seed = generator_seed
         self.generator_workers = generator_workers
-        self.cache_root = Path(cache_root) if cache_root else self.data_dir / "prepared"
         self.progress = progress
 
     @property

@@ -80,7 +80,6 @@ class AANDataModule(SequenceDataModule):
         max_len: int = 4001,
         append_eos: bool = True,
         prepend_cls: bool = False,
-        cache_root: str | Path | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("vocab_size", VOCAB_SIZE)
@@ -90,7 +89,6 @@ class AANDataModule(SequenceDataModule):
         super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
         _check_spec(self, "LRA Retrieval")
         self.append_eos, self.prepend_cls = append_eos, prepend_cls
-        self.cache_root = Path(cache_root) if cache_root else self.data_dir / "prepared"
         encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
     def files(self) -> dict[str, Path]:

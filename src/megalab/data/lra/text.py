@@ -184,7 +184,6 @@ class IMDBDataModule(SequenceDataModule):
         hub_id: str = HUB_ID,
         download: bool = True,
         hf_cache_dir: str | None = None,
-        cache_root: str | Path | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("vocab_size", VOCAB_SIZE)
@@ -197,7 +196,6 @@ class IMDBDataModule(SequenceDataModule):
         self.append_eos, self.prepend_cls = append_eos, prepend_cls
         self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
-        self.cache_root = Path(cache_root) if cache_root else self.data_dir / "prepared"
         encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
     def cache_path(self) -> Path:
