@@ -3,6 +3,10 @@
 Encoder (bidirectional) or decoder-only (causal), pre- or post-norm, with sinusoidal, learned
 or no absolute positions. It follows the backbone contract: `(B, L, D) -> (B, L, D)`, mask True
 at real tokens, and returns `(y, state)` with `state=None` (the model keeps no memory).
+
+Two options reproduce the Mega authors' fairseq LRA Transformer (`TransformerLRAEncoder`):
+`embed_norm=True` is its `encoder_normalize_before` (a LayerNorm on the input embeddings, in
+front of post-norm layers), and `init="bert"` its `apply_bert_init`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.embedding import INITS, init_bert_params
 from megalab.nn.regularization import DropPath, drop_path_rates
 
 POSITIONS = ("sinusoidal", "learned", "none")
@@ -102,7 +107,12 @@ class TransformerLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """A stack of Transformer layers; `causal=True` makes it a decoder-only language model."""
+    """A stack of Transformer layers; `causal=True` makes it a decoder-only language model.
+
+    `embed_norm` adds a LayerNorm on the embeddings after the positions are added and before
+    the embedding dropout. `init="bert"` redraws every Linear weight and the learned position
+    table from N(0, 0.02) with zero biases (fairseq's `init_bert_params`); norms keep (1, 0).
+    """
 
     def __init__(
         self,
@@ -120,8 +130,12 @@ class Transformer(nn.Module):
         causal: bool = False,
         share_layers: bool = False,
         drop_path: float = 0.0,
+        embed_norm: bool = False,
+        init: str = "default",
     ) -> None:
         super().__init__()
+        if init not in INITS:
+            raise ValueError(f"unknown init {init!r}; choose one of {INITS}")
         if positions not in POSITIONS:
             raise ValueError(f"unknown positions {positions!r}; choose one of {POSITIONS}")
         if positions == "learned" and not max_len:
@@ -159,7 +173,11 @@ class Transformer(nn.Module):
             [shared if shared is not None else make(rates[i]) for i in range(num_layers)]
         )
         self.final_norm = nn.LayerNorm(d_model) if prenorm else None
+        self.embed_norm = nn.LayerNorm(d_model) if embed_norm else None
         self.dropout = nn.Dropout(dropout)
+        if init == "bert":
+            # After every submodule exists, as fairseq applies it once the model is built.
+            self.apply(init_bert_params)
 
     @property
     def max_len(self) -> int | None:
@@ -180,6 +198,10 @@ class Transformer(nn.Module):
             x = x + sinusoidal_positions(L, self.d_model, x.device, x.dtype)
         elif self.pos_embedding is not None:
             x = x + self.pos_embedding.weight[:L].to(x.dtype)
+        # fairseq's TransformerLRAEncoder.forward: embed_scale -> + positions ->
+        # emb_layer_norm -> dropout, so the norm sees the positions and precedes the dropout.
+        if self.embed_norm is not None:
+            x = self.embed_norm(x)
         x = self.dropout(x)
         attn_mask = None
         if mask is not None and not bool(mask.all()):

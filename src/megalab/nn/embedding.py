@@ -2,7 +2,8 @@
 
 Token inputs use `TokenEmbedding`; real-valued features (pixels, audio, image patches) use
 `FeatureEmbedding`. Both zero the features at padded positions so that nothing a backbone
-computes can depend on pad content.
+computes can depend on pad content. `init_bert_params` is fairseq's BERT initialisation, shared
+with the Transformer backbone (`init="bert"`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,34 @@ import math
 import torch
 from torch import Tensor, nn
 
+INITS = ("default", "bert")
+BERT_STD = 0.02
+
+
+def init_bert_params(module: nn.Module) -> None:
+    """fairseq's `init_bert_params`, for `Module.apply`: every `nn.Linear` weight and every
+    `nn.Embedding` table ~ N(0, 0.02), Linear biases and an embedding's padding row zero.
+
+    Other modules (norms, fairseq's RealNumberEmbedding) keep their own initialisation. It is
+    what the fairseq LRA Transformer archs with `apply_bert_init=True` (ListOps, Text) use.
+    """
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, mean=0.0, std=BERT_STD)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, mean=0.0, std=BERT_STD)
+        if module.padding_idx is not None:
+            with torch.no_grad():
+                module.weight[module.padding_idx].zero_()
+
 
 class TokenEmbedding(nn.Module):
     """Token embedding with the Mega-family initialisation.
 
     The authors' LRA encoders draw the table from N(0, d^-1/2) and do not scale the output;
-    their language models scale by sqrt(d) (`scale=True`).
+    their language models scale by sqrt(d) (`scale=True`). `init="bert"` redraws the table as
+    fairseq's `init_bert_params` does: N(0, 0.02) with a zero padding row.
     """
 
     def __init__(
@@ -28,8 +51,13 @@ class TokenEmbedding(nn.Module):
         init_std: float | None = None,
         scale: bool = False,
         dropout: float = 0.0,
+        init: str = "default",
     ) -> None:
         super().__init__()
+        if init not in INITS:
+            raise ValueError(f"TokenEmbedding init must be one of {INITS}, got {init!r}")
+        if init == "bert" and init_std is not None:
+            raise ValueError("init='bert' fixes the embedding std at 0.02: leave init_std unset")
         if vocab_size is None or vocab_size <= 0:
             raise ValueError(
                 f"TokenEmbedding needs a positive vocab_size, got {vocab_size!r}: token inputs "
@@ -41,6 +69,8 @@ class TokenEmbedding(nn.Module):
         self.embed_scale = math.sqrt(d_model) if scale else 1.0
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=init_std or d_model**-0.5)
+        if init == "bert":
+            init_bert_params(self.embedding)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -61,11 +91,18 @@ class FeatureEmbedding(nn.Module):
     """Linear map of real-valued features (B, L, C) to (B, L, D).
 
     `init="mega"` is the authors' RealNumberEmbedding for C = 1 (x·w + b with w ~ N(0, 1) and
-    b ~ N(0, 0.1)); `init="default"` keeps PyTorch's Linear initialisation.
+    b ~ N(0, 0.1)); `init="default"` keeps PyTorch's Linear initialisation. `scale=True`
+    multiplies the output by sqrt(d_model), as fairseq's LRA Transformer encoder does to every
+    input embedding (pixels included) when its positions are sinusoidal.
     """
 
     def __init__(
-        self, d_input: int, d_model: int, init: str = "default", dropout: float = 0.0
+        self,
+        d_input: int,
+        d_model: int,
+        init: str = "default",
+        dropout: float = 0.0,
+        scale: bool = False,
     ) -> None:
         super().__init__()
         if d_input is None or d_input <= 0:
@@ -81,6 +118,7 @@ class FeatureEmbedding(nn.Module):
         if init == "mega":
             nn.init.normal_(self.proj.weight, mean=0.0, std=1.0)
             nn.init.normal_(self.proj.bias, mean=0.0, std=0.1)
+        self.embed_scale = math.sqrt(d_model) if scale else 1.0
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, features: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -92,7 +130,7 @@ class FeatureEmbedding(nn.Module):
             )
         if features.dim() == 2:
             features = features.unsqueeze(-1)
-        x = self.dropout(self.proj(features.to(self.proj.weight.dtype)))
+        x = self.dropout(self.proj(features.to(self.proj.weight.dtype)) * self.embed_scale)
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
         return x
@@ -102,7 +140,10 @@ class SequenceEncoder(nn.Module):
     """Picks a token or feature embedding from the data spec, so one model config fits any data.
 
     Exactly one of `vocab_size` (token inputs) and `d_input` (real-valued inputs) is set by the
-    data config; `token_init_std`/`token_scale` and `feature_init` carry the model's choices.
+    data config; `token_init_std`/`token_scale`, `feature_init`/`feature_scale` and `init` carry
+    the model's choices. `init="bert"` is fairseq's `apply_bert_init` for the token table
+    (N(0, 0.02), zero padding row); real-valued inputs keep `feature_init`, because fairseq's
+    RealNumberEmbedding is neither a Linear nor an Embedding and `init_bert_params` skips it.
     """
 
     def __init__(
@@ -115,8 +156,12 @@ class SequenceEncoder(nn.Module):
         token_scale: bool = False,
         feature_init: str = "default",
         dropout: float = 0.0,
+        feature_scale: bool = False,
+        init: str = "default",
     ) -> None:
         super().__init__()
+        if init not in INITS:
+            raise ValueError(f"SequenceEncoder init must be one of {INITS}, got {init!r}")
         if (vocab_size is None) == (d_input is None):
             raise ValueError(
                 "SequenceEncoder needs exactly one of vocab_size (token data) and d_input "
@@ -132,9 +177,12 @@ class SequenceEncoder(nn.Module):
                 init_std=token_init_std,
                 scale=token_scale,
                 dropout=dropout,
+                init=init,
             )
         else:
-            self.embed = FeatureEmbedding(d_input, d_model, init=feature_init, dropout=dropout)
+            self.embed = FeatureEmbedding(
+                d_input, d_model, init=feature_init, dropout=dropout, scale=feature_scale
+            )
 
     def forward(self, inputs: Tensor, mask: Tensor | None = None) -> Tensor:
         """(B, L) tokens or (B, L, C) features -> (B, L, D)."""
