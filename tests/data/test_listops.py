@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from megalab.data.lra.listops import (
+    CLS_ID,
     EOS_ID,
     PAD_ID,
     VOCAB,
     ListOpsDataModule,
     ListOpsFormatError,
     ListOpsSettings,
+    encode_tokens,
     generate_listops,
     read_listops,
 )
@@ -190,3 +194,68 @@ def test_missing_files_without_generation_is_a_clear_error(tmp_path: Path) -> No
     dm = ListOpsDataModule(tmp_path / "nowhere", generate_if_missing=False)
     with pytest.raises(FileNotFoundError, match="megalab-data listops"):
         dm.prepare_data()
+
+
+def test_prepend_cls_starts_every_sequence_with_cls(generated: Path) -> None:
+    assert CLS_ID == 19 and VOCAB[CLS_ID] == "<CLS>"
+    plain = read_listops(generated / "basic_val.tsv")
+    with_cls = read_listops(generated / "basic_val.tsv", prepend_cls=True)
+    assert len(with_cls) == len(plain)
+    for i in range(len(plain)):
+        a, b = plain[i]["inputs"].numpy(), with_cls[i]["inputs"].numpy()
+        assert b[0] == CLS_ID and b[-1] == EOS_ID and len(b) == len(a) + 1
+        np.testing.assert_array_equal(b[1:], a)
+        assert (b[1:] != CLS_ID).all()
+    # truncation keeps <CLS> and EOS and cuts the expression: max_len counts both
+    short = read_listops(generated / "basic_val.tsv", max_len=8, prepend_cls=True)
+    assert short.lengths().max() == 8
+    ids = short[0]["inputs"].numpy()
+    assert ids[0] == CLS_ID and ids[-1] == EOS_ID
+    np.testing.assert_array_equal(ids[1:-1], plain[0]["inputs"].numpy()[:6])
+
+
+def test_encode_tokens_layout_and_limits() -> None:
+    ids = np.arange(4, 14)
+    assert encode_tokens(ids, 2002, prepend_cls=True).tolist() == [CLS_ID, *range(4, 14), EOS_ID]
+    assert encode_tokens(ids, 5, prepend_cls=True).tolist() == [CLS_ID, 4, 5, 6, EOS_ID]
+    assert encode_tokens(ids, 5).tolist() == [4, 5, 6, 7, EOS_ID]
+    assert encode_tokens(ids, 5, append_eos=False).tolist() == [4, 5, 6, 7, 8]
+    # the published bound: 2000 tokens + EOS + <CLS> = max_positions 2002, nothing cut
+    full = encode_tokens(np.full(2000, 5), 2002, prepend_cls=True)
+    assert len(full) == 2002 and full[0] == CLS_ID and full[-1] == EOS_ID
+    with pytest.raises(ValueError, match="leaves no room"):
+        encode_tokens(ids, 2, prepend_cls=True)
+
+
+def test_datamodule_prepend_cls_batches_and_cache_key(tmp_path: Path) -> None:
+    kwargs = dict(
+        batch_size=4,
+        num_train=16,
+        num_val=4,
+        num_test=4,
+        min_length=10,
+        max_length=40,
+        max_depth=3,
+        max_args=3,
+        generator_workers=1,
+    )
+    plain = ListOpsDataModule(tmp_path / "listops", **kwargs)
+    plain.prepare_data()
+    plain.setup("fit")
+    dm = ListOpsDataModule(tmp_path / "listops", prepend_cls=True, **kwargs)
+    dm.setup("fit")  # same files, max_len and cache root: must not reuse the cache without <CLS>
+    batch = next(iter(dm.val_dataloader()))
+    lengths = batch["mask"].sum(1)
+    assert (batch["inputs"][:, 0] == CLS_ID).all()
+    for row, n in zip(batch["inputs"], lengths, strict=True):
+        assert row[n - 1] == EOS_ID and (row[n:] == PAD_ID).all()
+    ref = next(iter(plain.val_dataloader()))
+    torch.testing.assert_close(lengths, ref["mask"].sum(1) + 1)
+    assert (ref["inputs"][:, 0] != CLS_ID).all()
+    keys = [
+        json.loads(d.joinpath("params.json").read_text())["params"]
+        for d in (Path(dm.cache_root) / "listops_val").iterdir()
+    ]
+    assert sorted(k["prepend_cls"] for k in keys) == [False, True]
+    with pytest.raises(ValueError, match="leaves no room"):
+        ListOpsDataModule(tmp_path / "listops", max_len=2, prepend_cls=True)

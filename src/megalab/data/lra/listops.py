@@ -4,6 +4,11 @@ Files are the LRA release's `basic_{train,val,test}.tsv` with a `Source`/`Target
 they are missing, `prepare_data` generates them with the published LRA procedure (operators
 MIN, MAX, MED, SM; depth <= 10; <= 10 arguments; 500-2000 tokens; value probability 0.25;
 96K/2K/2K samples). A user with the official release points `data_dir` at it instead.
+
+Each sequence ends with EOS, as fairseq-preprocess appends it. `prepend_cls=True` starts it with
+`<CLS>` (id 19), as the authors' `lra-text` task does for the fairseq Transformer baseline, whose
+sentence representation is that token (`sen_rep_type='cls'`); its `max_positions` 2002 is
+<CLS> + 2000 tokens + EOS.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 SYMBOLS = (*VALUES, END, *OPERATORS)
 VOCAB = (*SPECIALS, *SYMBOLS, "<CLS>")
 PAD_ID, EOS_ID = 1, 2
+CLS_ID = len(VOCAB) - 1
 TOKEN_TO_ID = {tok: i for i, tok in enumerate(VOCAB)}
 
 
@@ -189,9 +195,35 @@ def tokenize(source: str) -> np.ndarray | None:
     return None if (ids < 0).any() else ids
 
 
-def read_listops(path: str | Path, max_len: int = 2001, append_eos: bool = True) -> TokenSequences:
+def encode_tokens(
+    ids: np.ndarray, max_len: int, append_eos: bool = True, prepend_cls: bool = False
+) -> np.ndarray:
+    """[<CLS>] + the first tokens + [</s>], at most `max_len` in all.
+
+    fairseq prepends <CLS> and then keeps the first `max_positions` tokens, which would drop
+    the EOS of an over-long sequence; like the Text and Retrieval modules, this truncates the
+    expression instead and keeps EOS. Both agree whenever the sequence fits (the published
+    data: at most 2000 tokens + EOS + <CLS> = 2002).
+    """
+    room = max_len - int(append_eos) - int(prepend_cls)
+    if room < 1:
+        raise ValueError(
+            f"max_len={max_len} leaves no room for tokens "
+            f"(append_eos={append_eos}, prepend_cls={prepend_cls})"
+        )
+    head = [CLS_ID] if prepend_cls else []
+    tail = [EOS_ID] if append_eos else []
+    return np.concatenate(
+        [np.asarray(head, np.int64), np.asarray(ids[:room], np.int64), np.asarray(tail, np.int64)]
+    )
+
+
+def read_listops(
+    path: str | Path, max_len: int = 2001, append_eos: bool = True, prepend_cls: bool = False
+) -> TokenSequences:
     """Read one LRA ListOps TSV into token sequences; errors name the file, line and problem."""
     path = Path(path)
+    encode_tokens(np.zeros(0, np.int64), max_len, append_eos, prepend_cls)  # fail early
     all_ids, offsets, labels = [], [0], []
     with path.open(newline="") as f:
         reader = csv.reader(f, delimiter="\t")
@@ -229,10 +261,7 @@ def read_listops(path: str | Path, max_len: int = 2001, append_eos: bool = True)
                 raise ListOpsFormatError(
                     f"{path}:{lineno}: unknown token {bad!r}; ListOps uses {' '.join(SYMBOLS)}"
                 )
-            if append_eos:
-                ids = np.append(ids[: max_len - 1], EOS_ID)
-            else:
-                ids = ids[:max_len]
+            ids = encode_tokens(ids, max_len, append_eos, prepend_cls)
             all_ids.append(ids)
             offsets.append(offsets[-1] + len(ids))
             labels.append(label)
@@ -241,7 +270,11 @@ def read_listops(path: str | Path, max_len: int = 2001, append_eos: bool = True)
 
 
 class ListOpsDataModule(SequenceDataModule):
-    """LRA ListOps: 10-way classification of nested list-operation expressions."""
+    """LRA ListOps: 10-way classification of nested list-operation expressions.
+
+    `max_len` counts every token, EOS and (with `prepend_cls`) <CLS> included: 2001 for Mega,
+    2002 for the fairseq Transformer baseline, which pools the prepended <CLS>.
+    """
 
     def __init__(
         self,
@@ -257,6 +290,7 @@ class ListOpsDataModule(SequenceDataModule):
         max_args: int = 10,
         generator_seed: int = 0,
         generator_workers: int = 2,
+        prepend_cls: bool = False,
         **kwargs,
     ) -> None:
         kwargs.setdefault("vocab_size", len(VOCAB))
@@ -267,6 +301,8 @@ class ListOpsDataModule(SequenceDataModule):
             raise ValueError(f"ListOps has vocab_size {len(VOCAB)}, config says {self.vocab_size}")
         if self.spec.num_classes != NUM_CLASSES:
             raise ValueError(f"ListOps has {NUM_CLASSES} classes, config says {self.num_classes}")
+        self.prepend_cls = prepend_cls
+        encode_tokens(np.zeros(0, np.int64), self.max_len, True, prepend_cls)  # fail early
         self.generate_if_missing = generate_if_missing
         self.sizes = (num_train, num_val, num_test)
         self.settings = ListOpsSettings(max_depth, max_args, min_length, max_length)
@@ -308,8 +344,14 @@ class ListOpsDataModule(SequenceDataModule):
             split: cached_sequences(
                 self.cache_root,
                 f"listops_{split}",
-                {**file_key(path), "max_len": self.max_len, "append_eos": True, "vocab": VOCAB},
-                functools.partial(read_listops, path, self.max_len),
+                {
+                    **file_key(path),
+                    "max_len": self.max_len,
+                    "append_eos": True,
+                    "prepend_cls": self.prepend_cls,
+                    "vocab": VOCAB,
+                },
+                functools.partial(read_listops, path, self.max_len, prepend_cls=self.prepend_cls),
             )
             for split, path in self.files().items()
         }
