@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from megalab.models.transformer import Transformer
-from megalab.nn.embedding import SequenceEncoder
+from megalab.nn.embedding import FeatureEmbedding, SequenceEncoder, init_bert_params
 from megalab.nn.heads import ClassificationHead, masked_mean, pool
 from megalab.tasks import ClassificationTask, RetrievalTask
 from megalab.tasks.base import NonFiniteLossError
@@ -118,3 +118,80 @@ def test_encoder_checks_input_kind() -> None:
     with pytest.raises(TypeError, match="FeatureEmbedding"):
         tok(torch.randn(2, 5))
     assert isinstance(tok.embed.embedding, nn.Embedding)
+
+
+def test_encoder_bert_init_draws_the_token_table_with_a_zero_padding_row() -> None:
+    torch.manual_seed(0)
+    enc = SequenceEncoder(64, vocab_size=300, pad_id=1, init="bert")
+    table = enc.embed.embedding.weight
+    assert (table[1] == 0).all()
+    rest = torch.cat([table[:1], table[2:]])
+    assert rest.std().item() == pytest.approx(0.02, rel=0.05) and abs(rest.mean().item()) < 0.002
+    # the default is the authors' N(0, d^-1/2) table
+    default = SequenceEncoder(64, vocab_size=300, pad_id=1).embed.embedding.weight
+    assert default.std().item() == pytest.approx(64**-0.5, rel=0.05)
+    # real-valued inputs keep `feature_init` (fairseq's init_bert_params skips RealNumberEmbedding)
+    torch.manual_seed(0)
+    feat = SequenceEncoder(64, d_input=1, feature_init="mega", init="bert").embed.proj
+    torch.manual_seed(0)
+    ref = SequenceEncoder(64, d_input=1, feature_init="mega").embed.proj
+    torch.testing.assert_close(feat.weight, ref.weight)
+    torch.testing.assert_close(feat.bias, ref.bias)
+    with pytest.raises(ValueError, match="init must be one of"):
+        SequenceEncoder(8, vocab_size=5, init="xavier")
+    with pytest.raises(ValueError, match="leave init_std unset"):
+        SequenceEncoder(8, vocab_size=5, token_init_std=0.1, init="bert")
+
+
+def test_init_bert_params_touches_only_linears_and_embeddings() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(50, 400), nn.LayerNorm(400), nn.Embedding(40, 400, 3))
+    with torch.no_grad():
+        net[1].weight.fill_(2.0)
+    net.apply(init_bert_params)
+    assert net[0].weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert (net[0].bias == 0).all()
+    assert (net[1].weight == 2.0).all()  # norms are left alone
+    assert (net[2].weight[3] == 0).all()
+    assert net[2].weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_feature_scale_multiplies_the_pixel_embedding_by_sqrt_d() -> None:
+    x = torch.randn(2, 7)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 5:] = False
+    torch.manual_seed(0)
+    plain = SequenceEncoder(16, d_input=1, feature_init="mega")
+    torch.manual_seed(0)
+    scaled = SequenceEncoder(16, d_input=1, feature_init="mega", feature_scale=True)
+    torch.testing.assert_close(scaled(x, mask), 4.0 * plain(x, mask))
+    assert (scaled(x, mask)[1, 5:] == 0).all()
+    assert FeatureEmbedding(1, 16).embed_scale == 1.0  # off by default
+
+
+# What each fairseq LRA Transformer arch sets (reference/mega-code.md §2.2 and the arch code):
+# apply_bert_init, sentence representation ('cls' reads a prepended <CLS>) and, for pixel
+# inputs, the sqrt(D) embedding scale; every one of them has `encoder_normalize_before`.
+LRA_ARCHS = {
+    "lra_listops": ("bert", "first", True, False),
+    "lra_text": ("bert", "first", True, False),
+    "lra_retrieval": ("default", "first", True, False),
+    "lra_image": ("default", "mean", False, True),
+    "lra_pathfinder": ("default", "mean", False, True),
+    "lra_pathx": ("default", "mean", False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LRA_ARCHS))
+def test_transformer_lra_configs_follow_the_fairseq_archs(compose_cfg, name: str) -> None:
+    init, pooling, cls, pixel_scale = LRA_ARCHS[name]
+    cfg = compose_cfg(f"experiment=transformer/{name}")
+    model = cfg.model
+    assert model.encoder.init == model.backbone.init == init
+    assert model.backbone.embed_norm is True and model.backbone.prenorm is False
+    assert cfg.task.pooling == pooling
+    assert bool(cfg.data.get("prepend_cls", False)) is cls
+    assert bool(model.encoder.get("feature_scale")) is pixel_scale
+    assert bool(model.encoder.get("token_scale")) is not pixel_scale
+    if name == "lra_listops":
+        assert cfg.data.max_len == 2002 and model.backbone.share_layers is True
