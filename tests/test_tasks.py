@@ -36,6 +36,11 @@ def test_classification_head_is_the_authors_classifier() -> None:
     assert ClassificationHead(8, 0, 3).fc2.bias is not None
     with pytest.raises(ValueError, match="num_classes"):
         ClassificationHead(8, 16, 1)
+    torch.manual_seed(0)
+    bert = ClassificationHead(512, 1024, 10, init="bert")
+    assert abs(bert.fc1.weight.std().item() - 0.02) < 1e-3 and (bert.fc1.bias == 0).all()
+    with pytest.raises(ValueError, match="unknown head init"):
+        ClassificationHead(8, 16, 3, init="kaiming")
 
 
 def _parts(vocab: int = 12, d: int = 8):

@@ -37,7 +37,8 @@ class ClassificationHead(nn.Module):
     """The Mega-family classifier: act(dropout(fc1(x))) -> fc2 without bias, xavier init.
 
     With `d_hidden=0` it is a single linear layer with a zero-initialised bias (the mega-image
-    head), also xavier-initialised.
+    head), also xavier-initialised. `init="bert"` draws both layers from N(0, 0.02) with zero
+    biases, as fairseq's BERT initialisation of the LRA Transformer baselines.
     """
 
     def __init__(
@@ -47,8 +48,11 @@ class ClassificationHead(nn.Module):
         num_classes: int,
         dropout: float = 0.0,
         activation: str = "gelu",
+        init: str = "xavier",
     ) -> None:
         super().__init__()
+        if init not in ("xavier", "bert"):
+            raise ValueError(f"unknown head init {init!r}; choose 'xavier' or 'bert'")
         if num_classes is None or num_classes < 2:
             raise ValueError(f"ClassificationHead needs num_classes >= 2, got {num_classes!r}")
         if activation not in ("gelu", "relu", "silu", "tanh"):
@@ -65,6 +69,13 @@ class ClassificationHead(nn.Module):
             self.fc2 = nn.Linear(d_in, num_classes)
             nn.init.xavier_uniform_(self.fc2.weight)
             nn.init.zeros_(self.fc2.bias)
+        if init == "bert":
+            # fairseq's init_bert_params, applied by its LRA Transformer to the whole model
+            for layer in (self.fc1, self.fc2):
+                if layer is not None:
+                    nn.init.normal_(layer.weight, std=0.02)
+                    if layer.bias is not None:
+                        nn.init.zeros_(layer.bias)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
