@@ -79,20 +79,15 @@ def _lra(args: argparse.Namespace) -> None:
 
 def _hub(args: argparse.Namespace) -> None:
     from megalab.data.download import DatasetMissingError
-    from megalab.data.lra.release import require_hub_dataset
+    from megalab.data.lra import image, text
 
+    hub_dataset = {"imdb": text.hub_dataset, "cifar10": image.hub_dataset}[args.command]
+    source = hub_dataset(args.out, args.hub_id)
     try:
-        require_hub_dataset(
-            args.hub_id,
-            args.out,
-            ("train", "test"),
-            dataset=args.hub_id,
-            cache_dir=args.cache_dir,
-            command=f"megalab-data {args.command} --out {args.out}",
-        )
+        source.require(cache_dir=args.cache_dir)
     except DatasetMissingError as e:
         raise SystemExit(str(e)) from None
-    print(f"{args.hub_id} (train, test) in {args.out}")
+    print(f"{args.hub_id} ({', '.join(source.splits)}) in {args.out}")
 
 
 def _sc10(args: argparse.Namespace) -> None:
@@ -228,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in (
         ("enwik8", "download and prepare enwik8 (bytes, 90M/5M/5M)"),
         ("text8", "download and prepare text8 (27 characters, 90M/5M/5M)"),
-        ("wikitext103", "prepare WikiText-103 (words) from local parquet shards or the Hub"),
-        ("pg19", "prepare PG-19 from local parquet shards or the Hub; train its tokenizer"),
+        ("wikitext103", "prepare WikiText-103 (words) from local parquet (fetched if missing)"),
+        ("pg19", "prepare PG-19 from local parquet (fetched if missing); train its tokenizer"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--root", default="data", help="data root (paths.data_dir)")

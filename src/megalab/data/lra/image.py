@@ -36,12 +36,8 @@ from torch.utils.data import Dataset
 
 from megalab.data.base import SequenceDataModule
 from megalab.data.download import cache_dir, mark_prepared, prepared
-from megalab.data.lra.release import (
-    LRAFormatError,
-    hub_fingerprint,
-    read_hub_split,
-    require_hub_dataset,
-)
+from megalab.data.hub import HubDataset
+from megalab.data.lra.release import LRAFormatError
 from megalab.data.lra.text import fresh_cache
 
 log = logging.getLogger(__name__)
@@ -51,6 +47,20 @@ NUM_CLASSES = 10
 SIDE = 32
 MEAN, STD = 0.48, 0.24
 _CACHE_VERSION = 1
+
+
+def hub_dataset(data_dir: str | Path, hub_id: str = HUB_ID) -> HubDataset:
+    """CIFAR-10's train and test splits (``img``, ``label``) in ``<data_dir>/plain_text/``."""
+    return HubDataset(
+        name="LRA Image (CIFAR-10)",
+        repo=hub_id,
+        local_dir=Path(data_dir),
+        columns=("img", "label"),
+        splits=("train", "test"),
+        fetch_dir="plain_text",
+        command=f"megalab-data cifar10 --out {data_dir}",
+        format_error=LRAFormatError,
+    )
 
 
 def random_split_indices(n: int, lengths: Sequence[int], seed: int) -> list[np.ndarray]:
@@ -116,8 +126,6 @@ def decode_gray(data: bytes, side: int, where: str) -> np.ndarray:
 class CIFAR10DataModule(SequenceDataModule):
     """LRA Image: 10-way classification of grayscale CIFAR-10 as 1024-pixel sequences."""
 
-    SPLITS = ("train", "test")
-
     def __init__(
         self,
         data_dir: str | Path,
@@ -145,28 +153,21 @@ class CIFAR10DataModule(SequenceDataModule):
         self.mean, self.std = mean, std
         self.val_fraction, self.split_seed = val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
+        self.source = hub_dataset(self.data_dir, hub_id)
 
     def cache_path(self) -> Path:
-        params = {"dataset": self.hub_id, "sources": hub_fingerprint(self.data_dir, self.SPLITS)}
+        params = {"dataset": self.hub_id, "sources": self.source.fingerprint()}
         return cache_dir(self.cache_root, "cifar10", params, version=_CACHE_VERSION)
 
     def prepare_data(self) -> None:
-        require_hub_dataset(
-            self.hub_id,
-            self.data_dir,
-            self.SPLITS,
-            dataset="LRA Image (CIFAR-10)",
-            download=self.download,
-            cache_dir=self.hf_cache_dir,
-            command=f"megalab-data cifar10 --out {self.data_dir}",
-        )
+        self.source.require(download=self.download, cache_dir=self.hf_cache_dir)
         cache = self.cache_path()
         if prepared(cache):
             return
         fresh_cache(cache)
         sizes = {}
-        for split in self.SPLITS:
-            table = read_hub_split(self.data_dir, split, ["img", "label"], hub_id=self.hub_id)
+        for split in self.source.splits:
+            table = self.source.table(split)
             images = table.column("img").to_pylist()
             labels = table.column("label").to_pylist()
             pixels = np.empty((len(images), SIDE * SIDE), dtype=np.uint8)
@@ -187,9 +188,9 @@ class CIFAR10DataModule(SequenceDataModule):
         log.info("CIFAR-10 pixels prepared in %s (%s)", cache, sizes)
 
     def build_datasets(self) -> dict[str, PixelSequences]:
+        if not prepared(self.cache_path()):
+            self.prepare_data()  # may fetch the sources, which changes the cache key
         cache = self.cache_path()
-        if not prepared(cache):
-            self.prepare_data()
         load = lambda name: np.load(cache / name, mmap_mode="r")  # noqa: E731
         train_px, train_y = load("train.pixels.npy"), load("train.labels.npy")
         n = len(train_y)

@@ -22,7 +22,8 @@ expected files must be present. The archive's members sit below ``lra_release/``
 copies most tools describe, below a nested ``lra_release/lra_release/``; both are searched.
 
 The Hub datasets are stored as the Hub stores them (parquet shards under ``plain_text/``, with
-the Hub's column names and types); a ``save_to_disk`` folder works too.
+the Hub's column names and types); a ``save_to_disk`` folder works too. They are fetched and read
+by :mod:`megalab.data.hub` (see ``hub_dataset`` in :mod:`megalab.data.lra.text` and ``image``).
 """
 
 from __future__ import annotations
@@ -31,18 +32,11 @@ import logging
 import os
 import shutil
 import tarfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from megalab.data.download import (
-    DatasetMissingError,
-    download,
-    extract,
-    is_offline,
-    require_files,
-)
+from megalab.data.download import download, extract
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +45,7 @@ __all__ = [
     "RELEASE_TASKS",
     "RELEASE_URL",
     "LRAFormatError",
-    "fetch_hub_dataset",
-    "hub_files",
-    "hub_fingerprint",
     "prepare_release",
-    "read_hub_split",
-    "require_hub_dataset",
 ]
 
 RELEASE_URL = "https://storage.googleapis.com/long-range-arena/lra_release.gz"
@@ -240,159 +229,3 @@ def data_root_of(data_dir: Path, depth: int) -> Path | None:
     if len(parents) > depth and parents[depth - 1].name == "lra":
         return parents[depth]
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# Hugging Face Hub datasets (IMDB, CIFAR-10)
-# ---------------------------------------------------------------------------------------------
-_HUB_DIRS = ("plain_text", "data", ".")
-
-
-def hub_files(data_dir: str | os.PathLike[str], split: str) -> list[Path]:
-    """Parquet shards of ``split`` in a Hub-style local copy (``plain_text/<split>-*.parquet``)."""
-    base = Path(data_dir).expanduser()
-    for sub in _HUB_DIRS:
-        files = sorted((base / sub).glob(f"{split}-*.parquet"))
-        if files:
-            return files
-    return []
-
-
-def _saved_dataset(data_dir: Path) -> bool:
-    return (data_dir / "dataset_dict.json").is_file()
-
-
-def has_hub_copy(data_dir: str | os.PathLike[str], splits: Sequence[str]) -> bool:
-    """Whether ``data_dir`` holds every split (parquet shards or a ``save_to_disk`` folder)."""
-    base = Path(data_dir).expanduser()
-    if _saved_dataset(base):
-        return True
-    return all(hub_files(base, s) for s in splits)
-
-
-def hub_fingerprint(data_dir: str | os.PathLike[str], splits: Sequence[str]) -> list[Any]:
-    """Names, sizes and times of the source files, so changed sources re-prepare caches."""
-    base = Path(data_dir).expanduser().absolute()
-    if all(hub_files(base, s) for s in splits):
-        files = [f for s in splits for f in hub_files(base, s)]
-    else:
-        files = sorted(p for p in base.rglob("*") if p.is_file() and "prepared" not in p.parts)
-    return [[str(f.relative_to(base)), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-
-
-def read_hub_split(
-    data_dir: str | os.PathLike[str], split: str, columns: Sequence[str], *, hub_id: str
-) -> Any:
-    """One split of a local Hub copy as a ``pyarrow.Table`` with ``columns``.
-
-    Reads parquet shards (the Hub's storage) or a ``save_to_disk`` folder; a missing column is
-    an :class:`LRAFormatError` naming the file and the columns it has.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    base = Path(data_dir).expanduser()
-    files = hub_files(base, split)
-    if files:
-        tables = []
-        for f in files:
-            names = pq.read_schema(f).names
-            missing = [c for c in columns if c not in names]
-            if missing:
-                raise LRAFormatError(
-                    f"{f}: missing column(s) {missing}; it has {names}. Expected the Hub's "
-                    f"{hub_id} parquet files (columns {list(columns)})"
-                )
-            tables.append(pq.read_table(f, columns=list(columns)))
-        return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    if _saved_dataset(base):
-        import datasets
-
-        dd = datasets.load_from_disk(str(base))
-        if split not in dd:
-            raise LRAFormatError(f"{base}: the saved dataset has no {split!r} split ({list(dd)})")
-        names = dd[split].column_names
-        missing = [c for c in columns if c not in names]
-        if missing:
-            raise LRAFormatError(
-                f"{base} ({split}): missing column(s) {missing}; it has {names}. Expected "
-                f"{hub_id}'s columns {list(columns)}"
-            )
-        return dd[split].select_columns(list(columns)).with_format("arrow")[:]
-    raise FileNotFoundError(f"no {split!r} split in {base}")
-
-
-def fetch_hub_dataset(
-    hub_id: str,
-    data_dir: str | os.PathLike[str],
-    splits: Sequence[str],
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> list[Path]:
-    """Fetch ``hub_id`` with ``datasets.load_dataset`` and store ``splits`` as Hub-style parquet.
-
-    Files go to ``<data_dir>/plain_text/<split>-00000-of-00001.parquet`` (written to a temporary
-    name, then renamed), so later runs read them locally without the Hub.
-    """
-    import datasets
-
-    out = Path(data_dir).expanduser().absolute() / "plain_text"
-    out.mkdir(parents=True, exist_ok=True)
-    dd = datasets.load_dataset(hub_id, cache_dir=None if cache_dir is None else str(cache_dir))
-    written = []
-    for split in splits:
-        if split not in dd:
-            raise LRAFormatError(f"{hub_id} has no {split!r} split (it has {list(dd)})")
-        path = out / f"{split}-00000-of-00001.parquet"
-        tmp = path.with_name(f".{path.name}.tmp")
-        dd[split].to_parquet(str(tmp))
-        os.replace(tmp, path)
-        written.append(path)
-    return written
-
-
-def require_hub_dataset(
-    hub_id: str,
-    data_dir: str | os.PathLike[str],
-    splits: Sequence[str],
-    *,
-    dataset: str,
-    download: bool = True,
-    cache_dir: str | os.PathLike[str] | None = None,
-    command: str | None = None,
-) -> None:
-    """Make sure a local copy of ``hub_id`` exists, fetching it when allowed and online.
-
-    Offline (``HF_HUB_OFFLINE``/``MEGALAB_OFFLINE``), with ``download=False``, or when the Hub
-    cannot be reached, raises :class:`DatasetMissingError` saying what to fetch and where to
-    put it; errors from inside ``datasets`` are summarised in that message, not re-raised.
-    """
-    base = Path(data_dir).expanduser().absolute()
-    if has_hub_copy(base, splits):
-        return
-    expected = [base / "plain_text" / f"{s}-00000-of-00001.parquet" for s in splits]
-    url = f"https://huggingface.co/datasets/{hub_id}"
-    how = [
-        f"Run `{command}` while online," if command else "",
-        f"or copy the Hub's parquet files of {hub_id} ({', '.join(splits)} splits) to the "
-        "paths listed above (or put a `save_to_disk` copy of it in that folder).",
-    ]
-    reason = None
-    if not download:
-        reason = "automatic download is off (data.download=false)"
-    elif is_offline():
-        reason = "offline mode is on (HF_HUB_OFFLINE / MEGALAB_OFFLINE); unset it to download"
-    else:
-        try:
-            log.info("fetching %s from the Hugging Face Hub into %s", hub_id, base)
-            fetch_hub_dataset(hub_id, base, splits, cache_dir=cache_dir)
-            return
-        except LRAFormatError:
-            raise
-        except Exception as e:  # anything from the Hub client means "not available"
-            reason = f"fetching from the Hub failed: {type(e).__name__}: {e}"
-    how_text = "\n".join(line for line in how if line) + (f"\nReason: {reason}" if reason else "")
-    try:
-        require_files(expected, dataset=dataset, how=how_text, url=url, data_dir=base)
-    except DatasetMissingError as e:
-        raise DatasetMissingError(str(e)) from None

@@ -40,12 +40,8 @@ from torch.utils.data import Dataset, Subset
 
 from megalab.data.base import SequenceDataModule, TokenSequences
 from megalab.data.download import cache_dir, mark_prepared, prepared
-from megalab.data.lra.release import (
-    LRAFormatError,
-    hub_fingerprint,
-    read_hub_split,
-    require_hub_dataset,
-)
+from megalab.data.hub import HubDataset
+from megalab.data.lra.release import LRAFormatError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +54,20 @@ NUM_CLASSES = 2
 HUB_ID = "stanfordnlp/imdb"
 _CACHE_VERSION = 1
 _TOKEN_DTYPE = np.int16
+
+
+def hub_dataset(data_dir: str | Path, hub_id: str = HUB_ID) -> HubDataset:
+    """IMDB's train and test splits (``text``, ``label``) in ``<data_dir>/plain_text/``."""
+    return HubDataset(
+        name="LRA Text (IMDB)",
+        repo=hub_id,
+        local_dir=Path(data_dir),
+        columns=("text", "label"),
+        splits=("train", "test"),
+        fetch_dir="plain_text",
+        command=f"megalab-data imdb --out {data_dir}",
+        format_error=LRAFormatError,
+    )
 
 
 def byte_vocab() -> list[str]:
@@ -170,8 +180,6 @@ def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, S
 class IMDBDataModule(SequenceDataModule):
     """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes)."""
 
-    SPLITS = ("train", "test")
-
     def __init__(
         self,
         data_dir: str | Path,
@@ -196,6 +204,7 @@ class IMDBDataModule(SequenceDataModule):
         self.append_eos, self.prepend_cls = append_eos, prepend_cls
         self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
+        self.source = hub_dataset(self.data_dir, hub_id)
         encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
     def cache_path(self) -> Path:
@@ -204,27 +213,19 @@ class IMDBDataModule(SequenceDataModule):
             "max_len": self.max_len,
             "append_eos": self.append_eos,
             "prepend_cls": self.prepend_cls,
-            "sources": hub_fingerprint(self.data_dir, self.SPLITS),
+            "sources": self.source.fingerprint(),
         }
         return cache_dir(self.cache_root, "imdb", params, version=_CACHE_VERSION)
 
     def prepare_data(self) -> None:
-        require_hub_dataset(
-            self.hub_id,
-            self.data_dir,
-            self.SPLITS,
-            dataset="LRA Text (IMDB)",
-            download=self.download,
-            cache_dir=self.hf_cache_dir,
-            command=f"megalab-data imdb --out {self.data_dir}",
-        )
+        self.source.require(download=self.download, cache_dir=self.hf_cache_dir)
         cache = self.cache_path()
         if prepared(cache):
             return
         fresh_cache(cache)
         sizes = {}
-        for split in self.SPLITS:
-            table = read_hub_split(self.data_dir, split, ["text", "label"], hub_id=self.hub_id)
+        for split in self.source.splits:
+            table = self.source.table(split)
             texts = table.column("text").to_pylist()
             labels = table.column("label").to_pylist()
             bad = [i for i, y in enumerate(labels) if y not in (0, 1)]
@@ -246,9 +247,9 @@ class IMDBDataModule(SequenceDataModule):
         log.info("IMDB tokens prepared in %s (%s)", cache, json.dumps(sizes))
 
     def build_datasets(self) -> dict[str, Dataset]:
+        if not prepared(self.cache_path()):
+            self.prepare_data()  # may fetch the sources, which changes the cache key
         cache = self.cache_path()
-        if not prepared(cache):
-            self.prepare_data()
         train = load_token_split(cache, "train")
         test = load_token_split(cache, "test")
         if self.val_source == "test":
