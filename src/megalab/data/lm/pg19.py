@@ -1,9 +1,10 @@
 """PG-19 (Rae et al. 2020): books from Project Gutenberg published before 1919, subword level.
 
 Source: the Hub dataset `deepmind/pg19` (columns `short_book_title`, `publication_date`, `url`,
-`text`; 28,602 / 50 / 100 books), from local Hub-style parquet shards below the data folder or
-from the Hub. Each split is the concatenation of its books (Hub order), each followed by
-`<eos>`, after a leading `<eos>`, so every token is predicted once.
+`text`; 28,602 / 50 / 100 books), from local Hub-style parquet shards below the data folder,
+fetched there from the Hub when missing (`megalab.data.hub`). Each split is the concatenation
+of its books (Hub order), each followed by `<eos>`, after a leading `<eos>`, so every token is
+predicted once.
 
 Tokenizer: by default a byte-level BPE (or a unigram model) trained locally with Hugging Face
 `tokenizers` on the training split, or a seeded sample of its books, with a configurable
@@ -37,7 +38,7 @@ from megalab.data.download import (
     mark_prepared,
     prepared,
 )
-from megalab.data.lm.hub import HubTextSource
+from megalab.data.hub import HubDataset
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -124,14 +125,15 @@ class PG19DataModule(LMStreamDataModule):
             raise ValueError(
                 f"unknown tokenizer_model {tokenizer_model!r}; choose one of {TOKENIZER_MODELS}"
             )
-        self.source = HubTextSource(
-            "PG-19",
-            self.data_dir,
-            hub_name,
-            hub_config,
-            [text_column],
+        self.source = HubDataset(
+            name="PG-19",
+            repo=hub_name,
+            local_dir=self.data_dir,
+            columns=(text_column,),
+            config=hub_config,
             revision=hub_revision,
-            how=f"Or: megalab-data pg19 --root {self.data_dir.parent} (online).",
+            command=f"megalab-data pg19 --root {self.data_dir.parent}",
+            load_per_split=True,
         )
         self.tokenizer_name = tokenizer
         self.tokenizer_model = tokenizer_model
@@ -145,7 +147,7 @@ class PG19DataModule(LMStreamDataModule):
     def tokenizer_path(self) -> Path:
         """Where the trained tokenizer is cached (keyed by the training data and settings)."""
         params = {
-            "source": self.source.identity(),
+            "source": self.source.fingerprint(),
             "model": self.tokenizer_model,
             "vocab_size": self.spec.vocab_size,
             "sample_books": self.tokenizer_sample_books,
@@ -183,11 +185,11 @@ class PG19DataModule(LMStreamDataModule):
                     )
                 tok = Tokenizer.from_pretrained(name)
         else:
+            self.source.require()  # fetches missing splits first: the path is keyed on the files
             path = self.tokenizer_path()
             if path.exists():
                 tok = Tokenizer.from_file(str(path))
             else:
-                self.source.require()
                 texts, n = self._sample_texts()
                 log.info(
                     "PG-19: training a %s tokenizer (vocabulary %d) on %d books",
@@ -219,7 +221,7 @@ class PG19DataModule(LMStreamDataModule):
     def cache(self) -> Path:
         tok = self.tokenizer()
         digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
-        params = {"source": self.source.identity(), "tokenizer": digest, "eos": self.eos_token}
+        params = {"source": self.source.fingerprint(), "tokenizer": digest, "eos": self.eos_token}
         return cache_dir(self.cache_root, "tokens", params)
 
     def _encode(self, split: str, counts: list[int], with_words: bool):
@@ -243,10 +245,10 @@ class PG19DataModule(LMStreamDataModule):
                 yield ids, words
 
     def prepare_data(self) -> None:
+        self.source.require()
         cache = self.cache()
         if prepared(cache):
             return
-        self.source.require()
         tok = self.tokenizer()
         dtype = token_dtype(self.spec.vocab_size)
         meta: dict = {"dataset": "pg19", "vocab_size": tok.get_vocab_size(), "splits": {}}
@@ -281,10 +283,9 @@ class PG19DataModule(LMStreamDataModule):
         mark_prepared(cache, meta)
 
     def load_streams(self) -> dict[str, TokenStream]:
-        cache = self.cache()
-        if not prepared(cache):
+        if not prepared(self.cache()):
             self.prepare_data()
-        return load_streams(cache)
+        return load_streams(self.cache())
 
     def num_words(self, split: str) -> int:
         """Whitespace-separated words of a prepared evaluation split."""

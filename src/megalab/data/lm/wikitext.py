@@ -2,8 +2,9 @@
 
 Source: the Hub dataset `Salesforce/wikitext`, config `wikitext-103-v1` (the tokenised
 `wiki.{train,valid,test}.tokens` files, one row per line), read from local Hub-style parquet
-copies (`<data_dir>/wikitext-103-v1/{train,validation,test}-*.parquet`, column `text`) or from
-the Hub. Preparation follows Transformer-XL's `data_utils.py`:
+copies (`<data_dir>/wikitext-103-v1/{train,validation,test}-*.parquet`, column `text`), fetched
+there from the Hub when missing (`megalab.data.hub`). Preparation follows Transformer-XL's
+`data_utils.py`:
 
 - every line (blank ones too) is split on whitespace and gets `<eos>` appended; a split is the
   concatenation of its lines (103,227,021 / 217,646 / 245,569 tokens);
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from megalab.data.download import cache_dir, mark_prepared, prepared
-from megalab.data.lm.hub import HubTextSource
+from megalab.data.hub import HubDataset
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -112,29 +113,31 @@ class WikiText103DataModule(LMStreamDataModule):
         **kwargs,
     ) -> None:
         super().__init__(data_dir, max_len, vocab_size=vocab_size, **kwargs)
-        self.source = HubTextSource(
-            "WikiText-103",
-            self.data_dir / hub_config,
-            hub_name,
-            hub_config,
-            [text_column],
+        self.source = HubDataset(
+            name="WikiText-103",
+            repo=hub_name,
+            local_dir=self.data_dir / hub_config,
+            columns=(text_column,),
+            config=hub_config,
             revision=hub_revision,
-            how=f"Or: megalab-data wikitext103 --root {self.data_dir.parent} (online).",
+            fetch_dir=".",
+            command=f"megalab-data wikitext103 --root {self.data_dir.parent}",
+            load_per_split=True,
         )
         self.known_vocab_size, self.known_train_tokens = known_vocab_size, known_train_tokens
 
     def cache(self) -> Path:
-        return cache_dir(self.cache_root, "tokens", {"source": self.source.identity()})
+        return cache_dir(self.cache_root, "tokens", {"source": self.source.fingerprint()})
 
     def vocabulary(self) -> list[str]:
         """The prepared vocabulary (id = position)."""
         return (self.cache() / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
 
     def prepare_data(self) -> None:
+        self.source.require()  # fetches missing splits first: the cache is keyed on the files
         cache = self.cache()
         if prepared(cache):
             return
-        self.source.require()
         log.info("WikiText-103: building the vocabulary from the training split")
         vocab, train_tokens = build_vocab(self.source.texts("train", 4096))
         if (
@@ -173,9 +176,9 @@ class WikiText103DataModule(LMStreamDataModule):
         mark_prepared(cache, meta)
 
     def load_streams(self) -> dict[str, TokenStream]:
-        cache = self.cache()
-        if not prepared(cache):
+        if not prepared(self.cache()):
             self.prepare_data()
+        cache = self.cache()
         meta = json.loads((cache / "meta.json").read_text())
         if meta["vocab_size"] != self.spec.vocab_size:
             raise ValueError(
