@@ -56,12 +56,13 @@ clean: ## Remove caches and build artefacts (keeps .venv, data/ and logs/)
 # $(REPRO_ROOT)/<target>/<time>/, then prints the paper-vs-ours table and writes it there as
 # table.md, with the sweep plots. Variables:
 #   SEEDS=5 | SEEDS=1,2,7    number of seeds (1..N) or a list; empty: the sweep file's own
+#                            (default 5, or 1 with SMOKE=1)
 #   SMOKE=1                  2 CPU steps per run on the fixture datasets (megalab-data smoke)
 #   TRAINER=gpu|ddp|cpu      trainer config for every run (default: each experiment's own)
 #   ONLY='experiment=mega/lra_listops,mega/lra_text'   restrict a swept parameter
 #   ARGS='key=value ...'     extra Hydra overrides for every run
 #   REPRO_INSTALL=           skip the install step (use the current .venv as it is)
-SEEDS ?= 5
+SEEDS ?= $(if $(SMOKE),1,5)
 SMOKE ?=
 TRAINER ?=
 ONLY ?=
