@@ -166,6 +166,24 @@ def test_render_mean_std_delta_and_missing(tmp_path: Path) -> None:
     assert "| mega/lra_listops_variant | 50.00 | 1 |" in text  # no paper cell for it
 
 
+def test_a_later_evaluation_of_a_run_takes_precedence(tmp_path: Path) -> None:
+    """`megalab.eval` (e.g. with the paper's longer test chunks) overrides the training test."""
+    run = write_run(tmp_path, "wt103", "mega/wikitext103", 1, None, **{"test/ppl": 19.5})
+    evaluation = {"ckpt_path": "x.ckpt", "metrics": {"test/ppl": 18.25, "test/loss": 2.9}}
+    (run / "eval_metrics.json").write_text(json.dumps(evaluation))
+    write_run(tmp_path, "enwik8", "mega/enwik8", 1, None, **{"test/bpc": 1.1})
+    (tmp_path / "enwik8" / "eval_metrics.json").write_text("{not json")  # ignored, with a warning
+    runs = {r.experiment: r for r in tb.collect_runs([tmp_path])}
+    assert runs["mega/wikitext103"].metric("test/ppl") == 18.25
+    assert runs["mega/wikitext103"].metric("val/acc_best") == 0.5  # the run's other metrics stay
+    assert runs["mega/wikitext103"].record["evaluation"] == evaluation
+    assert runs["mega/enwik8"].metric("test/bpc") == 1.1
+    table = BY_ID["mega/table5_lm"]
+    text = tb.render_table(table, tb.summarize(table, list(runs.values())))
+    mega = text[text.index("| Mega | paper |") :].splitlines()
+    assert "| 18.25 |" in mega[1] and "| 1.10 |" in mega[1]
+
+
 def test_all_rows_show_when_nothing_ran() -> None:
     text = tb.render_table(BY_ID["mega/table4_sc"], tb.summarize(BY_ID["mega/table4_sc"], []))
     assert "| Mega (base) | paper | 300 | 96.92 |" in text

@@ -42,6 +42,26 @@ def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> 
     assert (tmp_path / "run" / "eval_metrics.json").exists()
 
 
+def test_eval_of_a_run_records_its_metrics_in_the_run(compose_cfg, tmp_path: Path) -> None:
+    """An evaluation in its own output dir also leaves its metrics where megalab-tables looks."""
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg()
+    train(cfg)
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(compose_cfg()))
+    ckpt = run / "checkpoints" / "last.ckpt"
+    eval_cfg = compose_cfg(
+        f"ckpt_path={ckpt}", f"paths.output_dir={tmp_path / 'eval'}", config="eval"
+    )
+    record = evaluate(eval_cfg)
+    own = json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())
+    in_run = json.loads((run / "eval_metrics.json").read_text())
+    assert own["metrics"] == in_run["metrics"] == record["metrics"]
+    assert in_run["eval_dir"] == str(tmp_path / "eval")
+
+
 def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
 

@@ -2,7 +2,9 @@
 
 When the checkpoint lies in a megalab run directory, the run's own `data`, `model`, `task`,
 `optim` and `scheduler` configs are used, so no overrides need repeating; command-line
-overrides of those groups still apply on top. Writes `eval_metrics.json` next to the run.
+overrides of those groups still apply on top. Writes `eval_metrics.json` into this evaluation's
+output directory and, for a checkpoint of a megalab run, into that run's directory, where
+`megalab-tables` takes its metrics over the ones the training run recorded.
 """
 
 from __future__ import annotations
@@ -68,8 +70,18 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
-    record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
-    run_utils.write_metrics(Path(cfg.paths.output_dir) / "eval_metrics.json", record)
+    record: dict[str, Any] = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
+    out = Path(cfg.paths.output_dir) / "eval_metrics.json"
+    run_utils.write_metrics(out, record)
+    run_cfg_path = find_run_config(Path(cfg.ckpt_path))
+    if run_cfg_path is not None:
+        # The training run's copy is what `megalab-tables` reads over the run's own test
+        # numbers, e.g. a language model tested with the paper's longer chunks.
+        run_dir = run_cfg_path.parent.parent
+        if run_dir.resolve() != out.parent.resolve():
+            run_utils.write_metrics(
+                run_dir / "eval_metrics.json", {**record, "eval_dir": str(out.parent)}
+            )
     return record
 
 

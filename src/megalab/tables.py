@@ -1,7 +1,8 @@
 """Paper-vs-ours tables: `megalab-tables <run folders> [--wandb entity/project] [--out DIR]`.
 
-Collects the `metrics.json` of every run under the given folders (and, when asked, the runs of
-a W&B project through its public API), matches them to the papers' published numbers in
+Collects the `metrics.json` of every run under the given folders (with the metrics of a later
+`megalab.eval` of the run, its `eval_metrics.json`, taking precedence) and, when asked, the runs
+of a W&B project through its public API; matches them to the papers' published numbers in
 `tables/` (one file per paper table, each cell naming the experiment that reproduces it), and
 renders Markdown: the paper's number, ours as mean ± std over seeds, the difference and the
 number of seeds, with cells that have no runs yet marked `missing`. Sweep results (runs in a
@@ -425,6 +426,19 @@ def _load_config(run_dir: Path) -> Any:
     return None
 
 
+def _with_evaluation(record: dict[str, Any], eval_path: Path) -> dict[str, Any]:
+    """The run's record with the metrics of a later `megalab.eval` of it taking precedence."""
+    if not eval_path.is_file():
+        return record
+    try:
+        evaluation = json.loads(eval_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        log.warning("ignoring %s: %s", eval_path, err)
+        return record
+    metrics = {**(record.get("metrics") or {}), **(evaluation.get("metrics") or {})}
+    return {**record, "metrics": metrics, "evaluation": evaluation}
+
+
 def collect_runs(paths: Iterable[str | Path]) -> list[Run]:
     """Every run (a folder with `metrics.json`) under `paths`."""
     runs = []
@@ -438,6 +452,7 @@ def collect_runs(paths: Iterable[str | Path]) -> list[Run]:
                 log.warning("skipping %s: %s", path, err)
                 continue
             run_dir = path.parent
+            record = _with_evaluation(record, run_dir / "eval_metrics.json")
             config = _load_config(run_dir)
             manifest = _find_manifest(run_dir, root if root.is_dir() else run_dir) or {}
             keys = [k for k in manifest.get("parameters", []) if k not in _NOT_PARAMS]
