@@ -67,6 +67,7 @@ def test_stratified_split_reproduces_sklearn() -> None:
 
 def test_stratified_split_against_installed_sklearn() -> None:
     from sklearn import model_selection as sklearn_split  # a dev dependency, not a runtime one
+
     rng = np.random.RandomState(0)
     for _ in range(20):
         y = rng.randint(0, rng.randint(2, 8), size=rng.randint(30, 200))
