@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor as _LearningRateMonitor
+from lightning.pytorch.callbacks import RichProgressBar as _RichProgressBar
 
 
 class LearningRateMonitor(_LearningRateMonitor):
@@ -23,3 +24,20 @@ class LearningRateMonitor(_LearningRateMonitor):
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         if getattr(self, "_enabled", False):
             super().on_train_epoch_start(trainer, *args, **kwargs)
+
+
+class RichProgressBar(_RichProgressBar):
+    """Lightning's rich progress bar, with step-based runs' epochs shown as `Epoch 3`.
+
+    Without `max_epochs` (every paper configuration counts steps) Lightning sets it to -1 and
+    the stock bar shows `Epoch 3/-2`.
+    """
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = super()._get_train_description(current_epoch)
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs < 0:
+            description = description.replace(
+                f"Epoch {current_epoch}/{max_epochs - 1}", f"Epoch {current_epoch}"
+            )
+        return description
