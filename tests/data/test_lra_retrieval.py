@@ -50,7 +50,14 @@ def test_datamodule_pairs_lengths_and_splits(aan_dir: Path) -> None:
     for key, mask in (("inputs", "mask"), ("inputs2", "mask2")):
         assert batch[mask].shape == batch[key].shape and batch[key].shape[0] == 4
         assert (batch[key][~batch[mask]] == PAD_ID).all()
-    assert batch["targets"].tolist() == [int(r[0]) for r in rows("test", 4)]
+    # Evaluation takes the pairs longest first (by the longer document), else in file order.
+    longest = np.argsort(-dm.datasets["test"].lengths(), kind="stable")[:4]
+    test_rows = rows("test", SIZES["test"])
+    assert batch["targets"].tolist() == [int(test_rows[i][0]) for i in longest]
+    in_order = AANDataModule(aan_dir, batch_size=4, sort_eval_by_length=False)
+    in_order.setup()
+    batch = next(iter(in_order.test_dataloader()))
+    assert batch["targets"].tolist() == [int(r[0]) for r in test_rows[:4]]
 
 
 def test_prepend_cls_and_cache_per_length(aan_dir: Path) -> None:

@@ -56,8 +56,11 @@ class TokenSequences(Dataset):
         return len(self.labels)
 
     def lengths(self) -> np.ndarray:
-        """Length of every sequence (first document for pairs)."""
-        return np.diff(self.offsets)
+        """Length of every sequence (the longer document for pairs)."""
+        lengths = np.diff(self.offsets)
+        if self.offsets2 is not None:
+            lengths = np.maximum(lengths, np.diff(self.offsets2))
+        return lengths
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         a, b = self.offsets[i], self.offsets[i + 1]
@@ -141,15 +144,24 @@ class ShardedSampler(Sampler[int]):
 
     Training shards are shuffled per epoch and padded (by wrapping around) to equal length so
     every process takes the same number of steps; evaluation shards are disjoint and together
-    cover the split exactly once. `skip` drops the first indices of the current epoch when a
-    run resumes mid-epoch.
+    cover the split exactly once, in `order` when one is given (e.g. by length). `skip` drops
+    the first indices of the current epoch when a run resumes mid-epoch.
     """
 
     def __init__(
-        self, size: int, shuffle: bool, seed: int = 0, rank: int = 0, world_size: int = 1
+        self,
+        size: int,
+        shuffle: bool,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        order: Sequence[int] | None = None,
     ) -> None:
+        if order is not None and sorted(order) != list(range(size)):
+            raise ValueError(f"order must be a permutation of range({size})")
         self.size, self.shuffle, self.seed = size, shuffle, seed
         self.rank, self.world_size = rank, world_size
+        self.order = None if order is None else list(order)
         self.epoch = 0
         self.skip = 0
 
@@ -163,7 +175,7 @@ class ShardedSampler(Sampler[int]):
             per_rank = -(-self.size // self.world_size)
             order += order[: per_rank * self.world_size - self.size]
         else:
-            order = list(range(self.size))
+            order = self.order if self.order is not None else list(range(self.size))
         return order[self.rank :: self.world_size]
 
     def __iter__(self):
@@ -200,7 +212,10 @@ class SequenceDataModule(L.LightningDataModule):
     `batch_size` is the global batch per optimizer step; each process loads
     `batch_size / (world_size * accumulate_grad_batches)` so that changing devices or
     accumulation keeps the effective batch of a paper configuration. Validation and test
-    loaders never drop the last batch.
+    loaders never drop the last batch. With `sort_eval_by_length` they take the examples
+    longest first, so a batch pads to about its own length (less compute for variable-length
+    data, and an out-of-memory error shows on the first batch); the metrics do not change,
+    since every example is still seen once and the models ignore padding.
     """
 
     def __init__(
@@ -219,6 +234,7 @@ class SequenceDataModule(L.LightningDataModule):
         pairwise: bool = False,
         drop_last: bool = False,
         cache_root: str | Path | None = None,
+        sort_eval_by_length: bool = True,
     ) -> None:
         super().__init__()
         self.data_dir = Path(data_dir).expanduser()
@@ -241,6 +257,7 @@ class SequenceDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.seed = seed
         self.drop_last = drop_last
+        self.sort_eval_by_length = sort_eval_by_length
         self.datasets: dict[str, Dataset] = {}
 
     # -- spec shortcuts -------------------------------------------------------------------------
@@ -312,9 +329,13 @@ class SequenceDataModule(L.LightningDataModule):
         exactly once.
         """
         rank, world = self.rank_and_world()
-        size = len(self.datasets[split])
+        dataset = self.datasets[split]
+        train = split == "train"
+        order = None
+        if not train and self.sort_eval_by_length and callable(getattr(dataset, "lengths", None)):
+            order = np.argsort(-np.asarray(dataset.lengths()), kind="stable").tolist()
         return ShardedSampler(
-            size, shuffle=split == "train", seed=self.seed, rank=rank, world_size=world
+            len(dataset), shuffle=train, seed=self.seed, rank=rank, world_size=world, order=order
         )
 
     def loader(
