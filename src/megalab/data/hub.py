@@ -212,13 +212,7 @@ class HubDataset:
             if whole is None:
                 ds = self._load(cache_dir, split=self.hub_names(split)[0])
             else:
-                found = [n for n in self.hub_names(split) if n in whole]
-                if not found:
-                    raise self.format_error(
-                        f"{self.repo} has no {self.hub_names(split)[0]!r} split (it has "
-                        f"{list(whole)})"
-                    )
-                ds = whole[found[0]]
+                ds = self._pick_split(whole, split, f"the Hub dataset {self.repo}")
             self._check_columns(ds.column_names, f"the Hub dataset {self.repo} ({split})")
             path = self.fetch_path(split)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -317,15 +311,18 @@ class HubDataset:
         import datasets
 
         dd = datasets.load_from_disk(str(self.local_dir))
+        ds = self._pick_split(dd, split, f"{self.local_dir}: the saved dataset")
+        self._check_columns(ds.column_names, f"{self.local_dir} ({split})")
+        return ds.select_columns(list(self.columns))
+
+    def _pick_split(self, dd: Any, split: str, where: str) -> Any:
+        """`split` of a DatasetDict under the first of its Hub names that `dd` has."""
         found = [n for n in self.hub_names(split) if n in dd]
         if not found:
             raise self.format_error(
-                f"{self.local_dir}: the saved dataset has no {self.hub_names(split)[0]!r} split "
-                f"({list(dd)})"
+                f"{where} has no {self.hub_names(split)[0]!r} split (it has {list(dd)})"
             )
-        ds = dd[found[0]]
-        self._check_columns(ds.column_names, f"{self.local_dir} ({found[0]})")
-        return ds.select_columns(list(self.columns))
+        return dd[found[0]]
 
     def _source(self, split: str) -> list[Path] | Any:
         files = self.files(split)
