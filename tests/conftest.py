@@ -15,11 +15,11 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from fixtures import write_all_fixtures
 from megalab.sweep import SMOKE_TRAINER
+from megalab.testing import write_all_fixtures
+from megalab.utils.paths import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = ROOT / "configs"
 
 os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
 os.environ.setdefault("WANDB_SILENT", "true")

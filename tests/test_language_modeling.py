@@ -14,39 +14,45 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 
 from megalab.data.lm.stream import EvalBatches, Layout, LMStreamDataModule, TokenStream
+from megalab.models.base import Backbone, BackboneOutput
 from megalab.models.mega import Mega
+from megalab.models.state import UnsafeStateError, pack_state, unpack_state
 from megalab.models.transformer import Transformer
 from megalab.nn.adaptive import AdaptiveInput, AdaptiveSoftmax
 from megalab.nn.embedding import SequenceEncoder
 from megalab.tasks.base import NonFiniteLossError
-from megalab.tasks.language_modeling import (
-    LanguageModelingTask,
-    LinearLMHead,
-    pack_state,
-    unpack_state,
-)
+from megalab.tasks.language_modeling import LanguageModelingTask, LinearLMHead
 
 
-class Recurrent(nn.Module):
-    """A tiny causal recurrence h_t = a h_{t-1} + x_t that records the states it receives."""
+class Recurrent(Backbone):
+    """A tiny causal recurrence h_t = a h_{t-1} + x_t that records the states it receives.
+
+    A state starts at `initial_state`; the `received` log holds None for a stateless pass.
+    """
 
     causal = True
 
     def __init__(self, d: int) -> None:
         super().__init__()
+        self.d_model = d
         self.logit = nn.Parameter(torch.zeros(d))
         self.out = nn.Linear(d, d)
         self.received: list[Tensor | None] = []
+        self.fresh: list[bool] = []
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Tensor:
+        return like.new_zeros(batch_size, self.d_model)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, state: Tensor | None = None):
-        self.received.append(None if state is None else state.clone())
+        fresh = state is not None and not state.any()
+        self.received.append(None if state is None or fresh else state.clone())
         a = torch.sigmoid(self.logit)
         h = x.new_zeros(x.shape[0], x.shape[2]) if state is None else state
         outs = []
         for t in range(x.shape[1]):
             h = a * h + x[:, t]
             outs.append(h)
-        return self.out(torch.stack(outs, 1)), h
+        return BackboneOutput(self.out(torch.stack(outs, 1)), None if state is None else h)
 
 
 class FixedHead(nn.Module):
@@ -196,12 +202,23 @@ def test_carried_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
         causal=True,
     )
     x = torch.randn(2, 6, 8)
-    _, state = mega(x, state=mega.initial_state(2, x))
+    state = mega(x, state=mega.initial_state(2, x)).state
     torch.save({"s": pack_state({0: state, 1: (torch.ones(2), None)})}, tmp_path / "c.pt")
     back = unpack_state(torch.load(tmp_path / "c.pt", weights_only=True)["s"])
     assert type(back[0]) is type(state) and back[1][1] is None
     for a, b in zip(state.layers, back[0].layers):
         assert torch.equal(a.ema, b.ema) and torch.equal(a.kv.key, b.kv.key)
+
+
+def test_a_crafted_carried_state_cannot_call_anything(tmp_path: Path) -> None:
+    """Saved states name their class; only megalab's registered state classes are rebuilt."""
+    marker = tmp_path / "pwned"
+    for name in ("torch:os.system", "megalab.models.mega:Mega", "builtins:eval"):
+        crafted = {"kind": "object", "class": name, "fields": {"command": f"touch {marker}"}}
+        torch.save({"s": crafted}, tmp_path / "c.pt")
+        with pytest.raises(UnsafeStateError, match="refusing to rebuild"):
+            unpack_state(torch.load(tmp_path / "c.pt", weights_only=True)["s"])
+    assert not marker.exists()
 
 
 class RandomTokens(LMStreamDataModule):

@@ -18,8 +18,8 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from megalab.train import CONFIG_DIR
 from megalab.utils import run as run_utils
+from megalab.utils.paths import CONFIG_DIR
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     return record
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
 def main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     overrides = list(HydraConfig.get().overrides.task)

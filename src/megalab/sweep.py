@@ -37,10 +37,11 @@ from typing import Any
 
 import yaml
 
+from megalab.utils.paths import CONFIG_DIR, project_root
+
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = Path(os.environ.get("MEGALAB_CONFIG_DIR", str(ROOT / "configs")))
+ROOT = project_root()
 
 # What `--smoke` adds to every run: 2 steps of 4 examples on CPU, one validation and one test
 # batch, on the fixture data. Gradient accumulation is turned off so that any paper's batch

@@ -32,10 +32,11 @@ from typing import Any
 
 import yaml
 
+from megalab.utils.paths import project_root
+
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(ROOT / "tables")))
+TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(project_root() / "tables")))
 
 MISSING = "missing"  # a reproducible cell without runs yet
 BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)

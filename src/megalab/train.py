@@ -9,7 +9,6 @@ the monitored metric so Hydra sweepers can optimise it.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,11 @@ import lightning as L
 from omegaconf import DictConfig, open_dict
 
 from megalab.utils import run as run_utils
+from megalab.utils.paths import CONFIG_DIR, export_project_root
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIR = os.environ.get("MEGALAB_CONFIG_DIR", str(ROOT / "configs"))
-os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
+export_project_root()
 
 
 def reuse_wandb_run(cfg: DictConfig, output_dir: Path) -> None:
@@ -119,7 +117,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     return record
 
 
-@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
     record = train(cfg)

@@ -75,7 +75,7 @@ def test_evaluation_is_sorted_by_length_and_predictions_do_not_change(tmp_path: 
         out = []
         with torch.no_grad():
             for b in loader_batches:
-                y, _ = model["backbone"](model["embed"](b["inputs"]), b["mask"])
+                y = model["backbone"](model["embed"](b["inputs"]), b["mask"]).y
                 pooled = (y * b["mask"][..., None]).sum(1) / b["mask"].sum(1, keepdim=True)
                 for row, mask, target, p in zip(
                     b["inputs"], b["mask"], b["targets"], pooled, strict=True

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from fixtures.imagenet import WNIDS, write_folder
 from megalab.data import imagenet as inet
 from megalab.data.download import DatasetMissingError
 from megalab.data.imagenet import (
@@ -27,6 +26,7 @@ from megalab.data.imagenet import (
     unpatchify,
 )
 from megalab.nn.embedding import FeatureEmbedding
+from megalab.testing.imagenet import WNIDS, write_folder
 
 NO_TIMM = dict(augment="none", mixup=0.0, cutmix=0.0)
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.lm import CHAR_SPLIT, enwik8_bytes, text8_bytes, zip_member
 from megalab.data.download import DatasetMissingError, file_digest
 from megalab.data.lm.char import ENWIK8_URL, Enwik8DataModule, Text8DataModule
+from megalab.testing.lm import CHAR_SPLIT, enwik8_bytes, text8_bytes, zip_member
 
 
 def enwik8(root: Path, **kwargs) -> Enwik8DataModule:

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import megalab.data.lm.pg19 as pg19
-from fixtures.lm import PG19_VOCAB_SIZE, pg19_books, write_parquet
 from megalab.data.download import DatasetMissingError
 from megalab.data.lm.pg19 import PG19DataModule, word_counts
+from megalab.testing.lm import PG19_VOCAB_SIZE, pg19_books, write_parquet
 
 
 def module(root: Path, **kwargs) -> PG19DataModule:

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.lm import WIKITEXT_VOCAB_SIZE, wikitext_lines, write_parquet
 from megalab.data.download import DatasetMissingError
 from megalab.data.lm.wikitext import WikiText103DataModule, build_vocab
+from megalab.testing.lm import WIKITEXT_VOCAB_SIZE, wikitext_lines, write_parquet
 
 
 def module(root: Path, **kwargs) -> WikiText103DataModule:

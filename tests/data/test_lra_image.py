@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from fixtures.lra_image import SIZES, images
 from megalab.data.download import DatasetMissingError
 from megalab.data.lra.image import CIFAR10DataModule, random_split_indices
 from megalab.data.lra.release import LRAFormatError
+from megalab.testing.lra_image import SIZES, images
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from fixtures.lra_pathfinder import write_difficulty
 from megalab.data.download import DatasetMissingError
 from megalab.data.lra.pathfinder import PathfinderDataModule, read_metadata
 from megalab.data.lra.release import LRAFormatError
+from megalab.testing.lra_pathfinder import write_difficulty
 
 D14 = "curv_contour_length_14"
 

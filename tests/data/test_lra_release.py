@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 from test_download import ServerState, server  # noqa: F401 - the local HTTP server fixture
 
-from fixtures.lra_pathfinder import write_difficulty
-from fixtures.lra_retrieval import rows
 from megalab.data.cli import main as cli_main
 from megalab.data.download import DatasetMissingError
 from megalab.data.lra.listops import ListOpsDataModule, ListOpsSettings, generate_listops
 from megalab.data.lra.pathfinder import PathfinderDataModule
 from megalab.data.lra.release import LRAFormatError, prepare_release
 from megalab.data.lra.retrieval import AANDataModule
+from megalab.testing.lra_pathfinder import write_difficulty
+from megalab.testing.lra_retrieval import rows
 
 D14 = "curv_contour_length_14"
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.lra_retrieval import SIZES, rows
 from megalab.data.download import DatasetMissingError
 from megalab.data.lra.release import LRAFormatError
 from megalab.data.lra.retrieval import AANDataModule, read_pairs
 from megalab.data.lra.text import BYTE_OFFSET, CLS_ID, EOS_ID, PAD_ID
+from megalab.testing.lra_retrieval import SIZES, rows
 
 
 @pytest.fixture

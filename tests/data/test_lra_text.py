@@ -10,7 +10,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fixtures.lra_text import SIZES, reviews
 from megalab.data.download import DatasetMissingError
 from megalab.data.lra.release import LRAFormatError
 from megalab.data.lra.text import (
@@ -23,6 +22,7 @@ from megalab.data.lra.text import (
     byte_vocab,
     encode_bytes,
 )
+from megalab.testing.lra_text import SIZES, reviews
 
 OFFLINE_VARS = ("MEGALAB_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures.speech_commands import EXTRA_WORD, FULL_PER_WORD, SHORT_LENGTH, write_tree, write_wav
 from megalab.data.download import DatasetMissingError
 from megalab.data.speech_commands import (
     ARCHIVE_NAME,
@@ -23,6 +22,13 @@ from megalab.data.speech_commands import (
     SpeechCommandsFormatError,
     mega_split,
     stratified_split,
+)
+from megalab.testing.speech_commands import (
+    EXTRA_WORD,
+    FULL_PER_WORD,
+    SHORT_LENGTH,
+    write_tree,
+    write_wav,
 )
 
 N_FULL = 10 * FULL_PER_WORD

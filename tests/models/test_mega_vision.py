@@ -19,13 +19,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab.convert import (
+from megalab.convert.mega import (
     conv_patch_weight_to_linear,
     convert_vision_mega,
     linear_to_conv_patch_weight,
 )
 from megalab.data.imagenet import patchify
-from megalab.models.mega import Mega, MegaBlock, MovingAverageGatedAttention
+from megalab.models.mega import Mega, MegaBlock, MegaConfig, MovingAverageGatedAttention
 from megalab.nn.ema import DampedEMA
 from megalab.nn.embedding import FeatureEmbedding, SequenceEncoder
 from megalab.nn.heads import ClassificationHead
@@ -162,7 +162,7 @@ def test_shift_needs_a_bidirectional_ema_and_default_is_off() -> None:
     with pytest.raises(ValueError, match="causal EMA has no backward kernel"):
         DampedEMA(4, 2, bidirectional=False, shift=True)
     assert DampedEMA(4, 2, bidirectional=True).shift is False
-    assert MovingAverageGatedAttention(8, 4, 8).ema.shift is False
+    assert MovingAverageGatedAttention(MegaConfig(d_model=8, z_dim=4, v_dim=8)).ema.shift is False
 
 
 def test_shift_ema_eval_cache_and_gradients() -> None:
@@ -233,8 +233,9 @@ def test_drop_path_rates_are_linear_over_depth() -> None:
 def block_pair(drop: float, seed: int = 0) -> tuple[MegaBlock, MegaBlock]:
     torch.manual_seed(seed)
     kw = dict(attention_activation="laplace", max_positions=10, ema_shift=True)
-    a = MegaBlock(8, 4, 12, 12, 3, drop_path=drop, **kw).to(DT)
-    b = MegaBlock(8, 4, 12, 12, 3, **kw).to(DT)
+    cfg = MegaConfig(d_model=8, z_dim=4, v_dim=12, ffn_dim=12, ema_dim=3, **kw)
+    a = MegaBlock(cfg, drop_path=drop).to(DT)
+    b = MegaBlock(cfg).to(DT)
     b.load_state_dict(a.state_dict(), strict=True)  # DropPath has no weights
     return a, b
 
@@ -252,9 +253,10 @@ def test_block_with_drop_path_equals_plain_block_in_eval() -> None:
 def test_drop_path_acts_on_h_hat_inside_the_gated_residual() -> None:
     """Rate 1 drops every sample: MAGA gives X + φ ⊙ (0 − X) = (1 − φ) ⊙ X; the FFN gives X."""
     torch.manual_seed(0)
-    maga = MovingAverageGatedAttention(
-        8, 4, 12, 3, attention_activation="laplace", max_positions=10, drop_path=1.0
-    ).to(DT)
+    cfg = MegaConfig(
+        d_model=8, z_dim=4, v_dim=12, ema_dim=3, attention_activation="laplace", max_positions=10
+    )
+    maga = MovingAverageGatedAttention(cfg, drop_path=1.0).to(DT)
     captured = {}
     maga.mx_proj.register_forward_hook(lambda m, i, o: captured.setdefault("mx", o))
     x = torch.randn(3, 10, 8, dtype=DT)
@@ -314,8 +316,8 @@ def test_learned_positions_and_output_projection_shapes() -> None:
     assert abs(m.pos_embed.std().item() - 16**-0.5) < 0.02
     assert abs(m.out_proj.weight.std().item() - 0.02) < 0.005
     assert m.max_len == 196
-    y, state = m(torch.randn(2, 196, 16))
-    assert y.shape == (2, 196, 16) and state is None
+    y = m(torch.randn(2, 196, 16)).y
+    assert y.shape == (2, 196, 16)
     with pytest.raises(ValueError, match="exceeds"):
         m(torch.randn(1, 197, 16))
     with pytest.raises(ValueError, match="max_len"):
@@ -335,8 +337,8 @@ def test_positions_are_added_to_the_input_and_projection_follows_the_final_norm(
     )
     full, base = full.to(DT).eval(), base.to(DT).eval()
     x = torch.randn(2, 12, 8, dtype=DT)
-    y, _ = full(x)
-    y_ref, _ = base(x + full.pos_embed)
+    y = full(x).y
+    y_ref = base(x + full.pos_embed).y
     torch.testing.assert_close(y, F.silu(full.out_proj(y_ref)), rtol=0, atol=1e-13)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab.nn.ema import DampedEMA, log_decay, next_fast_len, vandermonde_apply
+from megalab.nn.ema import DampedEMA
+from megalab.nn.ema_kernel import log_decay, next_fast_len, vandermonde_apply
 
 DT = torch.float64
 

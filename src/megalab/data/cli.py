@@ -132,7 +132,7 @@ def _lm(args: argparse.Namespace) -> None:
     from hydra.utils import instantiate
 
     from megalab.data.download import DatasetMissingError
-    from megalab.train import CONFIG_DIR
+    from megalab.utils.paths import CONFIG_DIR
 
     root = Path(args.root).expanduser().absolute()
     overrides = [f"data={args.command}", f"paths.data_dir={root}", *args.overrides]

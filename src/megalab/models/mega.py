@@ -37,12 +37,15 @@ FFN it acts on the branch before its plain residual.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.state import register_state
 from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
@@ -52,6 +55,7 @@ from megalab.nn.regularization import DropPath, drop_path_rates
 POSITIONS = ("none", "learned")
 
 
+@register_state
 @dataclass
 class MAGAState:
     """Streaming state of one MAGA layer: EMA hidden state (B, D, h) and the open chunk's KV."""
@@ -60,77 +64,82 @@ class MAGAState:
     kv: KVCache | None
 
 
+@register_state
 @dataclass
 class MegaState:
-    """Streaming state of a causal `Mega`: one `MAGAState` per layer; batch is dim 0 throughout."""
+    """Streaming state of a causal `Mega`: one `MAGAState` per layer; batch is dim 0 throughout.
+
+    `megalab.models.state` detaches, moves, selects (beam search) and saves it.
+    """
 
     layers: list[MAGAState]
 
-    def _map(self, fn) -> MegaState:
-        def kv(c: KVCache | None) -> KVCache | None:
-            if c is None:
-                return None
-            return KVCache(fn(c.key), fn(c.value), None if c.valid is None else fn(c.valid))
 
-        return MegaState([MAGAState(fn(s.ema), kv(s.kv)) for s in self.layers])
+@dataclass(frozen=True)
+class MegaConfig:
+    """Every option of a Mega backbone, built once by `Mega` and handed to its blocks.
 
-    def detach(self) -> MegaState:
-        """The same state cut from the autograd graph (carry it across optimizer steps)."""
-        return self._map(lambda t: t.detach())
+    Fields are `Mega`'s keyword arguments (see its docstring); `drop_path` is the rate of the
+    last block, and each block receives its own rate beside this config.
+    """
 
-    def index_select(self, index: Tensor) -> MegaState:
-        """Reorder/select batch entries (beam search)."""
-        return self._map(lambda t: t.index_select(0, index))
+    d_model: int = 128
+    num_layers: int = 4
+    z_dim: int = 64
+    v_dim: int = 256
+    ffn_dim: int = 256
+    ema_dim: int = 16
+    chunk_size: int = -1
+    truncation: int | None = None
+    attention_activation: str = "softmax"
+    rel_pos_bias: str = "simple"
+    max_positions: int = 1024
+    norm_type: str = "layernorm"
+    prenorm: bool = True
+    final_norm_affine: bool = True
+    causal: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    activation: str = "silu"
+    ema_shift: bool = False
+    drop_path: float = 0.0
+    positions: str = "none"
+    max_len: int | None = None
+    output_proj: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")
+        if self.positions == "learned" and not self.max_len:
+            raise ValueError("learned positions need `max_len` (the input length)")
 
 
 class MovingAverageGatedAttention(nn.Module):
     """The MAGA sub-layer (Mega eqs. 6-15) on (B, L, D) tensors.
 
-    Args:
-        d_model: d.  z_dim: z (shared Q/K width).  v_dim: v (value width).
-        ema_dim: h (EMA expansion; 0 removes the EMA, see `DampedEMA`).
-        chunk_size: attention chunk c, or -1 for full attention.
-        truncation: EMA kernel length limit (None: full length).
-        attention_activation: softmax | laplace | relu2.
-        rel_pos_bias: simple | rotary.
-        max_positions: size of the 'simple' bias without chunking.
-        norm_type: see `megalab.nn.norms.NORM_TYPES`.  prenorm: pre- (True) or post-norm.
-        causal: causal EMA and attention mask (decoder); False: bidirectional EMA (encoder).
-        dropout, attention_dropout, hidden_dropout: see the module docstring.
-        activation: for V and Ĥ (silu in every Mega config; Z and γ always use SiLU).
-        ema_shift: bidirectional EMA whose backward kernel starts at x_{t+1} (mega-image).
-        drop_path: stochastic-depth rate on Ĥ, before the gated residual (mega-image).
+    Built from a `MegaConfig` (d_model d, z_dim z, v_dim v, ema_dim h, chunk_size c, ...; see
+    `Mega`); `drop_path` is this layer's stochastic-depth rate on Ĥ, before the gated residual
+    (mega-image).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        z_dim: int,
-        v_dim: int,
-        ema_dim: int = 16,
-        chunk_size: int = -1,
-        truncation: int | None = None,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        max_positions: int = 1024,
-        norm_type: str = "layernorm",
-        prenorm: bool = True,
-        causal: bool = False,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        activation: str = "silu",
-        ema_shift: bool = False,
-        drop_path: float = 0.0,
-    ) -> None:
+    def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:
         super().__init__()
+        d_model, z_dim, v_dim = cfg.d_model, cfg.z_dim, cfg.v_dim
         self.d_model, self.z_dim, self.v_dim = d_model, z_dim, v_dim
-        self.prenorm = prenorm
-        self.causal = causal
-        self.act = get_activation(activation)
-        self.norm = SequenceNorm(norm_type, d_model)
+        self.prenorm = cfg.prenorm
+        self.causal = cfg.causal
+        self.act = get_activation(cfg.activation)
+        self.norm = SequenceNorm(cfg.norm_type, d_model)
         self.ema = DampedEMA(
-            d_model, ema_dim, bidirectional=not causal, truncation=truncation, shift=ema_shift
+            d_model,
+            cfg.ema_dim,
+            bidirectional=not cfg.causal,
+            truncation=cfg.truncation,
+            shift=cfg.ema_shift,
         )
         self.v_proj = nn.Linear(d_model, v_dim)
         self.mx_proj = nn.Linear(d_model, z_dim + v_dim + 2 * d_model)
@@ -140,15 +149,15 @@ class MovingAverageGatedAttention(nn.Module):
         self.mu = nn.Parameter(torch.empty(2, z_dim))
         self.attention = ChunkedAttention(
             z_dim,
-            chunk_size=chunk_size,
-            attention_activation=attention_activation,
-            rel_pos_bias=rel_pos_bias,
-            max_positions=max_positions,
-            causal=causal,
-            dropout=attention_dropout,
+            chunk_size=cfg.chunk_size,
+            attention_activation=cfg.attention_activation,
+            rel_pos_bias=cfg.rel_pos_bias,
+            max_positions=cfg.max_positions,
+            causal=cfg.causal,
+            dropout=cfg.attention_dropout,
         )
-        self.dropout = nn.Dropout(dropout)
-        self.hidden_dropout = nn.Dropout(hidden_dropout)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else None
         self.reset_parameters()
 
@@ -209,64 +218,23 @@ class MegaBlock(nn.Module):
     `drop_path` is this layer's stochastic-depth rate, on both sub-layers (mega-image).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        z_dim: int,
-        v_dim: int,
-        ffn_dim: int,
-        ema_dim: int = 16,
-        chunk_size: int = -1,
-        truncation: int | None = None,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        max_positions: int = 1024,
-        norm_type: str = "layernorm",
-        prenorm: bool = True,
-        causal: bool = False,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        activation: str = "silu",
-        ema_shift: bool = False,
-        drop_path: float = 0.0,
-    ) -> None:
+    def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:
         super().__init__()
-        self.maga = MovingAverageGatedAttention(
-            d_model,
-            z_dim,
-            v_dim,
-            ema_dim=ema_dim,
-            chunk_size=chunk_size,
-            truncation=truncation,
-            attention_activation=attention_activation,
-            rel_pos_bias=rel_pos_bias,
-            max_positions=max_positions,
-            norm_type=norm_type,
-            prenorm=prenorm,
-            causal=causal,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            hidden_dropout=hidden_dropout,
-            activation=activation,
-            ema_shift=ema_shift,
-            drop_path=drop_path,
-        )
+        self.maga = MovingAverageGatedAttention(cfg, drop_path=drop_path)
         self.ffn = (
             NormalizedFFN(
-                d_model,
-                ffn_dim,
-                dropout=dropout,
-                hidden_dropout=activation_dropout,
-                activation=activation,
-                norm_type=norm_type,
-                prenorm=prenorm,
+                cfg.d_model,
+                cfg.ffn_dim,
+                dropout=cfg.dropout,
+                hidden_dropout=cfg.activation_dropout,
+                activation=cfg.activation,
+                norm_type=cfg.norm_type,
+                prenorm=cfg.prenorm,
             )
-            if ffn_dim > 0
+            if cfg.ffn_dim > 0
             else None
         )
-        self.ffn_drop_path = DropPath(drop_path) if drop_path > 0 and ffn_dim > 0 else None
+        self.ffn_drop_path = DropPath(drop_path) if drop_path > 0 and cfg.ffn_dim > 0 else None
 
     def _ffn_with_drop_path(self, x: Tensor) -> Tensor:
         """`NormalizedFFN.forward` with DropPath on its branch: x + DropPath(branch) (mega-image).
@@ -300,7 +268,7 @@ class MegaBlock(nn.Module):
         return x, state
 
 
-class Mega(nn.Module):
+class Mega(Backbone):
     """The Mega backbone: a stack of `MegaBlock`s, (B, L, D) -> (B, L, D).
 
     Bidirectional encoder (`causal=False`: bidirectional EMA, no attention mask; classification)
@@ -336,83 +304,40 @@ class Mega(nn.Module):
         max_len: rows of the learned position table (the input length, 196 for ImageNet).
         output_proj: SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`; weight
             N(0, 0.02), bias 0), so pooling and the head read projected features.
+
+    The arguments are flat, in this order (so `model.backbone.chunk_size=128` overrides one);
+    they are validated once into a frozen `MegaConfig` (`self.config`) that the blocks read.
     """
 
-    def __init__(
-        self,
-        d_model: int = 128,
-        num_layers: int = 4,
-        z_dim: int = 64,
-        v_dim: int = 256,
-        ffn_dim: int = 256,
-        ema_dim: int = 16,
-        chunk_size: int = -1,
-        truncation: int | None = None,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        max_positions: int = 1024,
-        norm_type: str = "layernorm",
-        prenorm: bool = True,
-        final_norm_affine: bool = True,
-        causal: bool = False,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        activation: str = "silu",
-        ema_shift: bool = False,
-        drop_path: float = 0.0,
-        positions: str = "none",
-        max_len: int | None = None,
-        output_proj: bool = False,
-    ) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
-        if positions not in POSITIONS:
-            raise ValueError(f"unknown positions {positions!r}; choose one of {POSITIONS}")
-        if positions == "learned" and not max_len:
-            raise ValueError("learned positions need `max_len` (the input length)")
-        self.d_model = d_model
-        self.causal = causal
-        self.positions = positions
-        self.drop_path_rates = drop_path_rates(drop_path, num_layers)
-        self.layers = nn.ModuleList(
-            MegaBlock(
-                d_model,
-                z_dim,
-                v_dim,
-                ffn_dim,
-                ema_dim=ema_dim,
-                chunk_size=chunk_size,
-                truncation=truncation,
-                attention_activation=attention_activation,
-                rel_pos_bias=rel_pos_bias,
-                max_positions=max_positions,
-                norm_type=norm_type,
-                prenorm=prenorm,
-                causal=causal,
-                dropout=dropout,
-                attention_dropout=attention_dropout,
-                hidden_dropout=hidden_dropout,
-                activation_dropout=activation_dropout,
-                activation=activation,
-                ema_shift=ema_shift,
-                drop_path=rate,
-            )
-            for rate in self.drop_path_rates
-        )
+        cfg = MegaConfig(*args, **kwargs)
+        self.config = cfg
+        self.d_model = cfg.d_model
+        self.causal = cfg.causal
+        self.positions = cfg.positions
+        self.drop_path_rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
+        self.layers = nn.ModuleList(MegaBlock(cfg, drop_path=r) for r in self.drop_path_rates)
         self.final_norm = (
-            SequenceNorm(norm_type, d_model, affine=final_norm_affine) if prenorm else None
+            SequenceNorm(cfg.norm_type, cfg.d_model, affine=cfg.final_norm_affine)
+            if cfg.prenorm
+            else None
         )
         self.pos_embed: nn.Parameter | None = None
-        if positions == "learned":
+        if cfg.positions == "learned":
             # timm's trunc_normal_(std=D^-1/2) as mega-image: cut at ±2 absolute (~55σ at D=768).
-            self.pos_embed = nn.Parameter(torch.empty(max_len, d_model))
-            nn.init.trunc_normal_(self.pos_embed, mean=0.0, std=d_model**-0.5, a=-2.0, b=2.0)
+            self.pos_embed = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
+            nn.init.trunc_normal_(self.pos_embed, mean=0.0, std=cfg.d_model**-0.5, a=-2.0, b=2.0)
         self.out_proj: nn.Linear | None = None
-        if output_proj:
-            self.out_proj = nn.Linear(d_model, d_model)
+        if cfg.output_proj:
+            self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
             nn.init.normal_(self.out_proj.weight, mean=0.0, std=0.02)
             nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_config(cls, cfg: MegaConfig) -> Mega:
+        """A backbone from a `MegaConfig`."""
+        return cls(**asdict(cfg))
 
     @property
     def max_len(self) -> int | None:
@@ -424,6 +349,21 @@ class Mega(nn.Module):
         if self.layers and self.layers[0].maga.attention.max_len is not None:
             limits.append(self.layers[0].maga.attention.max_len)
         return min(limits) if limits else None
+
+    def state_length(self, state: MegaState) -> int:
+        """Tokens of the open chunk (with full attention: the whole stream so far)."""
+        if state.layers and state.layers[0].kv is not None:
+            return state.layers[0].kv.key.shape[1]
+        return 0
+
+    def length_advice(self) -> str:
+        if self.pos_embed is not None and self.pos_embed.shape[0] == self.max_len:
+            return " (the learned position table): raise max_len or shorten the input"
+        return (
+            " (max_positions of the 'simple' relative position bias with full attention, "
+            "chunk_size=-1): raise max_positions, set chunk_size > 0, or use "
+            "rel_pos_bias='rotary'"
+        )
 
     def initial_state(self, batch_size: int, like: Tensor) -> MegaState:
         """An empty streaming state; passing it makes every segment use the exact recurrence."""
@@ -437,33 +377,18 @@ class Mega(nn.Module):
                 "state; build it with causal=True to stream"
             )
 
-    def forward(
+    def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: MegaState | None = None
-    ) -> tuple[Tensor, MegaState | None]:
+    ) -> BackboneOutput:
         """x (B, L, D), mask (B, L) bool True at real tokens, state from the previous segment.
 
-        Returns (y (B, L, D) with zeros at padded positions, the state to pass with the next
-        segment). A stream starts from `initial_state`; without a state the pass is stateless
-        and returns None, which spares the state reduction in stateless training.
+        Returns y (B, L, D) with zeros at padded positions and the state to pass with the next
+        segment. A stream starts from `initial_state`; without a state the pass is stateless
+        and returns none, which spares the state reduction in stateless training.
         """
         if state is not None:
             self._check_causal()
-        max_len = self.max_len
-        if max_len is not None:
-            seen = 0
-            if state is not None and state.layers and state.layers[0].kv is not None:
-                seen = state.layers[0].kv.key.shape[1]
-            if seen + x.shape[1] > max_len:
-                if self.pos_embed is not None and self.pos_embed.shape[0] == max_len:
-                    raise ValueError(
-                        f"input length {seen + x.shape[1]} exceeds max_len={max_len} of the "
-                        "learned position table: raise max_len or shorten the input"
-                    )
-                raise ValueError(
-                    f"input length {seen + x.shape[1]} exceeds max_positions={max_len} of the "
-                    "'simple' relative position bias with full attention (chunk_size=-1): raise "
-                    "max_positions, set chunk_size > 0, or use rel_pos_bias='rotary'"
-                )
+        self.check_length(x.shape[1], state)
         if self.pos_embed is not None:
             if state is not None:
                 raise ValueError(
@@ -486,4 +411,4 @@ class Mega(nn.Module):
             x = F.silu(self.out_proj(x))
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
-        return x, (MegaState(new_layers) if state is not None else None)
+        return BackboneOutput(x, MegaState(new_layers) if state is not None else None)

@@ -1,8 +1,8 @@
 """Transformer baseline backbone (Vaswani et al. 2017) on `scaled_dot_product_attention`.
 
 Encoder (bidirectional) or decoder-only (causal), pre- or post-norm, with sinusoidal, learned
-or no absolute positions. It follows the backbone contract: `(B, L, D) -> (B, L, D)`, mask True
-at real tokens, and returns `(y, state)` with `state=None` (the model keeps no memory).
+or no absolute positions. It follows the backbone contract (`megalab.models.base`):
+(B, L, D) -> (B, L, D), mask True at real tokens, no carried state (it keeps no memory).
 
 Two options reproduce the Mega authors' fairseq LRA Transformer (`TransformerLRAEncoder`):
 `embed_norm=True` is its `encoder_normalize_before` (a LayerNorm on the input embeddings, in
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.models.base import Backbone, BackboneOutput
 from megalab.nn.embedding import INITS, init_bert_params
 from megalab.nn.regularization import DropPath, drop_path_rates
 
@@ -106,7 +107,7 @@ class TransformerLayer(nn.Module):
         return x
 
 
-class Transformer(nn.Module):
+class Transformer(Backbone):
     """A stack of Transformer layers; `causal=True` makes it a decoder-only language model.
 
     `embed_norm` adds a LayerNorm on the embeddings after the positions are added and before
@@ -184,16 +185,15 @@ class Transformer(nn.Module):
         """Longest input the model accepts (None: unlimited)."""
         return self._max_len
 
-    def forward(
+    def length_advice(self) -> str:
+        return " (its learned position table): raise `model.backbone.max_len` or truncate the data"
+
+    def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: None = None
-    ) -> tuple[Tensor, None]:
-        """x (B, L, D), mask (B, L) True at real tokens -> ((B, L, D), None)."""
+    ) -> BackboneOutput:
+        """x (B, L, D), mask (B, L) True at real tokens -> y (B, L, D); no state."""
         B, L, _ = x.shape
-        if self._max_len is not None and self._max_len < L:
-            raise ValueError(
-                f"input length {L} exceeds the Transformer's learned position table "
-                f"(max_len={self._max_len}); raise `model.backbone.max_len` or truncate the data"
-            )
+        self.check_length(L)
         if self.positions == "sinusoidal":
             x = x + sinusoidal_positions(L, self.d_model, x.device, x.dtype)
         elif self.pos_embedding is not None:
@@ -216,4 +216,4 @@ class Transformer(nn.Module):
             x = self.final_norm(x)
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
-        return x, None
+        return BackboneOutput(x)

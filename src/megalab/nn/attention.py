@@ -19,8 +19,9 @@ exactly as in the authors' code (facebookresearch/mega):
   `rotary`: b[i, j] = ⟨R_i a, R_j b⟩ for two learned vectors a, b ∈ R^z rotated RoPE-style
   (half-split pairs, θ_k = 10000^{−k/(z/2)}); an input-independent bias, NOT RoPE on Q/K.
 
-Chunks: a length that is not a multiple of c is padded internally (masked keys) and sliced back;
-a sequence no longer than c is one chunk; `chunk_size=-1` is full attention. With a causal mask
+Chunks (`chunked_attention`, shared with the multi-head models): a length that is not a
+multiple of c is padded internally (masked keys) and sliced back; a sequence no longer than c is
+one chunk; `chunk_size=-1` is full attention. With a causal mask
 each chunk has its own causal mask: nothing attends across chunks (information crosses them only
 through the EMA). Streaming keeps the keys/values of the current, incomplete chunk and drops them
 at each chunk boundary, as the code's incremental decoding does.
@@ -29,11 +30,13 @@ at each chunk boundary, as the code's incremental decoding does.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from megalab.models.state import register_state
 
 ATTENTION_FUNCTIONS = ("softmax", "laplace", "relu2")
 REL_POS_BIASES = ("simple", "rotary")
@@ -113,6 +116,7 @@ class RotaryRelativePositionalBias(nn.Module):
         return (self._rotate(self.a, i) @ self._rotate(self.b, j).T).to(self.a.dtype)
 
 
+@register_state
 class KVCache(NamedTuple):
     """Keys (B, T, z), values (B, T, v) and key validity (B, T) (or None) of the open chunk."""
 
@@ -205,66 +209,9 @@ class ChunkedAttention(nn.Module):
         """
         if (cache is not None or return_cache) and not self.causal:
             raise ValueError("only causal attention can be streamed with a key/value cache")
-        B, L, _ = q.shape
-        C = self.chunk_size if self.chunk_size > 0 else None
-        T = cache.key.shape[1] if cache is not None else 0
-        if cache is not None and T > 0:
-            k_all = torch.cat([cache.key, k], dim=1)
-            v_all = torch.cat([cache.value, v], dim=1)
-            valid_all = None
-            if cache.valid is not None or mask is not None:
-                old = cache.valid if cache.valid is not None else _ones(B, T, q.device)
-                new = mask if mask is not None else _ones(B, L, q.device)
-                valid_all = torch.cat([old, new], dim=1)
-            # The first L1 new positions complete the open chunk: they attend to the cache too.
-            L1 = L if C is None else min(C - T, L)
-            o = self._attend(
-                q[:, :L1].unsqueeze(1),
-                k_all[:, : T + L1].unsqueeze(1),
-                v_all[:, : T + L1].unsqueeze(1),
-                None if valid_all is None else valid_all[:, : T + L1].unsqueeze(1),
-                q_offset=T,
-            ).squeeze(1)
-            if L1 < L:  # the rest starts on a chunk boundary
-                rest = self._chunked(
-                    q[:, L1:], k[:, L1:], v[:, L1:], None if mask is None else mask[:, L1:]
-                )
-                o = torch.cat([o, rest], dim=1)
-        else:
-            k_all, v_all, valid_all = k, v, mask
-            o = self._chunked(q, k, v, mask)
-        new_cache = None
-        if return_cache:
-            total = k_all.shape[1]
-            keep = total if C is None else total % C
-            new_cache = KVCache(
-                k_all[:, total - keep :],
-                v_all[:, total - keep :],
-                None if valid_all is None else valid_all[:, total - keep :],
-            )
-        return o, new_cache
-
-    def _chunked(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-        """Attention over chunk-aligned positions: pad to a multiple of c, attend, slice back."""
-        B, L, _ = q.shape
-        C = self.chunk_size
-        if C <= 0 or L <= C:
-            n_chunks, size = 1, L
-        else:
-            n_chunks, size = -(-L // C), C
-            pad = n_chunks * C - L
-            if pad:
-                q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-                valid = mask if mask is not None else _ones(B, L, q.device)
-                mask = F.pad(valid, (0, pad), value=False)
-        o = self._attend(
-            q.view(B, n_chunks, size, -1),
-            k.view(B, n_chunks, size, -1),
-            v.view(B, n_chunks, size, -1),
-            None if mask is None else mask.view(B, n_chunks, size),
-            q_offset=0,
+        return chunked_attention(
+            q, k, v, mask, self.chunk_size, self._attend, cache=cache, return_cache=return_cache
         )
-        return o.reshape(B, n_chunks * size, -1)[:, :L]
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
@@ -314,3 +261,102 @@ class ChunkedAttention(nn.Module):
 
 def _ones(B: int, L: int, device: torch.device) -> Tensor:
     return torch.ones(B, L, dtype=torch.bool, device=device)
+
+
+class AttendFn(Protocol):
+    """Attention over aligned chunks: q (B, K, Cq, ...), k (B, K, Ck, ...), v (B, K, Ck, ...),
+    valid (B, K, Ck) or None -> o (B, K, Cq, ...); query r sits at key position r + q_offset
+    of its chunk."""
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
+    ) -> Tensor: ...
+
+
+def _pad_time(t: Tensor, pad: int, value: float | bool = 0) -> Tensor:
+    """Pad dim 1 (time) of a (B, L, ...) tensor with `pad` trailing entries."""
+    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad), value=value)
+
+
+def chunked_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    chunk_size: int,
+    attend: AttendFn,
+    cache: KVCache | None = None,
+    return_cache: bool = False,
+) -> tuple[Tensor, KVCache | None]:
+    """Run `attend` within chunks of `chunk_size` (-1: one chunk), streaming with a KV cache.
+
+    q, k, v are (B, L, ...) with any trailing shape (one head: (B, L, z); several: (B, L, H, d)).
+    A length that is not a multiple of the chunk is padded internally (masked keys) and sliced
+    back. `cache` holds the keys/values of the chunk left open by the previous segment: the
+    first new positions complete that chunk (attending to the cache, with `q_offset` = its
+    length), the rest start on chunk boundaries. The returned cache holds the chunk left open
+    after this segment (everything, without chunking), so any segmentation of a causal stream
+    gives the outputs of one pass.
+    """
+    B, L = q.shape[:2]
+    C = chunk_size if chunk_size > 0 else None
+    T = cache.key.shape[1] if cache is not None else 0
+    if cache is not None and T > 0:
+        k_all = torch.cat([cache.key, k], dim=1)
+        v_all = torch.cat([cache.value, v], dim=1)
+        valid_all = None
+        if cache.valid is not None or mask is not None:
+            old = cache.valid if cache.valid is not None else _ones(B, T, q.device)
+            new = mask if mask is not None else _ones(B, L, q.device)
+            valid_all = torch.cat([old, new], dim=1)
+        # The first L1 new positions complete the open chunk: they attend to the cache too.
+        L1 = L if C is None else min(C - T, L)
+        o = attend(
+            q[:, :L1].unsqueeze(1),
+            k_all[:, : T + L1].unsqueeze(1),
+            v_all[:, : T + L1].unsqueeze(1),
+            None if valid_all is None else valid_all[:, : T + L1].unsqueeze(1),
+            T,
+        ).squeeze(1)
+        if L1 < L:  # the rest starts on a chunk boundary
+            rest = _aligned_chunks(
+                q[:, L1:], k[:, L1:], v[:, L1:], None if mask is None else mask[:, L1:], C, attend
+            )
+            o = torch.cat([o, rest], dim=1)
+    else:
+        k_all, v_all, valid_all = k, v, mask
+        o = _aligned_chunks(q, k, v, mask, C, attend)
+    new_cache = None
+    if return_cache:
+        total = k_all.shape[1]
+        keep = total if C is None else total % C
+        new_cache = KVCache(
+            k_all[:, total - keep :],
+            v_all[:, total - keep :],
+            None if valid_all is None else valid_all[:, total - keep :],
+        )
+    return o, new_cache
+
+
+def _aligned_chunks(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, C: int | None, attend: AttendFn
+) -> Tensor:
+    """Attention over chunk-aligned positions: pad to a multiple of C, attend, slice back."""
+    B, L = q.shape[:2]
+    if C is None or L <= C:
+        n_chunks, size = 1, L
+    else:
+        n_chunks, size = -(-L // C), C
+        pad = n_chunks * C - L
+        if pad:
+            q, k, v = (_pad_time(t, pad) for t in (q, k, v))
+            valid = mask if mask is not None else _ones(B, L, q.device)
+            mask = _pad_time(valid, pad, value=False)
+    o = attend(
+        q.view(B, n_chunks, size, *q.shape[2:]),
+        k.view(B, n_chunks, size, *k.shape[2:]),
+        v.view(B, n_chunks, size, *v.shape[2:]),
+        None if mask is None else mask.view(B, n_chunks, size),
+        0,
+    )
+    return o.reshape(B, n_chunks * size, *o.shape[3:])[:, :L]

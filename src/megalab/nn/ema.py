@@ -36,10 +36,9 @@ Parameter names follow the paper: our `alpha` (input weight α) is the code's `d
 `delta` (damping δ) is the code's `alpha`; our `eta` is the code's `gamma` (see
 `megalab.convert`).
 
-Speed. The kernel is never built as the (d, h, L) tensor of powers q^l. Writing l = m·b + j with
-b ≈ √L, q^l = q^{m·b} · q^j, so 𝒦 = Σ_n (c_n q_n^{m·b}) q_n^j is one batched matrix product of a
-(d, L/b, h) and a (d, h, b) tensor: O(d·h·√L) exponentials instead of O(d·h·L), and autograd
-keeps only those two small factors. The streaming read-out and state update use the same split.
+Speed. The kernel maths lives in `megalab.nn.ema_kernel` (shared with the complex EMA): the
+kernel is never built as the (d, h, L) tensor of powers q^l but as one batched matmul of two
+O(d·h·√L) factors, and the streaming read-out and state update use the same split.
 The convolution is one real FFT of length ≥ L + K − 1 (the bidirectional kernel's spectrum is
 FFT(𝒦_fwd) + conj(FFT(𝒦_bwd)), no explicit two-sided kernel), computed in at least float32 like
 the authors' code; float64 inputs stay float64. In eval mode without autograd the kernel's
@@ -54,63 +53,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.ema_kernel import (
+    ema_kernel,
+    fft_conv,
+    log_decay,
+    next_fast_len,
+    recurrent_step,
+    state_after,
+    state_decay,
+    state_readout,
+)
 
-def next_fast_len(n: int) -> int:
-    """Smallest 2^a·3^b·5^c ≥ n (fast FFT sizes)."""
-    best = 1 << max(0, (n - 1).bit_length())
-    p5 = 1
-    while p5 < best:
-        p35 = p5
-        while p35 < best:
-            m = p35
-            while m < n:
-                m *= 2
-            best = min(best, m)
-            p35 *= 3
-        p5 *= 5
-    return best
-
-
-def log_decay(alpha_logit: Tensor, delta_logit: Tensor) -> Tensor:
-    """log q = log(1 − σ(a)·σ(d)), stable for any logits (never −inf, exact gradients).
-
-    1 − σ(a)σ(d) = (e^{−a} + e^{−d} + e^{−a−d}) / ((1 + e^{−a})(1 + e^{−d})).
-    """
-    terms = torch.stack([-alpha_logit, -delta_logit, -alpha_logit - delta_logit])
-    return torch.logsumexp(terms, dim=0) - F.softplus(-alpha_logit) - F.softplus(-delta_logit)
-
-
-def _split_len(length: int) -> tuple[int, int]:
-    """Block size b ≈ √length and block count m with m·b ≥ length."""
-    b = max(1, math.isqrt(max(length - 1, 0)) + 1)
-    return b, -(-length // b)
-
-
-def vandermonde_apply(coef: Tensor, log_q: Tensor, length: int, offset: int = 0) -> Tensor:
-    """out[..., d, l] = Σ_n coef[..., d, n] · q[d, n]^(l + offset) for l < length.
-
-    coef: (..., D, N); log_q: (D, N). Built as q^{l} = q^{m·b} q^{j}: one batched matmul.
-    """
-    b, m = _split_len(length)
-    hi = torch.exp(
-        (offset + b * torch.arange(m, device=log_q.device, dtype=log_q.dtype)) * log_q.unsqueeze(-1)
-    )  # (D, N, m)
-    lo = torch.exp(torch.arange(b, device=log_q.device, dtype=log_q.dtype) * log_q.unsqueeze(-1))
-    out = torch.einsum("...dnm,dnj->...dmj", coef.unsqueeze(-1) * hi, lo)
-    return out.flatten(-2)[..., :length]
-
-
-def vandermonde_reduce(x: Tensor, log_q: Tensor) -> Tensor:
-    """out[..., d, n] = Σ_l x[..., d, l] · q[d, n]^l  (the transpose of `vandermonde_apply`)."""
-    length = x.shape[-1]
-    b, m = _split_len(length)
-    x = F.pad(x, (0, m * b - length)).unflatten(-1, (m, b))  # (..., D, m, b)
-    hi = torch.exp(
-        b * torch.arange(m, device=log_q.device, dtype=log_q.dtype) * log_q.unsqueeze(-1)
-    )  # (D, N, m)
-    lo = torch.exp(torch.arange(b, device=log_q.device, dtype=log_q.dtype) * log_q.unsqueeze(-1))
-    inner = torch.einsum("...dmj,dnj->...dnm", x, lo)
-    return (inner * hi).sum(-1)
+__all__ = ["DampedEMA", "log_decay", "next_fast_len"]
 
 
 class DampedEMA(nn.Module):
@@ -195,8 +149,7 @@ class DampedEMA(nn.Module):
 
     def kernel(self, length: int) -> Tensor:
         """The (D', length) kernel 𝒦[c, l] = Σ_n η_n/√h · α_n β_n · q_n^l (eq. 26)."""
-        w_in, w_out, log_q = self.coefficients()
-        return vandermonde_apply(w_in * w_out, log_q, length)
+        return ema_kernel(*self.coefficients(), length)
 
     def _kernel_spectrum(self, K: int, n_fft: int, dtype: torch.dtype) -> Tensor:
         """rfft of the kernel at length n_fft as (D, n_fft//2 + 1); both directions folded in.
@@ -274,12 +227,12 @@ class DampedEMA(nn.Module):
                 if want_state:
                     w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())
                     # Σ_t (α⊙β) x_t q^{L−1−t}: the state after the segment's last token.
-                    new_state = w_in * vandermonde_reduce(xt.flip(-1), log_q)
+                    new_state = state_after(xt, w_in, log_q)
                     if state is not None:
                         h0 = state.to(cdt)
                         # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
-                        y = y + vandermonde_apply(h0 * w_out, log_q, L, offset=1)
-                        new_state = new_state + torch.exp(L * log_q) * h0
+                        y = y + state_readout(h0, w_out, log_q, L)
+                        new_state = new_state + state_decay(h0, log_q, L)
         out = F.silu(y.transpose(1, 2) + residual).to(x.dtype)
         return out, (new_state.to(x.dtype) if new_state is not None else None)
 
@@ -289,15 +242,12 @@ class DampedEMA(nn.Module):
         # A linear convolution needs n_fft ≥ L + (taps − 1); the shifted backward kernel has
         # K + 1 taps (its lag 0 is zero), so it needs L + K, the mega-image code's FFT length.
         n_fft = next_fast_len(L + K - 1 + int(self.shift))
-        spec = self._kernel_spectrum(K, n_fft, x.dtype)
-        x_f = torch.fft.rfft(x, n=n_fft, dim=-1)
-        return torch.fft.irfft(x_f * spec, n=n_fft, dim=-1)[..., :L]
+        return fft_conv(x, self._kernel_spectrum(K, n_fft, x.dtype), n_fft)
 
     def _one_step(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """One token: h ← (α⊙β) x + q ⊙ h;  y = Σ_n η_n h_n / √h.  x (B, D), h (B, D, h)."""
         w_in, w_out, log_q = (t.to(x.dtype) for t in self.coefficients())
-        h = w_in * x.unsqueeze(-1) + torch.exp(log_q) * h
-        return (h * w_out).sum(-1), h
+        return recurrent_step(x, h, w_in, w_out, log_q)
 
     def step(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """The naive recurrence for one token: x (B, D) → (X'_t (B, D), new state (B, D, h))."""

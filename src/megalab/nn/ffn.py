@@ -79,3 +79,37 @@ class NormalizedFFN(nn.Module):
         if not self.prenorm:
             x = self.norm(x)
         return x
+
+
+class GatedFFN(nn.Module):
+    """Gated linear unit FFN (Shazeer 2020): fc2(dropout(act(fc1 x) ⊙ fc3 x)); SwiGLU with SiLU.
+
+    The position-wise part only (no norm, no residual): Megalodon's and Llama's blocks place
+    those themselves. Names follow Megalodon's code (fc1 gate input, fc3 linear branch, fc2
+    out); Llama's w1/w3/w2 (HF gate_proj/up_proj/down_proj) map onto fc1/fc3/fc2.
+
+    Args:
+        d_model: model width.  ffn_dim: hidden width.
+        activation: silu (SwiGLU), gelu (GeGLU) or relu (ReGLU).
+        bias: biases on the three linears (none in Megalodon and Llama).
+        hidden_dropout: on the gated hidden layer.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        activation: str = "silu",
+        bias: bool = False,
+        hidden_dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.act = get_activation(activation)
+        self.fc1 = nn.Linear(d_model, ffn_dim, bias=bias)
+        self.fc3 = nn.Linear(d_model, ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(ffn_dim, d_model, bias=bias)
+        self.hidden_dropout = nn.Dropout(hidden_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(..., D) -> (..., D)."""
+        return self.fc2(self.hidden_dropout(self.act(self.fc1(x)) * self.fc3(x)))

@@ -11,12 +11,30 @@ All use eps = 1e-5 (the authors' `SequenceNorm` passes it to every type):
 
 `SequenceNorm(norm_type, d_model)` builds one of them under `.norm`, so state-dict names read
 `<...>.norm.norm.weight` like the authors' modules.
+
+The interface for norms over time. Every norm here takes (B, L, D) and an optional mask (B, L)
+(True at real tokens). Norms whose statistics run along the sequence (Megalodon's timestep norm,
+a group norm over time) also take and return a carried state: they follow `StreamingNorm`,
+`norm(x, mask, state) -> (y, new_state)`, so a block can hold either kind behind one call.
+Position-wise norms ignore the mask; batch norm, as the authors' code, includes padded positions
+in its statistics.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 from torch import Tensor, nn
+
+
+class StreamingNorm(Protocol):
+    """A norm over (B, L, D) whose statistics may carry across segments."""
+
+    def __call__(
+        self, x: Tensor, mask: Tensor | None = None, state: Any = None
+    ) -> tuple[Tensor, Any]: ...
+
 
 NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
 
@@ -77,8 +95,8 @@ class SequenceNorm(nn.Module):
                 f"unknown norm_type {norm_type!r}; allowed values: {', '.join(NORM_TYPES)}"
             )
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, L, D) -> (B, L, D)."""
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """(B, L, D) -> (B, L, D); `mask` is accepted for the common interface and unused."""
         if isinstance(self.norm, nn.modules.batchnorm._BatchNorm):
             # Statistics over batch × time: BatchNorm1d on (B, D, L), in at least float32.
             xf = x.to(torch.promote_types(x.dtype, torch.float32))

@@ -14,6 +14,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 
+from megalab.models.base import BackboneOutput, BackboneProtocol
 from megalab.optim import build_optimizer, describe_groups
 
 log = logging.getLogger(__name__)
@@ -59,23 +60,30 @@ class SequenceTask(L.LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
+        if not isinstance(backbone, BackboneProtocol):
+            raise TypeError(
+                f"{type(backbone).__name__} is not a megalab backbone: it needs d_model, causal, "
+                "max_len, initial_state and forward(x, mask, state) -> BackboneOutput "
+                "(derive from megalab.models.base.Backbone)"
+            )
         self.encoder = encoder
         self.backbone = backbone
         self.optim_cfg = optim
         self.scheduler_fn = scheduler
         self.check_finite = check_finite
-        self.compile = compile
+        # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
+        self.compile_backbone = compile
         self._t_last: float | None = None
 
     # -- model ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
-        if self.compile and stage == "fit":
+        if self.compile_backbone and stage == "fit":
             self.backbone = torch.compile(self.backbone)
 
-    def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> tuple[Tensor, Any]:
-        """Embed and run the backbone: (B, L[, C]) -> (B, L, D)."""
-        max_len = getattr(self.backbone, "max_len", None)
-        if max_len is not None and inputs.shape[1] > max_len:
+    def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> BackboneOutput:
+        """Embed and run the backbone: (B, L[, C]) -> features (B, L, D), state and aux."""
+        max_len = self.backbone.max_len
+        if state is None and max_len is not None and inputs.shape[1] > max_len:
             raise ValueError(
                 f"input length {inputs.shape[1]} exceeds the model's limit of {max_len} "
                 f"({type(self.backbone).__name__}); lower `data.max_len` or raise the model's "
@@ -83,6 +91,25 @@ class SequenceTask(L.LightningModule):
             )
         x = self.encoder(inputs, mask)
         return self.backbone(x, mask=mask, state=state)
+
+    def aux_loss(self, out: BackboneOutput, split: str, batch_size: int) -> Tensor | None:
+        """Log the backbone's `aux` values under `{split}/aux/...`; return its "loss" if any.
+
+        A value with one entry per layer is logged per layer (`.../name/layer{i}`) and as its
+        mean (`.../name`). Training adds the returned loss to the task's loss.
+        """
+        loss = out.aux.get("loss")
+        for name, value in out.aux.items():
+            value = value.detach().float()
+            key = f"{split}/aux/{name}"
+            on_step = split == "train"
+            if value.dim() and value.numel() > 1:
+                for i, v in enumerate(value.flatten()):
+                    self.log(f"{key}/layer{i}", v, on_step=on_step, on_epoch=True,
+                             batch_size=batch_size)  # fmt: skip
+                value = value.mean()
+            self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size)
+        return loss
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:

@@ -11,6 +11,8 @@ from torch import Tensor, nn
 from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from megalab.batch import Batch
+from megalab.models.base import BackboneOutput
 from megalab.nn.heads import POOLING_MODES, combine_pair, pair_width, pool
 from megalab.tasks.base import SequenceTask
 
@@ -60,23 +62,30 @@ class ClassificationTask(SequenceTask):
 
     def features(self, inputs: Tensor, mask: Tensor | None) -> Tensor:
         """Pooled sequence representation (B, D)."""
-        y, _ = self.encode(inputs, mask)
-        return pool(y, mask, self.pooling)
+        return self.pooled(inputs, mask)[0]
+
+    def pooled(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, BackboneOutput]:
+        """Pooled representation (B, D) and the backbone's output (for its aux values)."""
+        out = self.encode(inputs, mask)
+        return pool(out.y, mask, self.pooling), out
 
     def forward(self, inputs: Tensor, mask: Tensor | None = None) -> Tensor:
         """Class logits (B, num_classes)."""
         return self.head(self.features(inputs, mask))
 
-    def logits(self, batch: dict[str, Tensor]) -> Tensor:
-        return self(batch["inputs"], batch.get("mask"))
+    def logits(self, batch: Batch) -> tuple[Tensor, BackboneOutput]:
+        """Class logits (B, num_classes) of a batch, and the backbone's output."""
+        pooled, out = self.pooled(batch["inputs"], batch.get("mask"))
+        return self.head(pooled), out
 
-    def _step(self, batch: dict[str, Tensor], split: str) -> Tensor:
-        logits = self.logits(batch)
+    def _step(self, batch: Batch, split: str) -> Tensor:
+        logits, out = self.logits(batch)
         targets = batch["targets"]
         smoothing = self.label_smoothing if split == "train" else 0.0
         loss = F.cross_entropy(logits.float(), targets, label_smoothing=smoothing)
         hard = targets.argmax(-1) if targets.is_floating_point() else targets
         n = logits.shape[0]
+        aux_loss = self.aux_loss(out, split, n)
         self.losses[f"{split}_loss"](loss.detach(), n)
         self.accs[f"{split}_acc"](logits.detach(), hard)
         on_step = split == "train"
@@ -96,9 +105,11 @@ class ClassificationTask(SequenceTask):
             batch_size=n,
             prog_bar=True,
         )
+        if aux_loss is not None and split == "train":
+            loss = loss + aux_loss
         return loss
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self._step(batch, "train")
         self.assert_finite(loss)
         mask = batch.get("mask")
@@ -110,7 +121,7 @@ class ClassificationTask(SequenceTask):
         # Sanity-check batches must not count towards the best validation accuracy.
         self.val_acc_best.reset()
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "val")
 
     def on_validation_epoch_end(self) -> None:
@@ -118,7 +129,7 @@ class ClassificationTask(SequenceTask):
         self.val_acc_best(acc)
         self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True, prog_bar=True)
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "test")
 
 
@@ -133,13 +144,19 @@ class RetrievalTask(ClassificationTask):
     def head_input_width(self) -> int:
         return pair_width(self.backbone.d_model, self.combine)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         inputs: Tensor,
         mask: Tensor | None,
         inputs2: Tensor,
         mask2: Tensor | None,
     ) -> Tensor:
+        """Class logits (B, num_classes) of document pairs."""
+        return self._pair_logits(inputs, mask, inputs2, mask2)[0]
+
+    def _pair_logits(
+        self, inputs: Tensor, mask: Tensor | None, inputs2: Tensor, mask2: Tensor | None
+    ) -> tuple[Tensor, BackboneOutput]:
         # Both documents go through the backbone as one 2B batch, padded to a common length.
         B, L1, L2 = inputs.shape[0], inputs.shape[1], inputs2.shape[1]
         L = max(L1, L2)
@@ -149,13 +166,15 @@ class RetrievalTask(ClassificationTask):
             mask2 = torch.ones(inputs2.shape[:2], dtype=torch.bool, device=inputs2.device)
         both = torch.cat([F.pad(inputs, (0, L - L1)), F.pad(inputs2, (0, L - L2))])
         masks = torch.cat([F.pad(mask, (0, L - L1)), F.pad(mask2, (0, L - L2))])
-        pooled = self.features(both, masks)
-        return self.head(combine_pair(pooled[:B], pooled[B:], self.combine))
+        pooled, out = self.pooled(both, masks)
+        return self.head(combine_pair(pooled[:B], pooled[B:], self.combine)), out
 
-    def logits(self, batch: dict[str, Tensor]) -> Tensor:
-        return self(batch["inputs"], batch.get("mask"), batch["inputs2"], batch.get("mask2"))
+    def logits(self, batch: Batch) -> tuple[Tensor, BackboneOutput]:
+        return self._pair_logits(
+            batch["inputs"], batch.get("mask"), batch["inputs2"], batch.get("mask2")
+        )
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self._step(batch, "train")
         self.assert_finite(loss)
         tokens = sum(int(batch[k].sum()) for k in ("mask", "mask2") if k in batch)

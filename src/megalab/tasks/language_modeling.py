@@ -18,8 +18,6 @@ when batches carry `num_words`, `word_ppl` = exp(total NLL / number of words).
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import logging
 import math
 from collections.abc import Callable, Mapping
@@ -30,6 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import SumMetric
 
+from megalab.batch import Batch
+from megalab.models.base import BackboneOutput
+from megalab.models.state import detach_state, pack_state, state_to, unpack_state
 from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
 
@@ -62,76 +63,6 @@ class LinearLMHead(nn.Module):
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
 
-# --------------------------------------------------------------------------- carried state
-
-
-def _map_tensors(state: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    """Apply `fn` to every tensor of a nested state, keeping its structure."""
-    if isinstance(state, Tensor):
-        return fn(state)
-    if isinstance(state, dict):
-        return {k: _map_tensors(v, fn) for k, v in state.items()}
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        return type(state)(*(_map_tensors(v, fn) for v in state))
-    if isinstance(state, list | tuple):
-        return type(state)(_map_tensors(v, fn) for v in state)
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        changes = {
-            f.name: _map_tensors(getattr(state, f.name), fn)
-            for f in dataclasses.fields(state)
-            if f.init
-        }
-        return dataclasses.replace(state, **changes)
-    return state
-
-
-def detach_state(state: Any) -> Any:
-    """Detach every tensor in a (nested) state, keeping its structure."""
-    if not isinstance(state, Tensor | dict | list | tuple) and hasattr(state, "detach"):
-        return state.detach()
-    return _map_tensors(state, lambda t: t.detach())
-
-
-def pack_state(state: Any) -> Any:
-    """A nested state as plain containers and CPU tensors (loadable with `weights_only`)."""
-    if state is None or isinstance(state, bool | int | float | str):
-        return state
-    if isinstance(state, Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {"kind": "dict", "items": [[k, pack_state(v)] for k, v in state.items()]}
-    cls = type(state)
-    name = f"{cls.__module__}:{cls.__qualname__}"
-    if isinstance(state, tuple) and hasattr(state, "_fields"):
-        fields = {f: pack_state(getattr(state, f)) for f in state._fields}
-        return {"kind": "object", "class": name, "fields": fields}
-    if dataclasses.is_dataclass(state) and not isinstance(state, type):
-        fields = {f.name: pack_state(getattr(state, f.name)) for f in dataclasses.fields(state)}
-        return {"kind": "object", "class": name, "fields": fields}
-    if isinstance(state, list | tuple):
-        return {"kind": cls.__name__, "items": [pack_state(v) for v in state]}
-    raise TypeError(f"cannot save a carried state of type {cls.__name__} in a checkpoint")
-
-
-def unpack_state(packed: Any) -> Any:
-    """Inverse of `pack_state` (classes are imported from megalab or torch only)."""
-    if not isinstance(packed, dict):
-        return packed
-    kind = packed["kind"]
-    if kind == "dict":
-        return {k: unpack_state(v) for k, v in packed["items"]}
-    if kind in ("list", "tuple"):
-        items = [unpack_state(v) for v in packed["items"]]
-        return items if kind == "list" else tuple(items)
-    module, qualname = packed["class"].split(":")
-    if module.split(".")[0] not in ("megalab", "torch"):
-        raise ValueError(f"refusing to rebuild a state of class {packed['class']}")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj(**{k: unpack_state(v) for k, v in packed["fields"].items()})
-
-
 def _gather_from_ranks(obj: Any) -> list[Any]:
     """`obj` from every process (a one-element list without distributed training)."""
     dist = torch.distributed
@@ -144,13 +75,11 @@ def _gather_from_ranks(obj: Any) -> list[Any]:
 
 def check_causal(backbone: nn.Module) -> None:
     """Fail early when a backbone would see the tokens it has to predict."""
-    causal = getattr(backbone, "causal", None)
-    bidirectional = getattr(backbone, "bidirectional", None)
-    if causal is False or bidirectional is True:
+    if not backbone.causal:
         raise ValueError(
             f"language modelling needs a causal backbone, but this {type(backbone).__name__} is "
-            f"bidirectional (causal={causal}, bidirectional={bidirectional}): it would see the "
-            "next tokens it predicts. Set model.backbone.causal=true"
+            "bidirectional (causal=False): it would see the next tokens it predicts. Set "
+            "model.backbone.causal=true"
         )
 
 
@@ -169,8 +98,8 @@ class LanguageModelingTask(SequenceTask):
         check_finite: bool = True,
         compile: bool = False,
     ) -> None:
-        check_causal(backbone)
         super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
+        check_causal(backbone)
         self.head = head
         if tie_weights:
             if isinstance(head, AdaptiveSoftmax):
@@ -196,24 +125,20 @@ class LanguageModelingTask(SequenceTask):
 
     def forward(
         self, inputs: Tensor, mask: Tensor | None = None, state: Any = None
-    ) -> tuple[Tensor, Any]:
-        """Hidden states (B, L, D) and the state to carry into the next segment."""
+    ) -> BackboneOutput:
+        """Hidden states (B, L, D), the state to carry into the next segment, and aux values."""
         return self.encode(inputs, mask, state)
 
     def initial_state(self, batch_size: int) -> Any:
-        """The start of a stream: the backbone's empty state, or None for a stateless backbone.
+        """The start of a stream: the backbone's empty state (None for a stateless backbone).
 
-        Stateful backbones define `initial_state(batch_size, like)` and return a state only when
-        given one; starting from it makes every segment use the exact recurrence (Mega's EMA
-        state is carried beyond its training truncation, as the authors evaluate).
+        Starting from it makes every segment use the exact recurrence (Mega's EMA state is
+        carried beyond its training truncation, as the authors evaluate).
         """
-        make = getattr(self.backbone, "initial_state", None)
-        if make is None:
-            return None
         like = next(self.backbone.parameters())
-        return make(batch_size, like)
+        return self.backbone.initial_state(batch_size, like)
 
-    def _step(self, batch: dict[str, Tensor], split: str) -> Tensor:
+    def _step(self, batch: Batch, split: str) -> Tensor:
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
         reset = batch.get("reset")
@@ -221,14 +146,13 @@ class LanguageModelingTask(SequenceTask):
             states.pop(group, None)
         state = states.get(group)
         if state is not None and self._restored:
-            device = batch["inputs"].device
-            state = _map_tensors(state, lambda t: t.to(device))
+            state = state_to(state, batch["inputs"].device)
         if state is None and self.carry_state:
             state = self.initial_state(batch["inputs"].shape[0])
-        hidden, new_state = self(batch["inputs"], batch.get("mask"), state)
+        out = self(batch["inputs"], batch.get("mask"), state)
         if self.carry_state:
-            states[group] = detach_state(new_state) if split == "train" else new_state
-        nll = self.head.nll(hidden, batch["targets"])
+            states[group] = detach_state(out.state) if split == "train" else out.state
+        nll = self.head.nll(out.y, batch["targets"])
         scored = batch.get("target_mask", batch.get("mask"))
         if scored is None:
             scored = torch.ones_like(nll, dtype=torch.bool)
@@ -249,6 +173,9 @@ class LanguageModelingTask(SequenceTask):
                 prog_bar=True,
                 batch_size=int(count),
             )
+        aux_loss = self.aux_loss(out, split, int(count))
+        if aux_loss is not None and split == "train":
+            loss = loss + aux_loss
         return loss
 
     def epoch_metrics(self, split: str) -> dict[str, Tensor]:
@@ -281,17 +208,17 @@ class LanguageModelingTask(SequenceTask):
         for kind in ("nll", "tokens", "words"):
             self.sums[f"{split}_{kind}"].reset()
 
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self._step(batch, "train")
         self._restored = False
         self.assert_finite(loss)
         self.log_throughput(batch["inputs"].numel())
         return loss
 
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "val")
 
-    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "test")
 
     def on_train_epoch_start(self) -> None:

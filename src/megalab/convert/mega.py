@@ -1,4 +1,4 @@
-"""Load the authors' Mega weights (facebookresearch/mega, a fairseq fork) into megalab modules.
+"""The authors' Mega weights (facebookresearch/mega, a fairseq fork) onto megalab modules.
 
 One function per level maps the authors' `state_dict` names and layouts onto ours and returns a
 state dict for the matching megalab module (load it with `load_state_dict(..., strict=True)`):
@@ -35,8 +35,30 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import Tensor
+
+from megalab.convert.common import (
+    _sub,
+    _unknown,
+    load_fairseq_checkpoint,
+    mask_from_padding_mask,
+    to_batch_first,
+)
+from megalab.models.mega import MegaConfig
+
+__all__ = [
+    "convert_ema",
+    "convert_encoder_layer",
+    "convert_ffn",
+    "convert_lra_model",
+    "convert_maga",
+    "convert_vision_mega",
+    "load_fairseq_checkpoint",
+    "maga_config_from_reference",
+    "mask_from_padding_mask",
+    "mega_kwargs_from_fairseq",
+    "to_batch_first",
+]
 
 _EMA_NAMES = {"delta": "alpha", "alpha": "delta", "beta": "beta", "gamma": "eta", "omega": "omega"}
 # The mega-image repo's EMA computes p = σ(alpha)·beta, q = 1 − σ(alpha)·σ(delta): its `alpha` is
@@ -50,15 +72,6 @@ _EMA_NAMES_IMAGE = {
 }
 EMA_NAMINGS = {"fairseq": _EMA_NAMES, "mega-image": _EMA_NAMES_IMAGE}
 _LINEARS = ("v_proj.", "mx_proj.", "h_proj.")
-
-
-def _sub(sd: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
-    """Entries of `sd` under `prefix`, with the prefix removed."""
-    return {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-
-
-def _unknown(kind: str, name: str) -> KeyError:
-    return KeyError(f"unexpected {kind} entry {name!r}: not a parameter of the authors' {kind}")
 
 
 def _ema_names(naming: str) -> dict[str, str]:
@@ -296,8 +309,8 @@ def mega_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
     }
 
 
-def maga_kwargs_from_reference(kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Our MAGA / MegaBlock keyword arguments from the authors' MAGA or encoder-layer kwargs."""
+def maga_config_from_reference(kwargs: Mapping[str, Any]) -> MegaConfig:
+    """The `MegaConfig` of our MAGA / MegaBlock from the authors' MAGA or encoder-layer kwargs."""
     k = dict(kwargs)
     d = k.get("embed_dim", k.get("embedding_dim"))
     out = {
@@ -321,27 +334,4 @@ def maga_kwargs_from_reference(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     if "ffn_hidden_dim" in k:
         out["ffn_dim"] = k["ffn_hidden_dim"]
         out["activation_dropout"] = k["hidden_dropout"]
-    return out
-
-
-def load_fairseq_checkpoint(path: str) -> dict[str, Any]:
-    """Read an official fairseq checkpoint: `{"model": state_dict, "args": Namespace, ...}`.
-
-    fairseq pickles an argparse Namespace, so this uses `weights_only=False`: load only files
-    you trust. `args` is returned as a dict.
-    """
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    args = ckpt.get("args")
-    if args is not None and not isinstance(args, Mapping):
-        args = vars(args)
-    return {"model": ckpt["model"], "args": args}
-
-
-def to_batch_first(x: Tensor) -> Tensor:
-    """(L, B, ...) time-first tensor -> (B, L, ...)."""
-    return x.transpose(0, 1)
-
-
-def mask_from_padding_mask(padding_mask: Tensor | None) -> Tensor | None:
-    """The authors' padding mask (True at padding) -> ours (True at real tokens)."""
-    return None if padding_mask is None else ~padding_mask.bool()
+    return MegaConfig(**out)

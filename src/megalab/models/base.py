@@ -1,0 +1,111 @@
+"""The backbone contract: what every model in `megalab.models` is to the tasks.
+
+A backbone maps embedded inputs to features of the same width, batch-first:
+
+    out = backbone(x, mask=None, state=None)        x (B, L, D), mask (B, L) True at real tokens
+    out.y      (B, L, D) features, zero at padded positions
+    out.state  what a causal model carries into the next segment (None for a stateless pass)
+    out.aux    scalars the model reports (per-layer statistics, an auxiliary loss under "loss")
+
+Attributes every backbone has:
+
+- `d_model`: the feature width D.
+- `causal`: True when the output at t depends on inputs at positions ≤ t only (decoders).
+- `max_len`: the longest input (for a stream: the most tokens the model can still take), or
+  None when unbounded. `check_length` raises a clear error past it.
+- `initial_state(batch_size, like)`: the empty state that starts a stream (None for a model
+  that keeps no state). Passing a state makes the model stream: the outputs of consecutive
+  segments, each with the state the previous one returned, equal those of one pass over their
+  concatenation. Without a state the pass is stateless and `out.state` is None.
+
+`Backbone` is the small base class the models derive from; `BackboneProtocol` is the same
+contract as a structural type, for code that only calls a backbone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from torch import Tensor, nn
+
+
+@dataclass
+class BackboneOutput:
+    """What a backbone returns: features `y`, the carried `state` and reported `aux` values.
+
+    `aux` maps names to tensors: scalars (or one value per layer) that the task logs as
+    `{split}/aux/{name}`, and an optional `"loss"` that the task adds to its loss.
+    """
+
+    y: Tensor
+    state: Any = None
+    aux: dict[str, Tensor] = field(default_factory=dict)
+
+
+@runtime_checkable
+class BackboneProtocol(Protocol):
+    """The backbone contract as a structural type (see the module docstring)."""
+
+    d_model: int
+    causal: bool
+
+    @property
+    def max_len(self) -> int | None: ...
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Any: ...
+
+    def __call__(
+        self, x: Tensor, mask: Tensor | None = None, state: Any = None
+    ) -> BackboneOutput: ...
+
+
+class Backbone(nn.Module):
+    """Base class of megalab's backbones: the contract's attributes with their defaults.
+
+    Subclasses set `d_model` and `causal`, implement `forward(x, mask, state)` returning a
+    `BackboneOutput`, and override `max_len` and `initial_state` when they have a length
+    limit or a streaming state.
+    """
+
+    d_model: int
+    causal: bool
+
+    @property
+    def max_len(self) -> int | None:
+        """Longest input the model takes (None: unbounded)."""
+        return None
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Any:
+        """The state that starts a stream; None for a model that carries nothing."""
+        return None
+
+    def state_length(self, state: Any) -> int:
+        """Tokens already consumed against `max_len` by a stream in `state` (0 by default)."""
+        return 0
+
+    def check_length(self, length: int, state: Any = None) -> None:
+        """Raise a ValueError that names the limit when `length` more tokens do not fit."""
+        limit = self.max_len
+        if limit is None:
+            return
+        total = length + (self.state_length(state) if state is not None else 0)
+        if total > limit:
+            raise ValueError(
+                f"input length {total} exceeds max_len={limit} of {type(self).__name__}"
+                f"{self.length_advice()}"
+            )
+
+    def length_advice(self) -> str:
+        """What to change when an input is too long (appended to the length error)."""
+        return ": lower `data.max_len` or raise the model's maximum length"
+
+    def forward(  # type: ignore[override]
+        self, x: Tensor, mask: Tensor | None = None, state: Any = None
+    ) -> BackboneOutput:
+        raise NotImplementedError
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The module behind a `torch.compile` wrapper (attribute access needs no unwrapping)."""
+    return getattr(module, "_orig_mod", module)

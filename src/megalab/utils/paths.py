@@ -1,0 +1,39 @@
+"""Where megalab finds its configs and its project folder: computed here, once.
+
+- `CONFIG_DIR`: the Hydra config tree, shipped inside the package (`megalab/configs`), so an
+  installed wheel runs outside a checkout; `MEGALAB_CONFIG_DIR` points to another tree.
+- `project_root()`: the folder `data/`, `logs/`, `tables/` and `sweeps/` hang off:
+  `MEGALAB_ROOT` if set, else the source checkout the package runs from, else the current
+  directory (an installed package).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+CONFIG_DIR = Path(os.environ.get("MEGALAB_CONFIG_DIR", str(PACKAGE_DIR / "configs")))
+
+
+def source_checkout() -> Path | None:
+    """The repository root when megalab runs from a source checkout (src layout), else None."""
+    root = PACKAGE_DIR.parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "src" / "megalab").is_dir():
+        return root
+    return None
+
+
+def project_root() -> Path:
+    """The folder holding data/, logs/, tables/ and sweeps/ (see the module docstring)."""
+    env = os.environ.get("MEGALAB_ROOT")
+    if env:
+        return Path(env)
+    return source_checkout() or Path.cwd()
+
+
+def export_project_root() -> Path:
+    """Set MEGALAB_ROOT (read by the configs' `paths.root_dir`) unless the user set it."""
+    root = project_root()
+    os.environ.setdefault("MEGALAB_ROOT", str(root))
+    return root

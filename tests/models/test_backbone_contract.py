@@ -1,0 +1,292 @@
+"""The backbone contract (`megalab.models.base`), checked once for every model config.
+
+Every `configs/model/*.yaml` is built at a tiny size (`TINY`) in each of its variants
+(`VARIANTS`, Hydra-style overrides; a config without an entry runs as it is), its parameters
+perturbed away from the init, and checked in float64 for: shapes and zeroed pads; padding
+invariance; causality (causal variants); streaming segment by segment and token by token equals
+one pass (causal variants with a state); the state survives `pack_state`/`unpack_state` through a
+checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` matches eager; bf16
+autocast runs and stays finite; `max_len` is enforced with a clear error.
+
+A new model is tested by adding its config; variants that reach its other code paths (causal,
+chunked, other attention functions) go into `VARIANTS`.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import hydra
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+
+from megalab.models.base import BackboneOutput, BackboneProtocol
+from megalab.models.state import pack_state, select_state, unpack_state
+from megalab.utils.paths import CONFIG_DIR
+
+DT = torch.float64
+# What model configs interpolate from `${data.*}`.
+DATA_SPEC = {"vocab_size": 32, "d_input": None, "pad_id": 0, "max_len": 64, "num_classes": 4}
+TINY = ["model.d_model=16", "model.backbone.num_layers=2"]
+
+_MEGA_TINY = [
+    "model.backbone.z_dim=8",
+    "model.backbone.v_dim=24",
+    "model.backbone.ffn_dim=20",
+    "model.backbone.ema_dim=4",
+    "model.backbone.dropout=0.1",
+]
+VARIANTS: dict[str, dict[str, list[str]]] = {
+    "mega": {
+        "encoder_chunk": [*_MEGA_TINY, "model.backbone.chunk_size=8"],
+        "encoder_full_laplace_postnorm": [
+            *_MEGA_TINY,
+            "model.backbone.attention_activation=laplace",
+            "model.backbone.prenorm=false",
+        ],
+        "encoder_relu2_rotary_truncated": [
+            *_MEGA_TINY,
+            "model.backbone.attention_activation=relu2",
+            "model.backbone.rel_pos_bias=rotary",
+            "model.backbone.truncation=6",
+            "model.backbone.chunk_size=8",
+        ],
+        "causal_softmax_rotary": [
+            *_MEGA_TINY,
+            "model.backbone.causal=true",
+            "model.backbone.chunk_size=8",
+            "model.backbone.rel_pos_bias=rotary",
+            "model.backbone.prenorm=true",
+        ],
+        "causal_laplace_postnorm": [
+            *_MEGA_TINY,
+            "model.backbone.causal=true",
+            "model.backbone.chunk_size=8",
+            "model.backbone.attention_activation=laplace",
+        ],
+        "causal_relu2_full_scalenorm": [
+            *_MEGA_TINY,
+            "model.backbone.causal=true",
+            "model.backbone.attention_activation=relu2",
+            "model.backbone.norm_type=scalenorm",
+            "model.backbone.prenorm=true",
+        ],
+    },
+    "transformer": {
+        "encoder": ["model.backbone.num_heads=2", "model.backbone.ffn_dim=32"],
+        "causal_learned": [
+            "model.backbone.num_heads=2",
+            "model.backbone.ffn_dim=32",
+            "model.backbone.causal=true",
+            "model.backbone.positions=learned",
+        ],
+    },
+}
+
+
+def model_variants() -> list[tuple[str, str]]:
+    names = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
+    return [(n, v) for n in names for v in VARIANTS.get(n, {"default": []})]
+
+
+CASES = model_variants()
+IDS = [f"{n}-{v}" for n, v in CASES]
+
+
+def build(name: str, variant: str, dtype: torch.dtype = DT, seed: int = 0) -> Any:
+    """The tiny backbone of a model config variant, parameters perturbed, in eval mode."""
+    cfg = OmegaConf.create(
+        {"model": OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml"), "data": DATA_SPEC}
+    )
+    for override in TINY + VARIANTS.get(name, {}).get(variant, []):
+        key, value = override.split("=", 1)
+        OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)
+    torch.manual_seed(seed)
+    backbone = hydra.utils.instantiate(cfg.model.backbone)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in backbone.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return backbone.to(dtype).eval()
+
+
+def inputs(model: Any, B: int = 2, L: int = 21, seed: int = 1, dtype: torch.dtype = DT):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, L, model.d_model, generator=g, dtype=dtype)
+
+
+def lengths_mask(L: int, lengths: list[int]) -> torch.Tensor:
+    return torch.arange(L) < torch.tensor(lengths).unsqueeze(1)
+
+
+def stateful(model: Any, B: int = 2) -> bool:
+    return model.causal and model.initial_state(B, next(model.parameters())) is not None
+
+
+# Which variants are causal, and which of those stream with a state (decided by building them).
+_BUILT = {case: build(*case) for case in CASES}
+CAUSAL = [c for c in CASES if _BUILT[c].causal]
+STATEFUL = [c for c in CASES if stateful(_BUILT[c])]
+
+
+def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: list[int]):
+    """Run x segment by segment from the initial state; return (outputs, final state)."""
+    state = model.initial_state(x.shape[0], x)
+    outs, s = [], 0
+    for n in segments:
+        sl = slice(s, s + n)
+        out = model(x[:, sl], None if mask is None else mask[:, sl], state)
+        outs.append(out.y)
+        state = out.state
+        s += n
+    return torch.cat(outs, 1), state
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> None:
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_shapes_attributes_and_zeroed_pads(name: str, variant: str) -> None:
+    model = build(name, variant)
+    assert isinstance(model, BackboneProtocol)
+    assert isinstance(model.d_model, int) and isinstance(model.causal, bool)
+    assert model.max_len is None or isinstance(model.max_len, int)
+    x = inputs(model)
+    mask = lengths_mask(21, [21, 9])
+    with torch.no_grad():
+        out = model(x, mask)
+    assert isinstance(out, BackboneOutput)
+    assert out.y.shape == x.shape and out.y.dtype == x.dtype and out.state is None
+    assert torch.isfinite(out.y).all()
+    assert (out.y[1, 9:] == 0).all()
+    assert all(isinstance(v, torch.Tensor) for v in out.aux.values())
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_real_outputs_ignore_padding(name: str, variant: str) -> None:
+    """Neither the padded values nor the amount of padding reach the real positions."""
+    model = build(name, variant)
+    x = inputs(model, B=1, L=19)
+    with torch.no_grad():
+        base = model(x, torch.ones(1, 19, dtype=torch.bool)).y
+        for extra in (1, 5, 13):
+            pad = 7 * torch.randn(1, extra, model.d_model, dtype=DT)
+            y = model(torch.cat([x, pad], 1), lengths_mask(19 + extra, [19])).y
+            close(y[:, :19], base)
+            assert (y[:, 19:] == 0).all()
+
+
+@pytest.mark.parametrize(("name", "variant"), CAUSAL, ids=[f"{n}-{v}" for n, v in CAUSAL])
+def test_causal_outputs_ignore_later_tokens(name: str, variant: str) -> None:
+    model = build(name, variant)
+    x = inputs(model, L=24)
+    x2 = x.clone()
+    x2[:, 13:] = 5 * torch.randn_like(x2[:, 13:])
+    with torch.no_grad():
+        close(model(x).y[:, :13], model(x2).y[:, :13])
+
+
+@pytest.mark.parametrize(("name", "variant"), STATEFUL, ids=[f"{n}-{v}" for n, v in STATEFUL])
+@pytest.mark.parametrize("segments", [[5, 1, 12, 3, 7], [1] * 9 + [19]], ids=["mixed", "tokens"])
+def test_streaming_equals_one_pass(name: str, variant: str, segments: list[int]) -> None:
+    model = build(name, variant)
+    x = inputs(model, L=28)
+    for mask in (None, lengths_mask(28, [28, 23])):
+        with torch.no_grad():
+            full = model(x, mask).y
+            y, _ = stream(model, x, mask, segments)
+        close(y, full)
+
+
+@pytest.mark.parametrize(("name", "variant"), STATEFUL, ids=[f"{n}-{v}" for n, v in STATEFUL])
+def test_state_survives_a_checkpoint_and_batch_selection(name: str, variant: str) -> None:
+    model = build(name, variant)
+    x = inputs(model, L=20)
+    with torch.no_grad():
+        _, state = stream(model, x, None, [11])
+        buf = io.BytesIO()
+        torch.save({"state": pack_state(state)}, buf)
+        buf.seek(0)
+        restored = unpack_state(torch.load(buf, weights_only=True)["state"])
+        assert type(restored) is type(state)
+        close(model(x[:, 11:], state=restored).y, model(x[:, 11:], state=state).y, tol=0)
+        swapped = select_state(state, torch.tensor([1, 0]))
+        close(model(x[[1, 0], 11:], state=swapped).y, model(x[:, 11:], state=state).y[[1, 0]])
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_gradcheck(name: str, variant: str) -> None:
+    model = build(name, variant)
+    x = inputs(model, B=1, L=10).requires_grad_(True)
+    mask = lengths_mask(10, [8])
+    assert torch.autograd.gradcheck(
+        lambda t: model(t, mask).y, (x,), eps=1e-6, atol=1e-5, fast_mode=True
+    )
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_bf16_autocast_runs_and_stays_finite(name: str, variant: str) -> None:
+    model = build(name, variant, dtype=torch.float32).train()
+    x = inputs(model, dtype=torch.float32)
+    mask = lengths_mask(21, [21, 15])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x, mask).y
+    y.float().sum().backward()
+    assert torch.isfinite(y.float()).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_max_len_is_enforced(name: str, variant: str) -> None:
+    model = build(name, variant)
+    if model.max_len is None:
+        with torch.no_grad():
+            model(inputs(model, B=1, L=70))  # beyond DATA_SPEC's max_len: nothing to enforce
+        return
+    n = model.max_len
+    with torch.no_grad():
+        model(inputs(model, B=1, L=n))
+        with pytest.raises(ValueError, match=rf"input length {n + 1} exceeds max_len={n}"):
+            model(inputs(model, B=1, L=n + 1))
+        if stateful(model, B=1):
+            _, state = stream(model, inputs(model, B=1, L=n - 2), None, [n - 2])
+            with pytest.raises(ValueError, match=rf"input length {n + 1} exceeds max_len={n}"):
+                model(inputs(model, B=1, L=3), state=state)
+
+
+def _first_variants() -> list[tuple[str, str]]:
+    seen: dict[str, str] = {}
+    for n, v in CASES:
+        seen.setdefault(n, v)
+    return list(seen.items())
+
+
+def _compile_cases() -> list[Any]:
+    first = set(_first_variants())
+    cases = []
+    for n, v in CASES:
+        fast = (n, v) in first
+        cases.append(pytest.param(n, v, "aot_eager", marks=() if fast else pytest.mark.slow))
+        cases.append(pytest.param(n, v, "inductor", marks=pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "variant", "backend"), _compile_cases())
+def test_torch_compile_matches_eager(name: str, variant: str, backend: str) -> None:
+    """Graph capture and AOT autograd (`aot_eager`) for one variant per model in the default
+    suite; every variant, and inductor's generated code, in the slow suite."""
+    torch._dynamo.reset()
+    model = build(name, variant, dtype=torch.float32).train()
+    for m in model.modules():  # dropout off, but training-mode code paths on
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    x = inputs(model, dtype=torch.float32)
+    mask = lengths_mask(21, [21, 15])
+    ref = model(x, mask).y
+    y = torch.compile(model, backend=backend)(x, mask).y
+    y.sum().backward()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
