@@ -43,15 +43,17 @@ D_MODEL, Z_DIM, V_DIM, EMA_DIM, HEADS = 128, 64, 256, 16, 4
 # ---------------------------------------------------------------------------------- models
 def build_case(kind: str, L: int, B: int, device: str):
     """A module and a closure running one forward + backward."""
-    from megalab.models.mega import MegaBlock
+    from megalab.models.mega import MegaBlock, MegaConfig
     from megalab.nn.ema import DampedEMA
 
     torch.manual_seed(0)
     x = torch.randn(B, L, D_MODEL, device=device, requires_grad=True)
     if kind in ("mega_chunk128", "mega_full"):
         chunk = 128 if kind == "mega_chunk128" else -1
-        m = MegaBlock(D_MODEL, Z_DIM, V_DIM, V_DIM, EMA_DIM, chunk_size=chunk,
-                      max_positions=max(L, 1024), attention_activation="softmax")  # fmt: skip
+        cfg = MegaConfig(d_model=D_MODEL, z_dim=Z_DIM, v_dim=V_DIM, ffn_dim=V_DIM,
+                         ema_dim=EMA_DIM, chunk_size=chunk, max_positions=max(L, 1024),
+                         attention_activation="softmax")  # fmt: skip
+        m = MegaBlock(cfg)
         return m.to(device), lambda: m(x)[0].sum().backward()
     if kind == "transformer":
         try:

@@ -9,12 +9,13 @@ checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` match
 autocast runs and stays finite; `max_len` is enforced with a clear error.
 
 A new model is tested by adding its config; variants that reach its other code paths (causal,
-chunked, other attention functions) go into `VARIANTS`.
+chunked, other attention functions) go into `contract_variants/<model>.yaml`.
 """
 
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -32,58 +33,11 @@ DT = torch.float64
 DATA_SPEC = {"vocab_size": 32, "d_input": None, "pad_id": 0, "max_len": 64, "num_classes": 4}
 TINY = ["model.d_model=16", "model.backbone.num_layers=2"]
 
-_MEGA_TINY = [
-    "model.backbone.z_dim=8",
-    "model.backbone.v_dim=24",
-    "model.backbone.ffn_dim=20",
-    "model.backbone.ema_dim=4",
-    "model.backbone.dropout=0.1",
-]
+# Variants per model config: tests/models/contract_variants/<model>.yaml maps a variant name to
+# Hydra-style overrides; a model without that file runs as its config is (variant "default").
+VARIANT_DIR = Path(__file__).parent / "contract_variants"
 VARIANTS: dict[str, dict[str, list[str]]] = {
-    "mega": {
-        "encoder_chunk": [*_MEGA_TINY, "model.backbone.chunk_size=8"],
-        "encoder_full_laplace_postnorm": [
-            *_MEGA_TINY,
-            "model.backbone.attention_activation=laplace",
-            "model.backbone.prenorm=false",
-        ],
-        "encoder_relu2_rotary_truncated": [
-            *_MEGA_TINY,
-            "model.backbone.attention_activation=relu2",
-            "model.backbone.rel_pos_bias=rotary",
-            "model.backbone.truncation=6",
-            "model.backbone.chunk_size=8",
-        ],
-        "causal_softmax_rotary": [
-            *_MEGA_TINY,
-            "model.backbone.causal=true",
-            "model.backbone.chunk_size=8",
-            "model.backbone.rel_pos_bias=rotary",
-            "model.backbone.prenorm=true",
-        ],
-        "causal_laplace_postnorm": [
-            *_MEGA_TINY,
-            "model.backbone.causal=true",
-            "model.backbone.chunk_size=8",
-            "model.backbone.attention_activation=laplace",
-        ],
-        "causal_relu2_full_scalenorm": [
-            *_MEGA_TINY,
-            "model.backbone.causal=true",
-            "model.backbone.attention_activation=relu2",
-            "model.backbone.norm_type=scalenorm",
-            "model.backbone.prenorm=true",
-        ],
-    },
-    "transformer": {
-        "encoder": ["model.backbone.num_heads=2", "model.backbone.ffn_dim=32"],
-        "causal_learned": [
-            "model.backbone.num_heads=2",
-            "model.backbone.ffn_dim=32",
-            "model.backbone.causal=true",
-            "model.backbone.positions=learned",
-        ],
-    },
+    p.stem: yaml.safe_load(p.read_text()) for p in sorted(VARIANT_DIR.glob("*.yaml"))
 }
 
 

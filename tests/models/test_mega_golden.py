@@ -10,21 +10,19 @@ and compare with e = max|ours − ref| / max|ref| per tensor:
 
 Outputs are compared at every position, padded ones included: we reproduce the reference's pad
 behaviour too (ω ⊙ x on the unmasked input; softmax leaves an all-padding chunk unmasked).
-The golden directory is `$MEGALAB_GOLDEN_DIR`, else `<repo>/../shared/golden`, else
-`/work/shared/golden`. Without one the cases skip, except under `MEGALAB_REQUIRE_GOLDEN=1`
-(set by `.ci/run`), where they fail.
+Where the golden data is found, and when a missing one fails: `tests/golden.py`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 
+import golden
+from golden import prefixed, rel_err
 from megalab.convert.mega import (
     convert_ema,
     convert_encoder_layer,
@@ -42,21 +40,6 @@ REF_TOL = 2e-5
 PURE64_TOL = 1e-10
 
 
-def golden_dir() -> Path | None:
-    """The Mega golden directory, or None when no candidate exists."""
-    repo = Path(__file__).resolve().parents[2]
-    candidates = [
-        os.environ.get("MEGALAB_GOLDEN_DIR"),
-        repo.parent / "shared" / "golden",
-        "/work/shared/golden",
-    ]
-    for c in candidates:
-        if c and (Path(c) / "mega").is_dir():
-            return Path(c) / "mega"
-    return None
-
-
-GOLDEN = golden_dir()
 MODULE_CASES = [
     "ema_bidirectional",
     "ema_bidirectional_padded",
@@ -83,28 +66,7 @@ MODULE_CASES = [
 
 
 def load_case(name: str) -> dict:
-    if GOLDEN is None:
-        msg = (
-            "Mega golden data not found: set MEGALAB_GOLDEN_DIR or provide ../shared/golden "
-            "next to the repository (or /work/shared/golden)"
-        )
-        if os.environ.get("MEGALAB_REQUIRE_GOLDEN") == "1":  # CI: a skipped golden test fails
-            pytest.fail(msg)
-        pytest.skip(msg)
-    path = GOLDEN / f"{name}.pt"
-    assert path.is_file(), f"golden file missing: {path}"
-    return torch.load(path, weights_only=True)
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    """e = max|a − ref| / max|ref|."""
-    assert a.shape == ref.shape, (a.shape, ref.shape)
-    scale = ref.abs().max().clamp_min(1e-300)
-    return ((a.to(ref.dtype) - ref).abs().max() / scale).item()
-
-
-def prefixed(d: dict, prefix: str) -> dict:
-    return {k[len(prefix) :]: v for k, v in d.items() if k.startswith(prefix)}
+    return golden.load_case("mega", name)
 
 
 def build(d: dict) -> tuple[torch.nn.Module, Callable]:

@@ -1,0 +1,59 @@
+"""Golden data produced by the authors' implementations: where it is, and how to compare.
+
+The golden directory is `$MEGALAB_GOLDEN_DIR`, else `<repo>/../shared/golden`, else
+`/work/shared/golden`; each model has a subfolder (`mega`, `seqboat`, `megalodon`, `lamemo`)
+with a README describing its cases. Without the data a golden test skips, except under
+`MEGALAB_REQUIRE_GOLDEN=1` (set by `.ci/run`), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def golden_dir(model: str) -> Path | None:
+    """The golden folder of `model`, or None when no candidate exists."""
+    candidates = [
+        os.environ.get("MEGALAB_GOLDEN_DIR"),
+        REPO.parent / "shared" / "golden",
+        "/work/shared/golden",
+    ]
+    for c in candidates:
+        if c and (Path(c) / model).is_dir():
+            return Path(c) / model
+    return None
+
+
+def load_case(model: str, name: str) -> dict[str, Any]:
+    """One golden file as a dict (`torch.load(weights_only=True)`); skips or fails if absent."""
+    folder = golden_dir(model)
+    if folder is None:
+        msg = (
+            f"{model} golden data not found: set MEGALAB_GOLDEN_DIR or provide ../shared/golden "
+            "next to the repository (or /work/shared/golden)"
+        )
+        if os.environ.get("MEGALAB_REQUIRE_GOLDEN") == "1":  # CI: a skipped golden test fails
+            pytest.fail(msg)
+        pytest.skip(msg)
+    path = folder / f"{name}.pt"
+    assert path.is_file(), f"golden file missing: {path}"
+    return torch.load(path, weights_only=True)
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """e = max|a − ref| / max|ref| (shapes must agree)."""
+    assert a.shape == ref.shape, (a.shape, ref.shape)
+    scale = ref.abs().max().clamp_min(1e-300)
+    return ((a.to(ref.dtype) - ref).abs().max() / scale).item()
+
+
+def prefixed(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Entries of `d` under `prefix`, with the prefix removed."""
+    return {k[len(prefix) :]: v for k, v in d.items() if k.startswith(prefix)}
