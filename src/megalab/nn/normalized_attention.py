@@ -134,23 +134,26 @@ class NormalizedAttention(nn.Module):
         inv_freq = rope_inv_freq(self.head_dim, self.rope_base, rot).to(dev)
         pos_q = torch.arange(q_offset, q_offset + Cq, device=dev).unsqueeze(-1)  # (Cq, 1): heads
         pos_k = torch.arange(Ck, device=dev).unsqueeze(-1)
-        q = apply_rope(q, pos_q, inv_freq, interleaved=True).transpose(2, 3)  # (B, K, H, Cq, d)
-        k = apply_rope(k, pos_k, inv_freq, interleaved=True).transpose(2, 3)
-        v = v.transpose(2, 3)
+        B, K = q.shape[:2]
+        # SDPA on 4-D (B·K, H, C, d) tensors: chunks are independent batch entries.
+        q = apply_rope(q, pos_q, inv_freq, interleaved=True).flatten(0, 1).transpose(1, 2)
+        k = apply_rope(k, pos_k, inv_freq, interleaved=True).flatten(0, 1).transpose(1, 2)
+        v = v.flatten(0, 1).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         allowed = None
         if valid is not None:
-            allowed = valid[:, :, None, None, :]  # (B, K, 1, 1, Ck)
+            allowed = valid.flatten(0, 1)[:, None, None, :]  # (B·K, 1, 1, Ck)
         if self.causal:
             causal = torch.arange(Ck, device=dev).unsqueeze(0) <= pos_q  # (Cq, Ck)
             allowed = causal if allowed is None else allowed & causal
         if p == 0.0:
             if allowed is None:
-                return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(2, 3)
+                o = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+                return o.transpose(1, 2).unflatten(0, (B, K))
             if valid is None and q_offset == 0 and Cq == Ck:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
-                return o.transpose(2, 3)
-        shape = (*q.shape[:-1], Ck)  # (B, K, H, Cq, Ck)
+                return o.transpose(1, 2).unflatten(0, (B, K))
+        shape = (*q.shape[:-1], Ck)  # (B·K, H, Cq, Ck)
         allowed = torch.ones(shape, dtype=torch.bool, device=dev) if allowed is None else allowed
         alive = None
         if p > 0.0:
@@ -164,4 +167,4 @@ class NormalizedAttention(nn.Module):
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1.0)
         if alive is not None:
             o = o * alive.to(o.dtype)
-        return o.transpose(2, 3)
+        return o.transpose(1, 2).unflatten(0, (B, K))
