@@ -94,3 +94,30 @@ reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size,
 
 reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big on raw Speech Commands SC10 x SEEDS
 	$(call reproduce,sweeps/mega_sc10.yaml,mega/table4_sc)
+
+# --- Megalodon (Ma et al. 2024) ----------------------------------------------------------------
+# The Mega rows of these tables come from the same targets (Mega's sweeps, or Mega's experiments
+# inside the Megalodon sweep files).
+MEGALODON_ABLATIONS := $(addprefix sweeps/megalodon_lra_,chunk_size.yaml cema_dim.yaml \
+	norm_groups.yaml rope_base.yaml)
+
+.PHONY: reproduce-megalodon-lra reproduce-megalodon-sc reproduce-megalodon-wt103 \
+	reproduce-megalodon-pg19 reproduce-megalodon-imagenet reproduce-megalodon-ablations
+
+reproduce-megalodon-lra: $(REPRO_INSTALL) ## Megalodon Table 6: Megalodon(-chunk) and Mega(-chunk) on the 6 LRA tasks
+	$(call reproduce,sweeps/megalodon_lra.yaml sweeps/megalodon_lra_pathx.yaml sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,megalodon/table6_lra)
+
+reproduce-megalodon-sc: $(REPRO_INSTALL) ## Megalodon Table 7: Megalodon and Mega (base, big) on raw SC10
+	$(call reproduce,sweeps/megalodon_sc10.yaml sweeps/mega_sc10.yaml,megalodon/table7_sc)
+
+reproduce-megalodon-wt103: $(REPRO_INSTALL) ## Megalodon Table 8: Megalodon and Mega on WikiText-103
+	$(call reproduce,sweeps/megalodon_wt103.yaml,megalodon/table8_wt103)
+
+reproduce-megalodon-pg19: $(REPRO_INSTALL) ## Megalodon Table 5: Megalodon-1.3B on PG-19 (word-level perplexity)
+	$(call reproduce,sweeps/megalodon_pg19.yaml,megalodon/table5_pg19)
+
+reproduce-megalodon-imagenet: $(REPRO_INSTALL) ## Megalodon Table 4: Megalodon, Mega and DeiT-B on ImageNet-1k
+	$(call reproduce,sweeps/megalodon_imagenet.yaml,megalodon/table4_imagenet)
+
+reproduce-megalodon-ablations: $(REPRO_INSTALL) ## Megalodon chunk size, CEMA dim, norm groups, RoPE base on LRA Text/Image
+	$(call reproduce,$(MEGALODON_ABLATIONS),)

@@ -77,6 +77,29 @@ GPU_ONLY: set[str] = {"transformer/lra_pathx", "mega/lra_pathx", "mega_chunk/lra
 HEAVY |= GPU_ONLY
 
 
+# Megalodon (Ma et al. 2024): ImageNet (83M) and WikiText-103 (252M) train in the slow suite
+# like Mega's; Path-X (16,384 pixels) on a GPU only. The 1.3B PG-19 model and the 7B
+# pretraining recipe do not fit a 2-step CPU run (weights, gradients and Adam moments: 21 GB and
+# 118 GB): they train at a tiny width (`TINY_WIDTH`, same recipe otherwise), and their presets'
+# parameter counts are checked on the meta device (tests/models/test_megalodon.py).
+HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
+GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
+HEAVY |= GPU_ONLY
+_MEGALODON_TINY = [
+    "model.d_model=64",
+    "model.backbone.num_layers=2",
+    "model.backbone.z_dim=32",
+    "model.backbone.v_dim=64",
+    "model.backbone.ffn_dim=96",
+    "model.backbone.norm_groups=4",
+    "model.backbone.chunk_size=16",
+]
+TINY_WIDTH: dict[str, list[str]] = {
+    "megalodon/pg19": _MEGALODON_TINY,
+    "megalodon/pretrain_7b": _MEGALODON_TINY,
+}
+
+
 def test_experiments_exist() -> None:
     assert "quickstart" in EXPERIMENTS
 
@@ -87,7 +110,12 @@ def fixture_overrides(compose_cfg, name: str) -> list[str]:
     cfg = compose_cfg(f"experiment={name}")
     data = HydraConfig.get().runtime.choices["data"]
     batch = 4 * int(cfg.trainer.get("accumulate_grad_batches") or 1)
-    return [f"data.batch_size={batch}", "data.eval_batch_size=4", *FIXTURE_OVERRIDES.get(data, [])]
+    return [
+        f"data.batch_size={batch}",
+        "data.eval_batch_size=4",
+        *FIXTURE_OVERRIDES.get(data, []),
+        *TINY_WIDTH.get(name, []),
+    ]
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:

@@ -41,12 +41,26 @@ _STATE_KEY = "lm_train_state"
 
 
 class LinearLMHead(nn.Module):
-    """Output projection to the vocabulary; optionally tied to the input embedding."""
+    """Output projection to the vocabulary; optionally tied to the input embedding.
 
-    def __init__(self, d_model: int, vocab_size: int, bias: bool = False) -> None:
+    Weights ~ N(0, d^-1/2); `init_truncation` cuts the normal at ±that many σ (Megalodon: 3).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        vocab_size: int,
+        bias: bool = False,
+        init_truncation: float | None = None,
+    ) -> None:
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)
-        nn.init.normal_(self.proj.weight, std=d_model**-0.5)
+        std = d_model**-0.5
+        if init_truncation is None:
+            nn.init.normal_(self.proj.weight, std=std)
+        else:
+            cut = init_truncation * std
+            nn.init.trunc_normal_(self.proj.weight, std=std, a=-cut, b=cut)
 
     def tie(self, embedding: nn.Embedding) -> None:
         """Share the weight matrix with the token embedding (Press & Wolf 2017)."""
