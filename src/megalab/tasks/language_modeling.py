@@ -102,7 +102,9 @@ class LanguageModelingTask(SequenceTask):
         check_causal(backbone)
         self.head = head
         if tie_weights:
-            if isinstance(head, AdaptiveSoftmax):
+            if hasattr(head, "tie_encoder"):  # heads that tie to a whole encoder (adaptive_xl)
+                head.tie_encoder(encoder)
+            elif isinstance(head, AdaptiveSoftmax):
                 head.tie(encoder)
             else:
                 embedding = getattr(getattr(encoder, "embed", encoder), "embedding", None)
