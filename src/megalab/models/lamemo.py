@@ -283,6 +283,12 @@ class LaMemo(Backbone):
         )
         self.reset_parameters()
 
+    @property
+    def exact_streaming(self) -> bool:
+        """Whether streamed outputs equal one pass over the stream (while it fits the memory):
+        not with look-ahead, which refreshes the memory by each later segment."""
+        return not self.config.look_ahead
+
     @classmethod
     def from_config(cls, cfg: LaMemoConfig) -> LaMemo:
         return cls(**asdict(cfg))
