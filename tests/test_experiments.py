@@ -80,7 +80,7 @@ HEAVY |= GPU_ONLY
 # Megalodon (Ma et al. 2024): ImageNet (83M) and WikiText-103 (252M) train in the slow suite
 # like Mega's; Path-X (16,384 pixels) on a GPU only. The 1.3B PG-19 model and the 7B
 # pretraining recipe do not fit a 2-step CPU run (weights, gradients and Adam moments: 21 GB and
-# 118 GB): they train at a tiny width (`TINY_WIDTH`, same recipe otherwise), and their presets'
+# 118 GB): they train at a tiny width (`EXPERIMENT_OVERRIDES`, same recipe otherwise), and their presets'
 # parameter counts are checked on the meta device (tests/models/test_megalodon.py).
 HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
 GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
@@ -94,9 +94,30 @@ _MEGALODON_TINY = [
     "model.backbone.norm_groups=4",
     "model.backbone.chunk_size=16",
 ]
-TINY_WIDTH: dict[str, list[str]] = {
+EXPERIMENT_OVERRIDES: dict[str, list[str]] = {
     "megalodon/pg19": _MEGALODON_TINY,
     "megalodon/pretrain_7b": _MEGALODON_TINY,
+}
+# Transformer-XL / LaMemo (151M on WikiText-103, 41M on characters, 16-26 s each for two steps
+# here): one per model family trains in the default suite, the others in the slow one.
+HEAVY |= {
+    "lamemo/wikitext103",
+    "lamemo/wikitext103_no_interpolation",
+    "lamemo/wikitext103_no_look_ahead",
+    "lamemo/wikitext103_xl_rpe",
+    "lamemo/text8",
+    "transformer_xl/wikitext103",
+    "transformer_xl/wikitext103_base",
+    "transformer_xl/enwik8",
+    "transformer_xl/enwik8_base",
+    "transformer_rpe/wikitext103",
+    "transformer_rpe/text8",
+}
+
+# Per experiment: sizes only the fixture forces. Transformer-XL's own WikiText-103 softmax
+# splits at 200,000 words, beyond the fixture's 61,056 types.
+EXPERIMENT_OVERRIDES |= {
+    "transformer_xl/wikitext103_base": ["model.encoder.cutoffs=[20000,40000,60000]"],
 }
 
 
@@ -114,7 +135,7 @@ def fixture_overrides(compose_cfg, name: str) -> list[str]:
         f"data.batch_size={batch}",
         "data.eval_batch_size=4",
         *FIXTURE_OVERRIDES.get(data, []),
-        *TINY_WIDTH.get(name, []),
+        *EXPERIMENT_OVERRIDES.get(name, []),
     ]
 
 

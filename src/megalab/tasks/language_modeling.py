@@ -111,12 +111,21 @@ class LanguageModelingTask(SequenceTask):
         scheduler: Callable[..., Any] | None = None,
         check_finite: bool = True,
         compile: bool = False,
+        loss_scale: float = 1.0,
     ) -> None:
         super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
         check_causal(backbone)
+        # The optimised loss is loss_scale x the mean NLL (the logged train/loss is not scaled).
+        # 0.5 reproduces the LaMemo code's `(loss + mem_loss) / 2` with mem_loss = 0: half the
+        # gradient, so its clip norm acts as twice that norm on the NLL's gradient.
+        if loss_scale <= 0:
+            raise ValueError(f"loss_scale must be positive, got {loss_scale}")
+        self.loss_scale = loss_scale
         self.head = head
         if tie_weights:
-            if isinstance(head, AdaptiveSoftmax):
+            if hasattr(head, "tie_encoder"):  # heads that tie to a whole encoder (adaptive_xl)
+                head.tie_encoder(encoder)
+            elif isinstance(head, AdaptiveSoftmax):
                 head.tie(encoder)
             else:
                 embedding = getattr(getattr(encoder, "embed", encoder), "embedding", None)
@@ -190,6 +199,8 @@ class LanguageModelingTask(SequenceTask):
         aux_loss = self.aux_loss(out, split, int(count))
         if aux_loss is not None and split == "train":
             loss = loss + aux_loss
+        if split == "train" and self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
         return loss
 
     def epoch_metrics(self, split: str) -> dict[str, Tensor]:

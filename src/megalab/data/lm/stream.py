@@ -9,7 +9,10 @@ resumed run continues exactly:
   contiguous rows (the remainder is dropped), R = global batch; consecutive batches are
   consecutive segments of length L of the same rows, so a model can carry its state from one
   batch to the next (`reset` is True on the first batch of every epoch). Each epoch rolls the
-  stream by a seeded random offset (wrapping around), so the rows start at new places.
+  stream by a seeded random offset (wrapping around), so the rows start at new places; with
+  `roll="rows"` each row is instead rotated within itself by its own offset, as XL's
+  `LMOrderedIterator.roll` does (every row keeps its part of the corpus; the pairs stay
+  adjacent tokens, where XL also scores the one wrap-around pair of each row).
 - `EvalBatches`: the predictions are cut into R rows that cover them all (lengths differ by at
   most one); segments run in order with carried state, the last one partial and padded, and
   `target_mask` marks what is scored: every token is predicted exactly once. With a stride S,
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 SAMPLERS = ("stream", "random")
+ROLLS = (True, False, "rows")
 
 
 # --------------------------------------------------------------------------- token streams
@@ -250,9 +254,11 @@ class StreamBatches(Dataset):
         rows_per_device: int,
         seq_len: int,
         layout: Layout = Layout(),
-        roll: bool = True,
+        roll: bool | str = True,
         seed: int = 0,
     ) -> None:
+        if roll not in ROLLS:
+            raise ValueError(f"unknown roll {roll!r}: true (the stream), false or 'rows'")
         self.stream, self.seq_len, self.layout = stream, seq_len, layout
         self.rows = rows_per_device
         self.roll, self.seed = roll, seed
@@ -269,8 +275,13 @@ class StreamBatches(Dataset):
     def __len__(self) -> int:
         return self.segments * self.layout.accumulate
 
+    def row_shifts(self, epoch: int) -> np.ndarray:
+        """Per global row, its rotation in this epoch (`roll="rows"`)."""
+        rng = np.random.default_rng([self.seed, 7919, epoch])
+        return rng.integers(self.row_len, size=self.total_rows)
+
     def offset(self, epoch: int) -> int:
-        if not self.roll:
+        if self.roll is not True:
             return 0
         return int(np.random.default_rng([self.seed, 104729, epoch]).integers(len(self.stream)))
 
@@ -284,8 +295,15 @@ class StreamBatches(Dataset):
         segment, group = divmod(i, self.layout.accumulate)
         a = segment * self.seq_len
         width = min(self.seq_len, self.row_len - a)
-        starts = self.row_ids(group) * self.row_len + a
-        positions = self.offset(epoch) + starts[:, None] + np.arange(width)[None, :]
+        rows = self.row_ids(group)
+        if self.roll == "rows":
+            local = (self.row_shifts(epoch)[rows, None] + a + np.arange(width)[None, :]) % (
+                self.row_len
+            )
+            positions = rows[:, None] * self.row_len + local
+        else:
+            starts = rows * self.row_len + a
+            positions = self.offset(epoch) + starts[:, None] + np.arange(width)[None, :]
         n = len(self.stream)
         valid = np.ones(positions.shape, dtype=bool)
         return _batch(
@@ -449,7 +467,8 @@ class LMStreamDataModule(SequenceDataModule):
             processes, so results do not depend on it).
         sampler: `stream` (contiguous rows, Transformer-XL order, for models that carry
             state) or `random` (independent random windows, for stateless models).
-        roll: rotate the training stream by a random offset each epoch (`stream` sampler).
+        roll: rotate the training stream by a random offset each epoch (`stream` sampler);
+            "rows": rotate each row within itself instead (Transformer-XL's `--roll`).
         eval_max_len: evaluation segment/window length (default: max_len).
         eval_stride: sliding-window evaluation: score this many new tokens per window of
             `eval_max_len` (None: consecutive segments with carried state).
@@ -474,7 +493,7 @@ class LMStreamDataModule(SequenceDataModule):
         num_classes: int | None = None,
         pad_id: int | None = None,
         sampler: str = "stream",
-        roll: bool = True,
+        roll: bool | str = True,
         eval_max_len: int | None = None,
         eval_stride: int | None = None,
         train_len_multiples: list[int] | tuple[int, int] | None = None,
