@@ -41,12 +41,17 @@ _STATE_KEY = "lm_train_state"
 
 
 class LinearLMHead(nn.Module):
-    """Output projection to the vocabulary; optionally tied to the input embedding."""
+    """Output projection to the vocabulary; optionally tied to the input embedding.
 
-    def __init__(self, d_model: int, vocab_size: int, bias: bool = False) -> None:
+    The weight starts from N(0, `init_std`), d^-1/2 by default (Llama: 0.02, HF's init).
+    """
+
+    def __init__(
+        self, d_model: int, vocab_size: int, bias: bool = False, init_std: float | None = None
+    ) -> None:
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)
-        nn.init.normal_(self.proj.weight, std=d_model**-0.5)
+        nn.init.normal_(self.proj.weight, std=init_std or d_model**-0.5)
 
     def tie(self, embedding: nn.Embedding) -> None:
         """Share the weight matrix with the token embedding (Press & Wolf 2017)."""
@@ -61,6 +66,10 @@ class LinearLMHead(nn.Module):
         """Per-token negative log-likelihood (B, L) in nats."""
         logits = self.proj(hidden).float()
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """Log-distribution over the vocabulary (..., V) in float32 (for generation)."""
+        return F.log_softmax(self.proj(hidden).float(), dim=-1)
 
 
 def _gather_from_ranks(obj: Any) -> list[Any]:
