@@ -278,7 +278,7 @@ def _run_config(
         "task=language_modeling",
         f"model.d_model={kwargs['d_model']}",
         f"task.tie_weights={str(tied).lower()}",
-        f"task.head.init_std={kwargs['init_std']}",
+        f"+task.head.init_std={kwargs['init_std']}",
         f"data.vocab_size={int(hf_config['vocab_size'])}",
     ]
     args += [f"model.backbone.{k}={'null' if v is None else v}" for k, v in kwargs.items()]
