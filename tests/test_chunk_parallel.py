@@ -50,3 +50,38 @@ def test_state_headers_round_trip_without_pickling() -> None:
     torch.testing.assert_close(back.layers[1].kv.key, state.layers[1].kv.key)
     with pytest.raises(ValueError, match="unknown state class"):
         unflatten_state(header.replace("MegaState", "Evil"), tensors)
+
+
+def test_trainer_option_trains_like_one_process(fixture_data_dir: Path, tmp_path: Path) -> None:
+    """`trainer=chunk_parallel_cpu` (2 gloo processes, one group) trains Mega-chunk on the
+    halves of each window and logs the losses of a single process on the whole windows."""
+    import json
+
+    from conftest import FAST, run_cli
+
+    def read_metrics(run_dir: Path) -> dict:
+        return json.loads((run_dir / "metrics.json").read_text())
+
+    common = [
+        *FAST,
+        "data=enwik8", "data.sha256=null", "data.valid_size=3000", "data.test_size=3000",
+        "data.sampler=random", "data.max_len=32", "data.batch_size=4", "data.eval_batch_size=2",
+        "data.eval_max_len=30", "model=mega", "task=language_modeling", "task.carry_state=false",
+        "model.d_model=16", "model.backbone.num_layers=2", "model.backbone.z_dim=8",
+        "model.backbone.v_dim=16", "model.backbone.ffn_dim=16", "model.backbone.causal=true",
+        "model.backbone.prenorm=true", "model.backbone.chunk_size=8",
+        "model.backbone.rel_pos_bias=rotary", "model.backbone.dropout=0.0",
+        "model.encoder.dropout=0.0", "trainer.max_steps=2", "trainer.limit_val_batches=2",
+        f"paths.data_dir={fixture_data_dir}",
+    ]  # fmt: skip
+    records = {}
+    for trainer in ("cpu", "chunk_parallel_cpu"):
+        out = tmp_path / trainer
+        proc = run_cli("-m", "megalab.train", *common, f"trainer={trainer}",
+                       f"hydra.run.dir={out}")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[trainer] = read_metrics(out)
+    one, two = records["cpu"], records["chunk_parallel_cpu"]
+    assert two["global_step"] == 2
+    for key in ("train/loss_step", "val/loss", "test/loss"):
+        assert abs(one["metrics"][key] - two["metrics"][key]) < 1e-4, key

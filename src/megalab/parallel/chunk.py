@@ -221,18 +221,18 @@ class ChunkParallel:
             out.append(t)
         return out
 
-    def _send_header(self, header: str, tag: int) -> None:
-        data = torch.tensor(list(header.encode()), dtype=torch.uint8)
-        self._isend_tensors(
-            [torch.tensor([data.numel()], dtype=torch.int64), data], self.next_rank, tag
-        )
+    def _send_header(self, header: str, tag: int, device: torch.device) -> None:
+        # On the state's device: NCCL moves CUDA tensors only.
+        data = torch.tensor(list(header.encode()), dtype=torch.uint8, device=device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+        self._isend_tensors([size, data], self.next_rank, tag)
 
     def _recv_header(self, tag: int, device: torch.device) -> str:
-        n = torch.empty(1, dtype=torch.int64)
+        n = torch.empty(1, dtype=torch.int64, device=device)
         dist.recv(n, self.prev_rank, group=self.group, tag=tag * 64)
-        data = torch.empty(int(n), dtype=torch.uint8)
+        data = torch.empty(int(n.item()), dtype=torch.uint8, device=device)
         dist.recv(data, self.prev_rank, group=self.group, tag=tag * 64 + 1)
-        return bytes(data.tolist()).decode()
+        return bytes(data.cpu().tolist()).decode()
 
     def wait(self) -> None:
         """Complete the sends still in flight (called before each forward and after backward)."""
@@ -261,7 +261,7 @@ class ChunkParallel:
         """Send layer `layer`'s final state to rank + 1; returns y (linked to the send op)."""
         tag = 4 * layer
         header, tensors = flatten_state(state)
-        self._send_header(header, tag)
+        self._send_header(header, tag, y.device)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             token = _SendState.apply(self, tag + 2, *tensors)
             return y + token.to(y.dtype)

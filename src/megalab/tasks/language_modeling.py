@@ -147,7 +147,43 @@ class LanguageModelingTask(SequenceTask):
         like = next(self.backbone.parameters())
         return self.backbone.initial_state(batch_size, like)
 
+    # -- chunk parallelism ----------------------------------------------------------------------
+    def use_chunk_parallel(self, chunk: Any) -> None:
+        """Run as one rank of a chunk-parallel group (`megalab.parallel`): take this rank's
+        slice of every batch, exchange the backbone's state with the neighbours, and scale the
+        loss so that data-parallel averaging gives the whole-sequence gradient."""
+        if self.carry_state:
+            raise ValueError(
+                "chunk parallelism trains on stateless batches: set task.carry_state=false "
+                "(and data.sampler=random)"
+            )
+        chunk.install(self.backbone)
+        self.chunk_parallel = chunk
+
+    def _slice_batch(self, batch: Batch) -> Batch:
+        """This rank's time slice; the length is padded (masked) to a multiple of the group."""
+        cp = self.chunk_parallel
+        out: dict[str, Any] = dict(batch)
+        B, L = batch["inputs"].shape[:2]
+        pad = (-L) % cp.size
+        mask = batch.get("mask")
+        if mask is None:
+            mask = torch.ones(B, L, dtype=torch.bool, device=batch["inputs"].device)
+        out["mask"] = mask
+        for key in ("inputs", "targets", "mask", "target_mask"):
+            if key in out:
+                t = out[key]
+                if pad:
+                    t = torch.cat([t, t.new_zeros(B, pad, *t.shape[2:])], 1)
+                out[key] = cp.slice(t)
+        if "num_words" in out and cp.index > 0:
+            out["num_words"] = torch.zeros_like(torch.as_tensor(out["num_words"]))
+        return out  # type: ignore[return-value]
+
     def _step(self, batch: Batch, split: str) -> Tensor:
+        cp = getattr(self, "chunk_parallel", None)
+        if cp is not None:
+            batch = self._slice_batch(batch)
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
         reset = batch.get("reset")
@@ -169,6 +205,14 @@ class LanguageModelingTask(SequenceTask):
         total = torch.where(scored, nll, torch.zeros_like(nll)).sum()
         count = scored.sum()
         loss = total / count.clamp_min(1).to(total.dtype)
+        group_loss = loss
+        if cp is not None:
+            # The group's tokens: each rank's loss is its share of the whole sequence's mean,
+            # times cp (DDP averages over the dp x cp processes).
+            sums = torch.stack([total.detach(), count.to(total.dtype)])
+            torch.distributed.all_reduce(sums, group=cp.group)
+            loss = total / sums[1].clamp_min(1) * cp.size
+            group_loss = sums[0] / sums[1].clamp_min(1)
         self.sums[f"{split}_nll"](total.detach().double())
         self.sums[f"{split}_tokens"](count.detach().double())
         if "num_words" in batch:
@@ -176,7 +220,7 @@ class LanguageModelingTask(SequenceTask):
         if split == "train":
             self.log(
                 "train/loss",
-                loss.detach(),
+                group_loss.detach(),
                 on_step=True,
                 on_epoch=True,
                 prog_bar=True,
@@ -221,7 +265,8 @@ class LanguageModelingTask(SequenceTask):
         loss = self._step(batch, "train")
         self._restored = False
         self.assert_finite(loss)
-        self.log_throughput(batch["inputs"].numel())
+        cp = getattr(self, "chunk_parallel", None)
+        self.log_throughput(batch["inputs"].numel() // (cp.size if cp is not None else 1))
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
