@@ -64,6 +64,8 @@ FIXTURE_OVERRIDES["pg19"] = [*_LM_SHORT, "data.vocab_size=400", "data.tokenizer_
 # Mega on WikiText-103 has 252M parameters (~200M in its 16 layers whatever the vocabulary), the
 # PG-19 Transformer 110M (85M in its layers: GPT-2 small's shape, like DeiT-B above).
 HEAVY |= {"mega/wikitext103", "transformer/pg19"}
+# The ~100M Llama on PG-19 (85M in its 12 layers, like the PG-19 Transformer).
+HEAVY |= {"llama/pg19"}
 
 # LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
 # 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.

@@ -1,5 +1,9 @@
 """Test a checkpoint: `python -m megalab.eval ckpt_path=<run>/checkpoints/last.ckpt`.
 
+`mode=long_context` scores a whole split as one long document instead, in segments with the
+carried state and bounded memory, with perplexity per context-position bucket and its plot
+(`megalab.long_context`; settings under `long_context.*`).
+
 When the checkpoint lies in a megalab run directory, the run's own `data`, `model`, `task`,
 `optim` and `scheduler` configs are used, so no overrides need repeating; command-line
 overrides of those groups still apply on top. Writes `eval_metrics.json` into this evaluation's
@@ -64,6 +68,15 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
+    mode = cfg.get("mode", "test")
+    if mode == "long_context":
+        from megalab.long_context import evaluate_long_context
+
+        record = evaluate_long_context(cfg)
+        record["metrics"] = {"long_context/loss": record["loss"], "long_context/ppl": record["ppl"]}
+        return record
+    if mode != "test":
+        raise ValueError(f"unknown eval mode {mode!r}; choose test or long_context")
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))

@@ -297,7 +297,7 @@ class SequenceDataModule(L.LightningDataModule):
         """Split a global batch over processes and gradient-accumulation steps."""
         world, accumulate = 1, 1
         if self.trainer is not None:
-            world = self.trainer.world_size
+            world = self.rank_and_world()[1]
             accumulate = self.trainer.accumulate_grad_batches
         parts = world * accumulate
         if batch_size % parts:
@@ -319,6 +319,10 @@ class SequenceDataModule(L.LightningDataModule):
     def rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
             return 0, 1
+        # Chunk parallelism: the ranks of a group read the same rows (their data-parallel rank).
+        dp = getattr(self.trainer.strategy, "data_parallel_rank_and_size", None)
+        if dp is not None:
+            return dp
         return self.trainer.global_rank, self.trainer.world_size
 
     def sampler(self, split: str, batch_size: int) -> Sampler[int]:

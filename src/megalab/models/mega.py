@@ -370,6 +370,13 @@ class Mega(Backbone):
         self._check_causal()
         return MegaState([blk.maga.initial_state(batch_size, like) for blk in self.layers])
 
+    def carried_modules(self) -> list[nn.Module]:
+        """The sub-modules that carry state along time, in order (chunk parallelism hook,
+        `megalab.parallel.chunk`): the blocks, each called as `m(x, mask, state, ...)` and
+        returning `(y, new_state)` (EMA state and the open chunk's keys/values)."""
+        self._check_causal()
+        return list(self.layers)
+
     def _check_causal(self) -> None:
         if not self.causal:
             raise ValueError(

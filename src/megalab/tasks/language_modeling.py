@@ -43,7 +43,8 @@ _STATE_KEY = "lm_train_state"
 class LinearLMHead(nn.Module):
     """Output projection to the vocabulary; optionally tied to the input embedding.
 
-    Weights ~ N(0, d^-1/2); `init_truncation` cuts the normal at ±that many σ (Megalodon: 3).
+    The weight starts from N(0, `init_std`), d^-1/2 by default (Llama: 0.02, HF's init);
+    `init_truncation` cuts the normal at ±that many σ (Megalodon: 3).
     """
 
     def __init__(
@@ -51,11 +52,12 @@ class LinearLMHead(nn.Module):
         d_model: int,
         vocab_size: int,
         bias: bool = False,
+        init_std: float | None = None,
         init_truncation: float | None = None,
     ) -> None:
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)
-        std = d_model**-0.5
+        std = init_std or d_model**-0.5
         if init_truncation is None:
             nn.init.normal_(self.proj.weight, std=std)
         else:
@@ -75,6 +77,10 @@ class LinearLMHead(nn.Module):
         """Per-token negative log-likelihood (B, L) in nats."""
         logits = self.proj(hidden).float()
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """Log-distribution over the vocabulary (..., V) in float32 (for generation)."""
+        return F.log_softmax(self.proj(hidden).float(), dim=-1)
 
 
 def _gather_from_ranks(obj: Any) -> list[Any]:
@@ -161,7 +167,43 @@ class LanguageModelingTask(SequenceTask):
         like = next(self.backbone.parameters())
         return self.backbone.initial_state(batch_size, like)
 
+    # -- chunk parallelism ----------------------------------------------------------------------
+    def use_chunk_parallel(self, chunk: Any) -> None:
+        """Run as one rank of a chunk-parallel group (`megalab.parallel`): take this rank's
+        slice of every batch, exchange the backbone's state with the neighbours, and scale the
+        loss so that data-parallel averaging gives the whole-sequence gradient."""
+        if self.carry_state:
+            raise ValueError(
+                "chunk parallelism trains on stateless batches: set task.carry_state=false "
+                "(and data.sampler=random)"
+            )
+        chunk.install(self.backbone)
+        self.chunk_parallel = chunk
+
+    def _slice_batch(self, batch: Batch) -> Batch:
+        """This rank's time slice; the length is padded (masked) to a multiple of the group."""
+        cp = self.chunk_parallel
+        out: dict[str, Any] = dict(batch)
+        B, L = batch["inputs"].shape[:2]
+        pad = (-L) % cp.size
+        mask = batch.get("mask")
+        if mask is None:
+            mask = torch.ones(B, L, dtype=torch.bool, device=batch["inputs"].device)
+        out["mask"] = mask
+        for key in ("inputs", "targets", "mask", "target_mask"):
+            if key in out:
+                t = out[key]
+                if pad:
+                    t = torch.cat([t, t.new_zeros(B, pad, *t.shape[2:])], 1)
+                out[key] = cp.slice(t)
+        if "num_words" in out and cp.index > 0:
+            out["num_words"] = torch.zeros_like(torch.as_tensor(out["num_words"]))
+        return out  # type: ignore[return-value]
+
     def _step(self, batch: Batch, split: str) -> Tensor:
+        cp = getattr(self, "chunk_parallel", None)
+        if cp is not None:
+            batch = self._slice_batch(batch)
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
         reset = batch.get("reset")
@@ -183,6 +225,14 @@ class LanguageModelingTask(SequenceTask):
         total = torch.where(scored, nll, torch.zeros_like(nll)).sum()
         count = scored.sum()
         loss = total / count.clamp_min(1).to(total.dtype)
+        group_loss = loss
+        if cp is not None:
+            # The group's tokens: each rank's loss is its share of the whole sequence's mean,
+            # times cp (DDP averages over the dp x cp processes).
+            sums = torch.stack([total.detach(), count.to(total.dtype)])
+            torch.distributed.all_reduce(sums, group=cp.group)
+            loss = total / sums[1].clamp_min(1) * cp.size
+            group_loss = sums[0] / sums[1].clamp_min(1)
         self.sums[f"{split}_nll"](total.detach().double())
         self.sums[f"{split}_tokens"](count.detach().double())
         if "num_words" in batch:
@@ -190,7 +240,7 @@ class LanguageModelingTask(SequenceTask):
         if split == "train":
             self.log(
                 "train/loss",
-                loss.detach(),
+                group_loss.detach(),
                 on_step=True,
                 on_epoch=True,
                 prog_bar=True,
@@ -237,7 +287,8 @@ class LanguageModelingTask(SequenceTask):
         loss = self._step(batch, "train")
         self._restored = False
         self.assert_finite(loss)
-        self.log_throughput(batch["inputs"].numel())
+        cp = getattr(self, "chunk_parallel", None)
+        self.log_throughput(batch["inputs"].numel() // (cp.size if cp is not None else 1))
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:

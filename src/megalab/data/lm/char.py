@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from megalab.data.download import cache_dir, download, mark_prepared, prepared
+from megalab.data.lm.codec import AlphabetCodec, ByteCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -163,6 +164,10 @@ class Enwik8DataModule(CharLMDataModule):
         tokens = np.frombuffer(data, dtype=np.uint8)
         return tokens[tokens != 10] if self.drop_newlines else tokens
 
+    def text_codec(self) -> ByteCodec:
+        """Prompts as UTF-8 bytes (without newlines when the data drops them)."""
+        return ByteCodec(drop_newlines=self.drop_newlines)
+
 
 class Text8DataModule(CharLMDataModule):
     """text8: 27 symbols, space = 0 and a-z = 1..26; any other byte is an error."""
@@ -194,3 +199,7 @@ class Text8DataModule(CharLMDataModule):
                 "space): this is not the text8 corpus"
             )
         return tokens
+
+    def text_codec(self) -> AlphabetCodec:
+        """Prompts in text8's alphabet (lower-cased)."""
+        return AlphabetCodec(TEXT8_ALPHABET, name="text8")

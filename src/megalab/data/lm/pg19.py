@@ -39,6 +39,7 @@ from megalab.data.download import (
     prepared,
 )
 from megalab.data.hub import HubDataset
+from megalab.data.lm.codec import TokenizerCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -286,6 +287,10 @@ class PG19DataModule(LMStreamDataModule):
         if not prepared(self.cache()):
             self.prepare_data()
         return load_streams(self.cache())
+
+    def text_codec(self) -> TokenizerCodec:
+        """Prompts through the data's tokenizer; `<eos>` ends a book."""
+        return TokenizerCodec(self.tokenizer(), self.eos_token)
 
     def num_words(self, split: str) -> int:
         """Whitespace-separated words of a prepared evaluation split."""

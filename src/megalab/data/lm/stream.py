@@ -537,6 +537,10 @@ class LMStreamDataModule(SequenceDataModule):
         """The prepared `train`/`val`/`test` streams (prepare first when needed)."""
         raise NotImplementedError
 
+    def text_codec(self) -> Any:
+        """Text <-> ids with this dataset's vocabulary (`megalab.data.lm.codec`), for prompts."""
+        raise NotImplementedError(f"{type(self).__name__} has no text codec")
+
     # -- setup ----------------------------------------------------------------------------------
     def build_datasets(self) -> dict[str, Dataset]:
         streams = self.load_streams()

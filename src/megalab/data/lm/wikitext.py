@@ -34,6 +34,7 @@ import numpy as np
 
 from megalab.data.download import cache_dir, mark_prepared, prepared
 from megalab.data.hub import HubDataset
+from megalab.data.lm.codec import WordCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -132,6 +133,12 @@ class WikiText103DataModule(LMStreamDataModule):
     def vocabulary(self) -> list[str]:
         """The prepared vocabulary (id = position)."""
         return (self.cache() / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+
+    def text_codec(self) -> WordCodec:
+        """Prompts as words of the training vocabulary, `<eos>` per line break."""
+        if not prepared(self.cache()):
+            self.prepare_data()
+        return WordCodec(self.vocabulary(), eos=EOS)
 
     def prepare_data(self) -> None:
         self.source.require()  # fetches missing splits first: the cache is keyed on the files
