@@ -86,7 +86,7 @@ CAUSAL = [c for c in CASES if _BUILT[c].causal]
 STATEFUL = [c for c in CASES if stateful(_BUILT[c])]
 # Stateful variants whose streamed outputs equal one pass (a model whose carried state is
 # refreshed by later segments, LaMemo's look-ahead memory, sets `exact_streaming = False`).
-EXACT = [c for c in STATEFUL if getattr(_BUILT[c], "exact_streaming", True)]
+EXACT = [c for c in STATEFUL if _BUILT[c].exact_streaming]
 
 
 def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: list[int]):
