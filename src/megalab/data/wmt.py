@@ -7,9 +7,9 @@ Sources (the Hugging Face Hub copies of the official WMT releases):
 - validation and test: ``wmt/wmt14``, config ``de-en``, splits ``validation`` (newstest2013, 3,000
   pairs) and ``test`` (newstest2014 "full", 3,003 pairs), in ``<data_dir>/wmt14/de-en/``.
 
-Every file has one column ``translation``, a struct ``{"de": str, "en": str}``. Missing files are
-fetched with ``datasets.load_dataset`` when online (``megalab-data wmt16``); offline the error says
-what to download where.
+Every file has one column ``translation``, a struct ``{"de": str, "en": str}``. Missing files
+are fetched with ``datasets.load_dataset`` when online (``megalab-data wmt16 --root data``);
+offline the error says what to download where.
 
 Preparation follows the authors' ``examples/mega/prepare-wmt16en2de.sh`` and fairseq's
 ``preprocess.py`` (the paper cites Ma 2020, Apollo, for it):
@@ -85,7 +85,7 @@ class WMTFormatError(HubFormatError):
 def hub_sources(data_dir: str | Path, config: str = "de-en") -> tuple[HubDataset, HubDataset]:
     """(training data of wmt/wmt16, newstest2013/2014 of wmt/wmt14), `config` folders."""
     data_dir = Path(data_dir)
-    command = f"megalab-data wmt16 --out {data_dir}"
+    command = f"megalab-data wmt16 --root {data_dir.parent}"
     train = HubDataset(
         name="WMT'16 English-German (training)",
         repo="wmt/wmt16",
@@ -648,6 +648,13 @@ class WMT16EnDeDataModule(SequenceDataModule):
                 symbols,
             )
         return self._pipeline
+
+    def describe(self) -> str:
+        """Split sizes and the dictionary, for `megalab-data`."""
+        if not self.datasets:
+            self.setup()
+        sizes = ", ".join(f"{s} {len(ds):,} pairs" for s, ds in self.datasets.items())  # type: ignore[arg-type]
+        return f"{self.source_lang}->{self.target_lang}, {sizes}, dictionary {self.vocab_size:,}"
 
     def references(self, split: str) -> list[str]:
         """The raw target sentences of the validation or test split (for SacreBLEU)."""

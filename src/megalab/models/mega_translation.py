@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.mega import MAGAState, Mega, MegaConfig, MovingAverageGatedAttention
-from megalab.models.seq2seq import EncoderDecoder, EncoderOut
+from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.models.state import register_state
 from megalab.nn.cross_attention import CrossAttentionCache, GatedCrossAttention
 from megalab.nn.embedding import TokenEmbedding
@@ -161,7 +161,9 @@ class MegaEncoderDecoder(EncoderDecoder):
         share_all_embeddings: bool = True,
         share_decoder_input_output_embed: bool = True,
     ) -> None:
+        config = constructor_arguments(locals())
         super().__init__()
+        self.config = config  # the arguments, which checkpoints store to rebuild the model
         self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
         self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
         common = dict(

@@ -27,6 +27,11 @@ from torch import Tensor, nn
 from megalab.models.state import register_state
 
 
+def constructor_arguments(frame_locals: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of an `__init__`, from its `locals()` taken on entry."""
+    return {k: v for k, v in frame_locals.items() if k not in ("self", "__class__")}
+
+
 @register_state
 @dataclass
 class EncoderOut:
@@ -40,7 +45,8 @@ class EncoderDecoder(nn.Module):
     """Base class of megalab's encoder-decoders (see the module docstring).
 
     Subclasses set `vocab_size`, `pad_id`, `d_model`, `max_source_len` and `max_target_len`
-    (None: unbounded) and implement `encode`, `decode`, `initial_state` and `step`.
+    (None: unbounded) and `config` (their constructor's arguments, which checkpoints store),
+    and implement `encode`, `decode`, `initial_state` and `step`.
     """
 
     vocab_size: int
@@ -48,6 +54,7 @@ class EncoderDecoder(nn.Module):
     d_model: int
     max_source_len: int | None = None
     max_target_len: int | None = None
+    config: dict[str, Any]
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> EncoderOut:
         raise NotImplementedError

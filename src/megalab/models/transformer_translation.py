@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.mega_translation import mt_embedding
-from megalab.models.seq2seq import EncoderDecoder, EncoderOut
+from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.models.state import register_state
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import get_activation
@@ -223,7 +223,9 @@ class TransformerEncoderDecoder(EncoderDecoder):
         max_target_positions: int = 1024,
         share_all_embeddings: bool = True,
     ) -> None:
+        config = constructor_arguments(locals())
         super().__init__()
+        self.config = config  # the arguments, which checkpoints store to rebuild the model
         self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
         self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
         args = (d_model, num_heads, ffn_dim, dropout, attention_dropout, activation_dropout,

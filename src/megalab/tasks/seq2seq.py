@@ -23,8 +23,9 @@ forcing).
   (its signature goes to `metrics.json` under `sacrebleu`). The translations are written to
   `<output_dir>/translations/test.{hyp,hyp.tok}.<lang>` in corpus order.
 
-The text pipeline (Moses, BPE, dictionary) comes from the datamodule (`pipeline()`) and is
-saved in checkpoints, so a checkpoint translates without the data (`megalab-translate`).
+The text pipeline (Moses, BPE, dictionary) comes from the datamodule (`pipeline()`); checkpoints
+store it with the model's class and arguments, so a checkpoint alone translates
+(`megalab-translate`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from torchmetrics import SumMetric
 from megalab.batch import Batch
 from megalab.generation.beam import GenerationConfig, beam_search
 from megalab.generation.bleu import CorpusBLEU, sacrebleu_score
+from megalab.models.base import unwrap
 from megalab.models.seq2seq import EncoderDecoder
 from megalab.tasks.base import TaskBase
 
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 _PIPELINE_KEY = "text_pipeline"
+MODEL_KEY = "seq2seq_model"
 UNK_HYP, UNK_REF = "UNKNOWNTOKENINHYP", "UNKNOWNTOKENINREF"
 
 
@@ -141,6 +144,9 @@ class Seq2SeqTask(TaskBase):
         super().on_save_checkpoint(checkpoint)
         if self.pipeline is not None:
             checkpoint[_PIPELINE_KEY] = self.pipeline.state()
+        # What `megalab-translate` rebuilds the model from (an allow-listed class name).
+        model = unwrap(self.model)
+        checkpoint[MODEL_KEY] = {"class": type(model).__name__, "config": dict(model.config)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
