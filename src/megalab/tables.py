@@ -711,8 +711,8 @@ def render_table(
     for row in table.rows:
         cells = [table.cell(row.id, c.id) for c in shown]
         reproducible = any(c is not None and c.experiment for c in cells)
-        if active:
-            reproducible = any((row.id, c.id) in active for c in shown)
+        if active:  # hidden columns count: their runs make the row's averages
+            reproducible = any((row.id, c.id) in active for c in table.columns)
         paper = [_paper_text(c, col.digits) for c, col in zip(cells, shown)]
         lines.append(f"| {row.label} | paper | " + " | ".join(paper) + " |")
         if not reproducible:
