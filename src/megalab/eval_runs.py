@@ -56,10 +56,8 @@ def commands(
         if ckpt is None:
             log.warning("%s: no checkpoint to evaluate", run)
             continue
-        out.append(
-            [sys.executable, "-m", "megalab.eval", f"ckpt_path={ckpt}", *overrides,
-             f"hydra.run.dir={run / name}"]  # fmt: skip
-        )
+        target = f"hydra.run.dir={run / name}"
+        out.append([sys.executable, "-m", "megalab.eval", f"ckpt_path={ckpt}", *overrides, target])
     return out
 
 
