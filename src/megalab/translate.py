@@ -56,7 +56,7 @@ def load_translator(path: str | Path, device: str = "cpu") -> tuple[EncoderDecod
             f"{path} is not a checkpoint of a megalab seq2seq run (it lacks the model spec, the "
             "text pipeline or the weights): train with task=seq2seq (experiment=mega/wmt16_en_de)"
         )
-    cls = ENCODER_DECODERS.get(spec.get("class"))
+    cls = ENCODER_DECODERS.get(str(spec.get("class")))
     if cls is None:
         raise CheckpointError(
             f"{path} names the model class {spec.get('class')!r}; megalab-translate builds only "

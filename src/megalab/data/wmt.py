@@ -324,7 +324,7 @@ class ParallelSentences(Dataset):
 
 
 def batch_by_size(
-    indices: Sequence[int],
+    indices: Sequence[int] | np.ndarray,
     num_tokens: np.ndarray,
     max_tokens: int | None,
     max_sentences: int | None,
@@ -595,7 +595,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
                     keep[start + j] = True
                     counts.update(e)
                     counts.update(d)
-        symbols = build_dictionary(counts, self.vocab_size)
+        symbols = build_dictionary(counts, int(self.spec.vocab_size or 0))
         pipeline = TextPipeline(self.source_lang, self.target_lang, bpe_json, symbols)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {lang: [] for lang in LANGS}
         for start, en, de in self._chunks(bpe, tok):

@@ -134,6 +134,10 @@ class CorpusBLEU(Metric):
 
     full_state_update = False
     higher_is_better = True
+    correct: torch.Tensor
+    total: torch.Tensor
+    sys_len: torch.Tensor
+    ref_len: torch.Tensor
 
     def __init__(self, compound: bool = False, smooth: str = "none", order: int = ORDER) -> None:
         super().__init__()

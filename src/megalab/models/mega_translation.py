@@ -28,6 +28,7 @@ tensor holds the batch in dim 0, so beam search reorders it with `select_state`.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -236,11 +237,16 @@ class MegaEncoderDecoder(EncoderDecoder):
             x = x * mask.unsqueeze(-1).to(x.dtype)
         return self.output_layer(x)
 
+    @property
+    def layers(self) -> list[MegaDecoderLayer]:
+        """The decoder layers."""
+        return [cast(MegaDecoderLayer, layer) for layer in self.decoder_layers]
+
     def decode(self, tgt_in: Tensor, tgt_mask: Tensor | None, enc: EncoderOut) -> Tensor:
         """Teacher forcing: decoder inputs (B, T) -> logits (B, T, V)."""
         self.check_lengths(tgt_len=tgt_in.shape[1])
         x = self.embed_tgt(tgt_in, tgt_mask)
-        for layer in self.decoder_layers:
+        for layer in self.layers:
             memory = layer.cross_attn.memory_cache(enc.memory, enc.mask)
             x, _ = layer(x, tgt_mask, memory)
         return self._decoder_out(x, tgt_mask)
@@ -249,8 +255,8 @@ class MegaEncoderDecoder(EncoderDecoder):
         """Empty decoder state with the encoder's cross-attention keys/values computed once."""
         B = enc.memory.shape[0]
         return MegaDecoderState(
-            [layer.maga.initial_state(B, enc.memory) for layer in self.decoder_layers],
-            [layer.cross_attn.memory_cache(enc.memory, enc.mask) for layer in self.decoder_layers],
+            [layer.maga.initial_state(B, enc.memory) for layer in self.layers],
+            [layer.cross_attn.memory_cache(enc.memory, enc.mask) for layer in self.layers],
             0,
         )
 
@@ -259,7 +265,7 @@ class MegaEncoderDecoder(EncoderDecoder):
         self.check_lengths(tgt_len=state.position + tokens.shape[1])
         x = self.embed_tgt(tokens)
         new_layers: list[MAGAState] = []
-        for layer, maga_state, memory in zip(self.decoder_layers, state.layers, state.cross):
+        for layer, maga_state, memory in zip(self.layers, state.layers, state.cross):
             x, new = layer(x, None, memory, maga_state, state.position)
             assert new is not None
             new_layers.append(new)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -265,11 +266,17 @@ class TransformerEncoderDecoder(EncoderDecoder):
             x = x * src_mask.unsqueeze(-1).to(x.dtype)
         return EncoderOut(x, src_mask)
 
+    @property
+    def layers(self) -> list[TransformerDecoderLayer]:
+        """The decoder layers."""
+        return [cast(TransformerDecoderLayer, layer) for layer in self.decoder_layers]
+
     def _cross(self, enc: EncoderOut) -> list[KVCache]:
-        return [
-            KVCache(*layer.encoder_attn.project_kv(enc.memory), enc.mask)
-            for layer in self.decoder_layers
-        ]
+        caches = []
+        for layer in self.layers:
+            k, v = layer.encoder_attn.project_kv(enc.memory)
+            caches.append(KVCache(k, v, enc.mask))
+        return caches
 
     def _output(self, x: Tensor) -> Tensor:
         if self.decoder_norm is not None:
@@ -279,15 +286,15 @@ class TransformerEncoderDecoder(EncoderDecoder):
     def decode(self, tgt_in: Tensor, tgt_mask: Tensor | None, enc: EncoderOut) -> Tensor:
         self.check_lengths(tgt_len=tgt_in.shape[1])
         x = self._embed(self.embed_tgt, tgt_in, tgt_mask, 0)
-        for layer, cross in zip(self.decoder_layers, self._cross(enc)):
+        for layer, cross in zip(self.layers, self._cross(enc)):
             x, _ = layer(x, cross)
         return self._output(x)
 
     def initial_state(self, enc: EncoderOut) -> TransformerDecoderState:
-        B, H = enc.memory.shape[0], self.decoder_layers[0].self_attn.num_heads
+        B, H = enc.memory.shape[0], self.layers[0].self_attn.num_heads
         empty = enc.memory.new_zeros(B, H, 0, self.d_model // H)
         return TransformerDecoderState(
-            [KVCache(empty, empty, None) for _ in self.decoder_layers], self._cross(enc), 0
+            [KVCache(empty, empty, None) for _ in self.layers], self._cross(enc), 0
         )
 
     def step(
@@ -296,7 +303,7 @@ class TransformerEncoderDecoder(EncoderDecoder):
         self.check_lengths(tgt_len=state.position + tokens.shape[1])
         x = self._embed(self.embed_tgt, tokens, None, state.position)
         caches = []
-        for layer, cache, cross in zip(self.decoder_layers, state.self_attn, state.cross):
+        for layer, cache, cross in zip(self.layers, state.self_attn, state.cross):
             x, new = layer(x, cross, cache)
             caches.append(new)
         return self._output(x), replace(

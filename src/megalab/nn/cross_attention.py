@@ -208,10 +208,9 @@ class GatedCrossAttention(nn.Module):
             logits = (Q.to(cdt) * self.z_dim**-0.5) @ K.to(cdt).transpose(1, 2) + attn_mask
             attn = torch.softmax(logits, dim=-1)
         else:
+            n: Tensor | float = float(S)
             if valid is not None:
                 n = valid.sum(dim=-1).clamp(min=1).to(Q.dtype).view(-1, 1, 1)
-            else:
-                n = float(S)
             logits = (Q @ K.transpose(1, 2)) / n + bias.to(Q.dtype)
             cdt = torch.promote_types(logits.dtype, torch.float32)
             logits = logits.to(cdt)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -145,7 +145,7 @@ class Seq2SeqTask(TaskBase):
         if self.pipeline is not None:
             checkpoint[_PIPELINE_KEY] = self.pipeline.state()
         # What `megalab-translate` rebuilds the model from (an allow-listed class name).
-        model = unwrap(self.model)
+        model = cast(EncoderDecoder, unwrap(self.model))
         checkpoint[MODEL_KEY] = {"class": type(model).__name__, "config": dict(model.config)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -185,25 +185,28 @@ class Seq2SeqTask(TaskBase):
         self.log_throughput(int(tokens))
         return loss
 
+    def _sum(self, name: str) -> SumMetric:
+        return cast(SumMetric, self.sums[name])
+
     def _accumulate(self, split: str, batch: Batch) -> None:
         loss, nll, tokens = self.losses(batch)
-        self.sums[f"{split}_loss"](loss.detach().double())
-        self.sums[f"{split}_nll"](nll.double())
-        self.sums[f"{split}_tokens"](tokens.double())
+        self._sum(f"{split}_loss").update(loss.detach().double())
+        self._sum(f"{split}_nll").update(nll.double())
+        self._sum(f"{split}_tokens").update(tokens.double())
 
     def _log_losses(self, split: str) -> None:
-        if not self.sums[f"{split}_tokens"].update_called:
+        if not self._sum(f"{split}_tokens").update_called:
             return
-        tokens = self.sums[f"{split}_tokens"].compute().clamp_min(1.0)
-        loss = self.sums[f"{split}_loss"].compute() / tokens
-        nll = self.sums[f"{split}_nll"].compute() / tokens
+        tokens = self._sum(f"{split}_tokens").compute().clamp_min(1.0)
+        loss = self._sum(f"{split}_loss").compute() / tokens
+        nll = self._sum(f"{split}_nll").compute() / tokens
         self.log_dict(
             {f"{split}/loss": loss.float(), f"{split}/nll_loss": nll.float(),
              f"{split}/ppl": torch.exp(nll.clamp(max=50.0)).float()},
             prog_bar=True, add_dataloader_idx=False,
         )  # fmt: skip
         for k in ("loss", "nll", "tokens"):
-            self.sums[f"{split}_{k}"].reset()
+            self._sum(f"{split}_{k}").reset()
 
     # -- generation -----------------------------------------------------------------------------
     def _require_pipeline(self) -> Any:
