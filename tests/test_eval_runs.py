@@ -26,7 +26,8 @@ def test_commands_use_the_best_checkpoint_else_the_last(tmp_path: Path) -> None:
     first = cmds[0]
     assert first[:3] == [sys.executable, "-m", "megalab.eval"]
     assert first[3] == f"ckpt_path={tmp_path / 'sweep' / 'a' / 'checkpoints' / 'best.ckpt'}"
-    assert first[4:] == ["model.backbone.chunk_size=8", f"hydra.run.dir={tmp_path}/sweep/a/long"]
+    # The run's groups are forced: the default config composed first may lack the key.
+    assert first[4:] == ["++model.backbone.chunk_size=8", f"hydra.run.dir={tmp_path}/sweep/a/long"]
     assert cmds[1][3].endswith("b/checkpoints/last.ckpt")
     only = eval_runs.commands([tmp_path], [], "long", experiment="mega/b")
     assert len(only) == 1 and "/b/" in only[0][3]
@@ -44,6 +45,7 @@ def test_a_trained_run_is_evaluated_again_and_the_tables_see_it(
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(
         "-m", "megalab.eval_runs", str(runs), "--name", "again", "trainer=cpu",
+        "model.backbone.num_layers=1",
         "trainer.limit_test_batches=1", f"paths.data_dir={fixture_data_dir}",
         "data.eval_batch_size=2",
     )  # fmt: skip

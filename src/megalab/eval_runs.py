@@ -46,10 +46,26 @@ def checkpoint(run: Path) -> Path | None:
     return last if last.is_file() else None
 
 
+def forced(overrides: Sequence[str]) -> list[str]:
+    """Overrides of the run's own groups (model, data, ...) as `++key=value`.
+
+    `megalab.eval` composes its default config first, which may lack the key (the run's model
+    replaces it afterwards and the override is applied again on top), so these are added.
+    """
+    from megalab.eval import RUN_GROUPS
+
+    out = []
+    for o in overrides:
+        group = o.split("=", 1)[0].split(".")[0]
+        out.append(f"++{o}" if group in RUN_GROUPS and not o.startswith(("+", "~")) else o)
+    return out
+
+
 def commands(
     folders: Sequence[Path], overrides: Sequence[str], name: str, experiment: str | None = None
 ) -> list[list[str]]:
     """One `megalab.eval` command per finished run with a checkpoint."""
+    overrides = forced(overrides)
     out = []
     for run in finished_runs(folders, experiment):
         ckpt = checkpoint(run)
