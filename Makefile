@@ -73,11 +73,11 @@ REPRO_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 MEGA_ABLATIONS := $(addprefix sweeps/mega_lra_,text_chunk_size.yaml image_chunk_size.yaml \
 	text_ema_dim.yaml image_ema_dim.yaml text_attention.yaml image_attention.yaml)
 
-# $(call reproduce,<sweep files>,<paper tables to render>)
+# $(call reproduce,<sweep files>,<paper tables to render>[,<overrides for every run>])
 define reproduce
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
 	$(REPRO_PY) -m megalab.sweep $(1) --out "$$dir" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) \
-		$(foreach o,$(ONLY),--only $(o)) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS); \
+		$(foreach o,$(ONLY),--only $(o)) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) $(3); \
 	status=$$?; \
 	$(REPRO_PY) -m megalab.tables "$$dir" $(foreach t,$(2),--table $(t)) || status=1; \
 	echo "Runs, table.md and plots: $$dir"; \
@@ -86,8 +86,8 @@ endef
 
 .PHONY: reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc
 
-reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega and Mega-chunk on the 6 LRA tasks x SEEDS (SMOKE=1, TRAINER=)
-	$(call reproduce,sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,mega/table2_lra)
+reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega, Mega-chunk and the Transformer (XFM‡) on the 6 LRA tasks x SEEDS (SMOKE=1, TRAINER=)
+	$(call reproduce,sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml sweeps/transformer_lra.yaml,mega/table2_lra)
 
 reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size, EMA dim, attention fn on LRA Text/Image
 	$(call reproduce,$(MEGA_ABLATIONS),mega/fig4_chunk_size mega/fig4_ema_dim mega/table3_attention)
@@ -121,3 +121,63 @@ reproduce-megalodon-imagenet: $(REPRO_INSTALL) ## Megalodon Table 4: Megalodon, 
 
 reproduce-megalodon-ablations: $(REPRO_INSTALL) ## Megalodon chunk size, CEMA dim, norm groups, RoPE base on LRA Text/Image
 	$(call reproduce,$(MEGALODON_ABLATIONS),)
+
+reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big (and the XFM row's Transformer) on raw Speech Commands SC10 x SEEDS
+	$(call reproduce,sweeps/mega_sc10.yaml sweeps/transformer_sc10.yaml,mega/table4_sc)
+
+# --- Mega: translation, language modelling, ImageNet, and the summary (Tables 1, 5, 6, 7) ----
+# SMOKE=1 settings where the paper's do not fit the fixture datasets (the tests' overrides,
+# tests/test_experiments.py): a small padded dictionary and short beams for the WMT fixture,
+# short LM segments, the ImageNet fixture's 3 classes (and, without timm, a plain transform).
+# `++` for keys of one task only: a multirun composes the base config (no experiment) first.
+MT_SMOKE = data.vocab_size=512 ++task.generation.max_len_b=30 ++task.val_generation.max_len_b=30
+IMAGENET_SMOKE = data.num_classes=3 $(shell $(REPRO_PY) -c "import timm.data" 2>/dev/null \
+	|| echo data.augment=basic data.mixup=0 data.cutmix=0)
+LM_SMOKE = data.max_len=64 data.eval_max_len=64 data.train_len_unit=10
+WT103_SMOKE = $(LM_SMOKE) data.vocab_size=61056
+ENWIK8_SMOKE = $(LM_SMOKE) data.sha256=null data.valid_size=3000 data.test_size=3000
+# Table 5 tests with longer attention chunks than training: WikiText-103 2048 in segments of 2
+# chunks, enwik8 4096 in segments of 3 (--test-chunk-size 2048/4096 --chunk-nums 2/3).
+WT103_TEST = $(if $(SMOKE),model.backbone.chunk_size=32 data.eval_max_len=64,model.backbone.chunk_size=2048 data.eval_max_len=4096)
+ENWIK8_TEST = $(if $(SMOKE),model.backbone.chunk_size=32 data.eval_max_len=64,model.backbone.chunk_size=4096 data.eval_max_len=12288)
+EVAL_SMOKE = trainer=cpu trainer.limit_test_batches=1 data.num_workers=0
+MEGA_TARGETS := reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc reproduce-mega-lm \
+	reproduce-mega-mt reproduce-mega-imagenet
+
+# $(call reproduce_lm,<experiment>,<folder>,<smoke overrides>,<test overrides>): train, then test
+# every run again with the paper's test chunk (megalab.eval_runs -> <run>/eval_metrics.json).
+define reproduce_lm
+	$(REPRO_PY) -m megalab.sweep sweeps/mega_lm.yaml --only experiment=$(1) --out "$$dir/$(2)" \
+		--seeds "$(SEEDS)" $(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) \
+		$(if $(SMOKE),$(3)) || status=1; \
+	$(REPRO_PY) -m megalab.eval_runs "$$dir/$(2)" --experiment $(1) --name paper_test_chunk \
+		$(4) $(if $(TRAINER),trainer=$(TRAINER)) $(if $(SMOKE),$(EVAL_SMOKE) \
+		paths.data_dir="$$dir/$(2)/smoke_data") || status=1;
+endef
+
+.PHONY: reproduce-mega-mt reproduce-mega-lm reproduce-mega-imagenet reproduce-mega
+
+reproduce-mega-mt: $(REPRO_INSTALL) ## Mega Table 6: Mega-softmax/laplace and Transformer-base on WMT'16 En<->De x SEEDS
+	$(call reproduce,sweeps/mega_mt.yaml,mega/table6_wmt,$(if $(SMOKE),$(MT_SMOKE)))
+
+reproduce-mega-lm: $(REPRO_INSTALL) ## Mega Table 5: WikiText-103 and enwik8, tested with the paper's longer chunks
+	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
+	$(call reproduce_lm,mega/wikitext103,wikitext103,$(WT103_SMOKE),$(WT103_TEST)) \
+	$(call reproduce_lm,mega/enwik8,enwik8,$(ENWIK8_SMOKE),$(ENWIK8_TEST)) \
+	$(REPRO_PY) -m megalab.tables "$$dir" --table mega/table5_lm || status=1; \
+	echo "Runs, table.md and plots: $$dir"; \
+	exit $$status
+
+reproduce-mega-imagenet: $(REPRO_INSTALL) ## Mega Table 7: Mega-base and DeiT-B on ImageNet-1k
+	$(call reproduce,sweeps/mega_imagenet.yaml,mega/table7_imagenet,$(if $(SMOKE),$(IMAGENET_SMOKE)))
+
+reproduce-mega: $(REPRO_INSTALL) ## Every Mega table (1-7, Fig. 4): all the targets above, then Table 1 over their runs
+	@status=0; \
+	for t in $(MEGA_TARGETS); do \
+		$(MAKE) --no-print-directory $$t REPRO_TIME=$(REPRO_TIME) REPRO_INSTALL= || status=1; \
+	done; \
+	dirs=$$(for t in $(MEGA_TARGETS); do echo "$(REPRO_ROOT)/$$t/$(REPRO_TIME)"; done); \
+	mkdir -p "$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
+	$(REPRO_PY) -m megalab.tables $$dirs --table mega/table1_summary \
+		--out "$(REPRO_ROOT)/$@/$(REPRO_TIME)" || status=1; \
+	exit $$status

@@ -78,6 +78,25 @@ FIXTURE_OVERRIDES["lra_retrieval"] = ["data.max_len=512"]
 GPU_ONLY: set[str] = {"transformer/lra_pathx", "mega/lra_pathx", "mega_chunk/lra_pathx"}
 HEAVY |= GPU_ONLY
 
+# WMT'16 En-De (megalab/testing/wmt.py): 160 training pairs, whose BPE and dictionary cover a
+# few dozen subwords; the dictionary is padded to data.vocab_size, 512 here instead of 33,000.
+# Fixture sentences have at most 22 subwords: beam search stops at 30 output tokens instead of
+# fairseq's 200 (an untrained model never ends a sentence, and each step runs 6 decoder layers
+# of Mega-base). The variants of the two base experiments (Mega-laplace, German->English, the
+# big arch) train in the slow suite.
+FIXTURE_OVERRIDES["wmt16_en_de"] = [
+    "data.vocab_size=512",
+    "task.generation.max_len_b=30",
+    "task.val_generation.max_len_b=30",
+]
+HEAVY |= {
+    "mega/wmt16_en_de_laplace",
+    "mega/wmt16_de_en",
+    "mega/wmt16_de_en_laplace",
+    "mega/wmt16_en_de_big",
+    "transformer/wmt16_de_en",
+}
+
 
 # Megalodon (Ma et al. 2024): ImageNet (83M) and WikiText-103 (252M) train in the slow suite
 # like Mega's; Path-X (16,384 pixels) on a GPU only. The 1.3B PG-19 model and the 7B

@@ -31,8 +31,6 @@ ABLATIONS += [
     p for p in SWEEPS if p.stem.startswith("megalodon_lra_") and not p.stem.endswith("pathx")
 ]
 # Language-model sweeps optimise the validation loss (LanguageModelingTask logs val/loss).
-LM_METRIC = {"name": "val/loss", "goal": "minimize"}
-
 
 def _points() -> list[tuple[str, dict]]:
     """(sweep file, grid point without its seed), each distinct point once."""
@@ -87,8 +85,10 @@ def test_sweep_runs_megalab_train_with_hydra_overrides(path: Path) -> None:
     assert command[-1] == "${args_no_hyphens}"  # key=value: Hydra overrides
     assert "logger=wandb" in command and "logger.wandb.offline=false" in command
     assert cfg["method"] == "grid"
-    # What the W&B logger sees: ClassificationTask logs val/acc_best after every validation.
-    assert cfg["metric"] in ({"name": "val/acc_best", "goal": "maximize"}, LM_METRIC)
+    # What the W&B logger sees after every validation: ClassificationTask logs val/acc_best,
+    # the language-model task val/loss (or a word/bit metric), the seq2seq task val/bleu.
+    goals = {"val/acc_best": "maximize", "val/loss": "minimize", "val/bleu": "maximize"}
+    assert cfg["metric"]["goal"] == goals[cfg["metric"]["name"]]
     experiments = [c for c in command if c.startswith("experiment=")]
     assert experiments or "experiment" in cfg["parameters"]
     assert sw.load_sweep(path).fixed == experiments  # offline: the logger is the config's own
@@ -130,10 +130,13 @@ def test_every_grid_point_composes(hydra_compose, name: str, point: dict) -> Non
     for key, value in point.items():
         got = cfg.experiment_name if key == "experiment" else OmegaConf.select(cfg, key)
         assert got == value, key
-    backbone = cfg.model.backbone
+    backbone = cfg.model.get("backbone") or {}
     if backbone.get("chunk_size", 0) == -1 and "max_positions" in backbone:
         # full attention: the bias table spans the input
         assert backbone.max_positions >= cfg.data.max_len
+    seq2seq = cfg.model.get("encoder_decoder")  # translation: sentences up to data.max_len
+    if seq2seq is not None:
+        assert min(seq2seq.max_source_positions, seq2seq.max_target_positions) >= cfg.data.max_len
 
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.name)

@@ -84,6 +84,9 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record: dict[str, Any] = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
+    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
+    if callable(extras):
+        record.update(extras())
     out = Path(cfg.paths.output_dir) / "eval_metrics.json"
     run_utils.write_metrics(out, record)
     run_cfg_path = find_run_config(Path(cfg.ckpt_path))

@@ -58,6 +58,7 @@ class Column:
     params: Mapping[str, Any] = field(default_factory=dict)
     mean_of: tuple[str, ...] = ()
     compare: bool = True
+    hidden: bool = False  # a component of a `mean_of` column: reproduced, not printed
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ def _column(spec: Mapping[str, Any], defaults: Mapping[str, Any]) -> Column:
         params=_params(spec.get("params")),
         mean_of=tuple(spec.get("mean_of") or ()),
         compare=bool(spec.get("compare", True)),
+        hidden=bool(spec.get("hidden", False)),
     )
 
 
@@ -692,7 +694,7 @@ def render_table(
     status = status or {}
     active = {k for k, v in stats.items() if v is not None} | set(status)
     skipped: dict[str, list[str]] = {}
-    shown = [c for c in table.columns if c.compare]
+    shown = [c for c in table.columns if c.compare and not c.hidden]
     hidden = [c.label for c in table.columns if not c.compare]
     lines = [f"### {table.paper} {table.table}: {table.title}".rstrip(": "), ""]
     lines.append(
@@ -709,8 +711,8 @@ def render_table(
     for row in table.rows:
         cells = [table.cell(row.id, c.id) for c in shown]
         reproducible = any(c is not None and c.experiment for c in cells)
-        if active:
-            reproducible = any((row.id, c.id) in active for c in shown)
+        if active:  # hidden columns count: their runs make the row's averages
+            reproducible = any((row.id, c.id) in active for c in table.columns)
         paper = [_paper_text(c, col.digits) for c, col in zip(cells, shown)]
         lines.append(f"| {row.label} | paper | " + " | ".join(paper) + " |")
         if not reproducible:

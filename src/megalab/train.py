@@ -113,6 +113,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     best = getattr(trainer.checkpoint_callback, "best_model_score", None)
     if best is not None and monitor:
         record["monitor_value"] = run_utils.to_number(best)
+    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
+    if callable(extras):
+        record.update(extras())
     run_utils.write_metrics(output_dir / "metrics.json", record)
     return record
 

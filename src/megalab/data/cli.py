@@ -8,6 +8,7 @@
     megalab-data imdb --out data/lra/imdb
     megalab-data cifar10 --out data/lra/cifar10
     megalab-data enwik8 --root data   (also text8, wikitext103, pg19 [data.key=value ...])
+    megalab-data wmt16 --root data    (WMT'16 En-De: fetch and prepare [data.key=value ...])
 
 Each subcommand is a thin wrapper around the dataset module's own function.
 """
@@ -147,6 +148,12 @@ def _lm(args: argparse.Namespace) -> None:
     print(f"{args.command} ready in {dm.data_dir}: {dm.describe()}")
 
 
+def _wmt16(args: argparse.Namespace) -> None:
+    """Fetch WMT'16 En-De (and newstest2013/2014) and prepare it with its data config."""
+    args.command = "wmt16_en_de"
+    _lm(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megalab-data", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
             "overrides", nargs="*", help="data config overrides, e.g. data.vocab_size=16000"
         )
         p.set_defaults(func=_lm)
+
+    p = sub.add_parser(
+        "wmt16", help="fetch WMT'16 En-De from the Hub and prepare it (Moses, BPE, dictionary)"
+    )
+    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    p.add_argument("overrides", nargs="*", help="data config overrides, e.g. data.workers=16")
+    p.set_defaults(func=_wmt16)
     return parser
 
 

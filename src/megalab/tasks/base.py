@@ -1,4 +1,8 @@
-"""What every task shares: optimizer and schedule from config, throughput, loud failures."""
+"""What every task shares: optimizer and schedule from config, throughput, loud failures.
+
+`TaskBase` holds what any model needs; `SequenceTask` adds the encoder -> backbone path of the
+tasks built on the backbone contract (the seq2seq task drives an encoder-decoder instead).
+"""
 
 from __future__ import annotations
 
@@ -42,8 +46,9 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
 
 
-class SequenceTask(L.LightningModule):
-    """Base LightningModule: encoder -> backbone, with optimizer/scheduler from the config.
+class TaskBase(L.LightningModule):
+    """What every task shares, whatever its model: optimizer and schedule from config,
+    throughput, loud failures and exact resume.
 
     `optim` is the `optim` config group, instantiated: `optimizer` (a partial taking parameter
     groups) and `param_groups` (rules, see `megalab.optim`). `scheduler` is a partial taking
@@ -52,64 +57,15 @@ class SequenceTask(L.LightningModule):
 
     def __init__(
         self,
-        encoder: nn.Module,
-        backbone: nn.Module,
         optim: Mapping[str, Any] | None = None,
         scheduler: Callable[..., Any] | None = None,
         check_finite: bool = True,
-        compile: bool = False,
     ) -> None:
         super().__init__()
-        if not isinstance(backbone, BackboneProtocol):
-            raise TypeError(
-                f"{type(backbone).__name__} is not a megalab backbone: it needs d_model, causal, "
-                "max_len, initial_state and forward(x, mask, state) -> BackboneOutput "
-                "(derive from megalab.models.base.Backbone)"
-            )
-        self.encoder = encoder
-        self.backbone = backbone
         self.optim_cfg = optim
         self.scheduler_fn = scheduler
         self.check_finite = check_finite
-        # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
-        self.compile_backbone = compile
         self._t_last: float | None = None
-
-    # -- model ----------------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        if self.compile_backbone and stage == "fit":
-            self.backbone = torch.compile(self.backbone)
-
-    def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> BackboneOutput:
-        """Embed and run the backbone: (B, L[, C]) -> features (B, L, D), state and aux."""
-        max_len = self.backbone.max_len
-        if state is None and max_len is not None and inputs.shape[1] > max_len:
-            raise ValueError(
-                f"input length {inputs.shape[1]} exceeds the model's limit of {max_len} "
-                f"({type(self.backbone).__name__}); lower `data.max_len` or raise the model's "
-                "maximum length"
-            )
-        x = self.encoder(inputs, mask)
-        return self.backbone(x, mask=mask, state=state)
-
-    def aux_loss(self, out: BackboneOutput, split: str, batch_size: int) -> Tensor | None:
-        """Log the backbone's `aux` values under `{split}/aux/...`; return its "loss" if any.
-
-        A value with one entry per layer is logged per layer (`.../name/layer{i}`) and as its
-        mean (`.../name`). Training adds the returned loss to the task's loss.
-        """
-        loss = out.aux.get("loss")
-        for name, value in out.aux.items():
-            value = value.detach().float()
-            key = f"{split}/aux/{name}"
-            on_step = split == "train"
-            if value.dim() and value.numel() > 1:
-                for i, v in enumerate(value.flatten()):
-                    self.log(f"{key}/layer{i}", v, on_step=on_step, on_epoch=True,
-                             batch_size=batch_size)  # fmt: skip
-                value = value.mean()
-            self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size)
-        return loss
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -172,3 +128,64 @@ class SequenceTask(L.LightningModule):
         torch.set_rng_state(states["torch"])
         if states["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class SequenceTask(TaskBase):
+    """Base of the tasks on a backbone: encoder -> backbone (optimisation as `TaskBase`)."""
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        backbone: nn.Module,
+        optim: Mapping[str, Any] | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        check_finite: bool = True,
+        compile: bool = False,
+    ) -> None:
+        super().__init__(optim, scheduler, check_finite)
+        if not isinstance(backbone, BackboneProtocol):
+            raise TypeError(
+                f"{type(backbone).__name__} is not a megalab backbone: it needs d_model, causal, "
+                "max_len, initial_state and forward(x, mask, state) -> BackboneOutput "
+                "(derive from megalab.models.base.Backbone)"
+            )
+        self.encoder = encoder
+        self.backbone = backbone
+        # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
+        self.compile_backbone = compile
+
+    # -- model ----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.compile_backbone and stage == "fit":
+            self.backbone = torch.compile(self.backbone)
+
+    def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> BackboneOutput:
+        """Embed and run the backbone: (B, L[, C]) -> features (B, L, D), state and aux."""
+        max_len = self.backbone.max_len
+        if state is None and max_len is not None and inputs.shape[1] > max_len:
+            raise ValueError(
+                f"input length {inputs.shape[1]} exceeds the model's limit of {max_len} "
+                f"({type(self.backbone).__name__}); lower `data.max_len` or raise the model's "
+                "maximum length"
+            )
+        x = self.encoder(inputs, mask)
+        return self.backbone(x, mask=mask, state=state)
+
+    def aux_loss(self, out: BackboneOutput, split: str, batch_size: int) -> Tensor | None:
+        """Log the backbone's `aux` values under `{split}/aux/...`; return its "loss" if any.
+
+        A value with one entry per layer is logged per layer (`.../name/layer{i}`) and as its
+        mean (`.../name`). Training adds the returned loss to the task's loss.
+        """
+        loss = out.aux.get("loss")
+        for name, value in out.aux.items():
+            value = value.detach().float()
+            key = f"{split}/aux/{name}"
+            on_step = split == "train"
+            if value.dim() and value.numel() > 1:
+                for i, v in enumerate(value.flatten()):
+                    self.log(f"{key}/layer{i}", v, on_step=on_step, on_epoch=True,
+                             batch_size=batch_size)  # fmt: skip
+                value = value.mean()
+            self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size)
+        return loss
