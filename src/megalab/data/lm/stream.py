@@ -448,7 +448,8 @@ class LMStreamDataModule(SequenceDataModule):
         eval_batch_size: global number of evaluation streams (independent of the number of
             processes, so results do not depend on it).
         sampler: `stream` (contiguous rows, Transformer-XL order, for models that carry
-            state) or `random` (independent random windows, for stateless models).
+            state) or `random` (independent random windows, for stateless models); kept as
+            `train_sampling`.
         roll: rotate the training stream by a random offset each epoch (`stream` sampler).
         eval_max_len: evaluation segment/window length (default: max_len).
         eval_stride: sliding-window evaluation: score this many new tokens per window of
@@ -504,7 +505,8 @@ class LMStreamDataModule(SequenceDataModule):
             vocab_size=vocab_size,
             pad_id=pad_id,
         )
-        self.sampler = sampler
+        # Not `self.sampler`: that would shadow SequenceDataModule.sampler(split, batch_size).
+        self.train_sampling = sampler
         self.roll = roll
         self.eval_max_len = eval_max_len or max_len
         self.eval_stride = eval_stride
@@ -569,7 +571,7 @@ class LMStreamDataModule(SequenceDataModule):
                 "a batch size that is"
             )
         rows = self.batch_size // parts
-        if self.sampler == "random":
+        if self.train_sampling == "random":
             return RandomWindowBatches(
                 stream,
                 rows,
