@@ -32,11 +32,12 @@ from typing import Any
 
 import yaml
 
-from megalab.utils.paths import project_root
+from megalab.utils.paths import resource_dir
 
 log = logging.getLogger(__name__)
 
-TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(project_root() / "tables")))
+# tables/ of the project, or the copy an installed wheel carries
+TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(resource_dir("tables"))))
 
 MISSING = "missing"  # a reproducible cell without runs yet
 BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)
