@@ -197,7 +197,8 @@ def sample_value(key: str, spec: dict[str, Any], rng: random.Random) -> Any:
         return rng.choice(list(spec["values"]))
     if "values" in spec and dist == "categorical_w_probabilities":
         return rng.choices(list(spec["values"]), weights=spec["probabilities"])[0]
-    lo, hi = spec.get("min"), spec.get("max")
+    lo: Any = spec.get("min")
+    hi: Any = spec.get("max")
     if dist == "int_uniform" or (dist is None and isinstance(lo, int) and isinstance(hi, int)):
         return rng.randint(int(lo), int(hi))
     if dist in (None, "uniform"):
