@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 # Pin torch for the install step (CI uses TORCH=torch==2.13.0, a local CPU wheel). Empty:
 # install torch only if it is not importable yet.
 TORCH ?=
+# The tested versions of every dependency (constraints.txt) for the install step; torch follows
+# TORCH, or stays as installed. Empty: install the newest versions pyproject.toml allows.
+CONSTRAINTS ?= constraints.txt
 PYTEST_ARGS ?=
 ARGS ?=
 
@@ -22,13 +25,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-install: $(BIN)/python ## Create .venv and install megalab with its dev tools
+install: $(BIN)/python ## Create .venv and install megalab with its dev tools (versions of constraints.txt)
 	@if [ -n "$(TORCH)" ]; then \
 		$(BIN)/python -m pip install --quiet "$(TORCH)"; \
 	elif ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		$(BIN)/python -m pip install --quiet torch; \
+		$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)") torch; \
 	fi
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(if $(CONSTRAINTS),grep -v '^torch==' "$(CONSTRAINTS)" > $(VENV)/constraints-but-torch.txt)
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(VENV)/constraints-but-torch.txt) -e ".[dev]"
 
 train: install ## Quick start: a small Transformer on short ListOps (CPU, a few minutes)
 	$(BIN)/python -m megalab.train experiment=quickstart $(ARGS)
@@ -39,16 +43,17 @@ test: install ## Run the default test suite (excludes tests marked slow)
 test-full: install ## Run every test, including the slow ones
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: install ## Check style with ruff
+lint: install ## Check style with ruff and types with mypy (basic mode, src/)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy src
 
 format: install ## Format the code with ruff
 	$(BIN)/ruff check --fix src tests benchmarks
 	$(BIN)/ruff format src tests benchmarks
 
 clean: ## Remove caches and build artefacts (keeps .venv, data/ and logs/)
-	rm -rf build dist .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf build dist .pytest_cache .ruff_cache .mypy_cache src/*.egg-info
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 # --- Reproducing the papers' tables ---------------------------------------------------------

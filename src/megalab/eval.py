@@ -46,6 +46,7 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         return cfg
     log.info("using the run config %s", run_cfg_path)
     run_cfg = OmegaConf.load(run_cfg_path)
+    assert isinstance(run_cfg, DictConfig), f"{run_cfg_path}: not a run config"
     with open_dict(cfg):
         for key in RUN_GROUPS:
             if key in run_cfg:

@@ -28,15 +28,16 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
-from megalab.utils.paths import project_root
+from megalab.utils.paths import resource_dir
 
 log = logging.getLogger(__name__)
 
-TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(project_root() / "tables")))
+# tables/ of the project, or the copy an installed wheel carries
+TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(resource_dir("tables"))))
 
 MISSING = "missing"  # a reproducible cell without runs yet
 BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)
@@ -863,7 +864,7 @@ def plot_sweep(
     # Ordered numeric values (chunk size, EMA dimension) are joined by lines; categories
     # (attention functions) are not, and each series is shifted a little so they do not overlap.
     categorical = any(not isinstance(x, int | float) for s in series for x in s.x)
-    handles = []
+    handles: list[Any] = []  # matplotlib artists: error bar containers and lines
     notes: list[tuple[float, float, str, str]] = []  # paper labels: (x, y, text, color)
     for i, s in enumerate(series):
         color = colors[i % len(colors)]
@@ -894,7 +895,7 @@ def plot_sweep(
         if paper:
             (line,) = ax.plot(
                 [p for p, _ in paper],
-                [c.value for _, c in paper],
+                [cast(float, c.value) for _, c in paper],
                 linestyle="none",
                 marker="D",
                 markersize=9,
@@ -907,7 +908,12 @@ def plot_sweep(
             handles.append(line)
             for p, c in paper:
                 notes.append(
-                    (p, float(c.value), c.display if c.approx else _num(c.value, 2), color)
+                    (
+                        p,
+                        float(cast(float, c.value)),
+                        c.display if c.approx else _num(cast(float, c.value), 2),
+                        color,
+                    )
                 )
     # Paper values above their markers, stacked where points of several series coincide.
     ax.margins(y=0.14)
@@ -1000,15 +1006,22 @@ def build_report(
     if out is not None:
         keys = sorted({next(iter(r.swept)) for r in runs if len(r.swept) == 1})
         for key in keys:
-            table = next((t for t in tables if t.parameter == key), None)
+            swept_table = next((t for t in tables if t.parameter == key), None)
             m, s = metric, scale
-            if table is not None and table.reproducible:
-                m, s = table.reproducible[0].metric or metric, table.reproducible[0].scale
-            labels, series = sweep_series(key, runs, table, m, s)
+            if swept_table is not None and swept_table.reproducible:
+                m, s = (
+                    swept_table.reproducible[0].metric or metric,
+                    swept_table.reproducible[0].scale,
+                )
+            labels, series = sweep_series(key, runs, swept_table, m, s)
             if not series:
                 continue
             short = key.rsplit(".", 1)[-1]
-            title = f"{table.paper} {table.table}: {table.title}" if table else f"{m} vs {short}"
+            title = (
+                f"{swept_table.paper} {swept_table.table}: {swept_table.title}"
+                if swept_table
+                else f"{m} vs {short}"
+            )
             smoke = any(r.smoke for r in runs if r.swept and key in r.swept)
             plots.append(
                 plot_sweep(
@@ -1017,8 +1030,10 @@ def build_report(
                     labels,
                     series,
                     title=title,
-                    xlabel=(table.xlabel if table and table.xlabel else key),
-                    ylabel=(table.ylabel if table and table.ylabel else f"{m} × {s:g}"),
+                    xlabel=(swept_table.xlabel if swept_table and swept_table.xlabel else key),
+                    ylabel=(
+                        swept_table.ylabel if swept_table and swept_table.ylabel else f"{m} × {s:g}"
+                    ),
                     smoke=smoke,
                 )
             )

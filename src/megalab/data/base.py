@@ -8,7 +8,7 @@ length) that model configs interpolate from `${data.*}`; `setup` checks the data
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,8 +64,11 @@ class TokenSequences(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         a, b = self.offsets[i], self.offsets[i + 1]
-        item = {"inputs": torch.from_numpy(np.asarray(self.tokens[a:b], dtype=np.int64))}
+        item: dict[str, Any] = {
+            "inputs": torch.from_numpy(np.asarray(self.tokens[a:b], dtype=np.int64))
+        }
         if self.tokens2 is not None:
+            assert self.offsets2 is not None, "pairs need offsets2"
             a2, b2 = self.offsets2[i], self.offsets2[i + 1]
             item["inputs2"] = torch.from_numpy(np.asarray(self.tokens2[a2:b2], dtype=np.int64))
         item["targets"] = int(self.labels[i])
@@ -95,7 +98,7 @@ def cached_sequences(
                 np.save(path / f"{key}.npy", np.asarray(value))
         mark_prepared(path, {"sequences": len(ds)})
         return ds
-    arrays = {
+    arrays: dict[str, Any] = {
         key: np.load(path / f"{key}.npy", mmap_mode="r") if (path / f"{key}.npy").exists() else None
         for key in names
     }
@@ -258,7 +261,8 @@ class SequenceDataModule(L.LightningDataModule):
         self.seed = seed
         self.drop_last = drop_last
         self.sort_eval_by_length = sort_eval_by_length
-        self.datasets: dict[str, Dataset] = {}
+        # Map-style datasets (sized and indexable; torch's Dataset type declares neither).
+        self.datasets: dict[str, Any] = {}
 
     # -- spec shortcuts -------------------------------------------------------------------------
     @property
@@ -274,7 +278,7 @@ class SequenceDataModule(L.LightningDataModule):
         return self.spec.max_len
 
     # -- hooks for subclasses -------------------------------------------------------------------
-    def build_datasets(self) -> dict[str, Dataset]:
+    def build_datasets(self) -> Mapping[str, Any]:
         """Return the `train`/`val`/`test` datasets (called once, in `setup`)."""
         raise NotImplementedError
 
@@ -285,7 +289,7 @@ class SequenceDataModule(L.LightningDataModule):
     # -- Lightning ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if not self.datasets:
-            self.datasets = self.build_datasets()
+            self.datasets = dict(self.build_datasets())
             for split, ds in self.datasets.items():
                 if len(ds) == 0:
                     raise ValueError(
@@ -310,11 +314,15 @@ class SequenceDataModule(L.LightningDataModule):
     def resumed_batches(self) -> int:
         """Training batches of the current epoch consumed before a resume (0 otherwise)."""
         trainer = self.trainer
+        # Lightning internal (2 of 2, hence the `lightning<2.7` bound in pyproject.toml): the fit
+        # loop's `restarting` flag and batch progress counters. tests/test_lightning_internals.py
+        # fails when Lightning changes what they report on a mid-epoch resume.
         if trainer is None or not trainer.fit_loop.epoch_loop.restarting:
             return 0
         # `processed` counts a batch whose step finished even if the checkpoint was written in
         # on_train_batch_end, before Lightning marked it completed.
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # Lightning annotates `current` with the base tracker; a batch progress has `processed`.
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
     def rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:

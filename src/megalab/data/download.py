@@ -288,6 +288,7 @@ def _transfer(
     shorter than announced.
     """
     offset = part.stat().st_size if part.exists() else 0
+    total: int | None
     scheme = urllib.parse.urlparse(url).scheme.lower()
     if scheme == "file":
         src, start, total = _open_file_url(url, offset)

@@ -188,7 +188,7 @@ class SequenceEncoder(nn.Module):
                 dropout=dropout,
                 init=init,
             )
-        else:
+        elif d_input is not None:
             self.embed = FeatureEmbedding(
                 d_input, d_model, init=feature_init, dropout=dropout, scale=feature_scale
             )

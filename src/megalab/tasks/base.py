@@ -31,7 +31,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _numpy_state_to_tensors(state: tuple) -> tuple:
+def _numpy_state_to_tensors(state: Any) -> tuple:
     """numpy's RNG state with its key array as a tensor (loadable with `weights_only=True`)."""
     name, keys, pos, has_gauss, gauss = state
     return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
@@ -74,6 +74,7 @@ class TaskBase(L.LightningModule):
         optim = dict(self.optim_cfg)
         # Build from the trainer's (possibly FSDP-wrapped) module when there is one.
         module = self.trainer.model if self._trainer is not None else self
+        assert module is not None, "the trainer has no model"
         rules: Sequence[dict] = _plain(optim.get("param_groups")) or []
         optimizer = build_optimizer(module, optim["optimizer"], rules)
         for line in describe_groups(optimizer):
@@ -81,6 +82,8 @@ class TaskBase(L.LightningModule):
         if self.scheduler_fn is None:
             return optimizer
         total = self.trainer.estimated_stepping_batches if self._trainer is not None else None
+        if total is None:
+            raise ValueError("a scheduler needs the trainer's step count: fit through a Trainer")
         scheduler = self.scheduler_fn(optimizer, total_steps=int(total))
         return {
             "optimizer": optimizer,
@@ -157,7 +160,8 @@ class SequenceTask(TaskBase):
     # -- model ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if self.compile_backbone and stage == "fit":
-            self.backbone = torch.compile(self.backbone)
+            # torch.compile's stub returns a Callable; for a Module it returns an OptimizedModule.
+            self.backbone = torch.compile(self.backbone)  # type: ignore[assignment]
 
     def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> BackboneOutput:
         """Embed and run the backbone: (B, L[, C]) -> features (B, L, D), state and aux."""

@@ -48,10 +48,11 @@ class ClassificationTask(SequenceTask):
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the suffixes.
-        self.losses = nn.ModuleDict(
+        # nn.ModuleDict's stub types its values as Module; these hold metrics only.
+        self.losses: Mapping[str, MeanMetric] = nn.ModuleDict(  # type: ignore[assignment]
             {f"{s}_loss": MeanMetric(nan_strategy="disable") for s in SPLITS}
         )
-        self.accs = nn.ModuleDict(
+        self.accs: Mapping[str, MulticlassAccuracy] = nn.ModuleDict(  # type: ignore[assignment]
             {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in SPLITS}
         )
         self.val_acc_best = MaxMetric()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,7 @@ class LanguageModelingTask(SequenceTask):
         if loss_scale <= 0:
             raise ValueError(f"loss_scale must be positive, got {loss_scale}")
         self.loss_scale = loss_scale
-        self.head = head
+        self.head: Any = head  # an LM head: nll(hidden, targets), tie(embedding)
         if tie_weights:
             if hasattr(head, "tie_encoder"):  # heads that tie to a whole encoder (adaptive_xl)
                 head.tie_encoder(encoder)
@@ -137,11 +137,12 @@ class LanguageModelingTask(SequenceTask):
                 embedding = getattr(getattr(encoder, "embed", encoder), "embedding", None)
                 if embedding is None:
                     raise ValueError("tie_weights needs a token embedding in the encoder")
-                head.tie(embedding)
+                cast(Any, head).tie(embedding)
         self.carry_state = carry_state
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the `_nll` style suffixes.
         # NaN is kept (torchmetrics would drop it by default) so that `epoch_metrics` reports it.
-        self.sums = nn.ModuleDict(
+        # nn.ModuleDict's stub types its values as Module; this one holds SumMetrics only.
+        self.sums: Mapping[str, SumMetric] = nn.ModuleDict(  # type: ignore[assignment]
             {
                 f"{s}_{k}": SumMetric(nan_strategy="disable").set_dtype(torch.float64)
                 for s in SPLITS

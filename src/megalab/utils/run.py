@@ -10,7 +10,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import torch
@@ -110,7 +110,7 @@ def log_hyperparameters(cfg: DictConfig, loggers: list[Logger], model: torch.nn.
     """Send the resolved config and parameter counts to every logger."""
     if not loggers:
         return
-    params = OmegaConf.to_container(cfg, resolve=True)
+    params = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     assert isinstance(params, dict)
     params.pop("hydra", None)
     params["params"] = count_parameters(model)

@@ -65,7 +65,7 @@ def train_tokenizer(
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
+        trainer: trainers.Trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
             special_tokens=[eos_token],
             min_frequency=2,
@@ -251,6 +251,7 @@ class PG19DataModule(LMStreamDataModule):
         if prepared(cache):
             return
         tok = self.tokenizer()
+        assert self.spec.vocab_size is not None  # a required data setting
         dtype = token_dtype(self.spec.vocab_size)
         meta: dict = {"dataset": "pg19", "vocab_size": tok.get_vocab_size(), "splits": {}}
         for split in ("train", "val", "test"):

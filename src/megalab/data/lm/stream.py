@@ -107,6 +107,7 @@ class TokenStream:
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
+            assert self._path is not None, "a stream without tokens has a file"
             self._tokens = np.memmap(self._path, dtype=self.dtype, mode="r", shape=(self.length,))
         return self._tokens
 
@@ -397,7 +398,7 @@ class RandomWindowBatches(Dataset):
         seq_len: int,
         layout: Layout = Layout(),
         seed: int = 0,
-        multiples: tuple[int, int] | None = None,
+        multiples: tuple[int, ...] | None = None,
         unit: int | None = None,
     ) -> None:
         self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
@@ -427,6 +428,7 @@ class RandomWindowBatches(Dataset):
         if self.multiples is None:
             return self.seq_len, rng
         m = int(rng.integers(self.multiples[0], self.multiples[1] + 1))
+        assert self.unit is not None, "variable-length windows have a unit"
         return m * self.unit, rng
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
@@ -466,7 +468,8 @@ class LMStreamDataModule(SequenceDataModule):
         eval_batch_size: global number of evaluation streams (independent of the number of
             processes, so results do not depend on it).
         sampler: `stream` (contiguous rows, Transformer-XL order, for models that carry
-            state) or `random` (independent random windows, for stateless models).
+            state) or `random` (independent random windows, for stateless models); kept as
+            `train_sampling`.
         roll: rotate the training stream by a random offset each epoch (`stream` sampler);
             "rows": rotate each row within itself instead (Transformer-XL's `--roll`).
         eval_max_len: evaluation segment/window length (default: max_len).
@@ -523,7 +526,8 @@ class LMStreamDataModule(SequenceDataModule):
             vocab_size=vocab_size,
             pad_id=pad_id,
         )
-        self.sampler = sampler
+        # Not `self.sampler`: that would shadow SequenceDataModule.sampler(split, batch_size).
+        self.train_sampling = sampler
         self.roll = roll
         self.eval_max_len = eval_max_len or max_len
         self.eval_stride = eval_stride
@@ -542,7 +546,7 @@ class LMStreamDataModule(SequenceDataModule):
         raise NotImplementedError(f"{type(self).__name__} has no text codec")
 
     # -- setup ----------------------------------------------------------------------------------
-    def build_datasets(self) -> dict[str, Dataset]:
+    def build_datasets(self) -> dict[str, TokenStream]:
         streams = self.load_streams()
         missing = [s for s in SPLITS if s not in streams]
         if missing:
@@ -554,6 +558,7 @@ class LMStreamDataModule(SequenceDataModule):
                     f"{self.data_dir}: at least 2 are needed (check the files or split sizes)"
                 )
             top = stream.compute_max_id()
+            assert self.spec.vocab_size is not None  # checked in __init__
             if top >= self.spec.vocab_size:
                 raise ValueError(
                     f"{type(self).__name__}: the {split} split holds token id {top}, outside the "
@@ -567,7 +572,9 @@ class LMStreamDataModule(SequenceDataModule):
         accumulate = self.trainer.accumulate_grad_batches if (train and self.trainer) else 1
         return Layout(rank, world, accumulate)
 
-    def batches(self, split: str, layout: Layout | None = None) -> Dataset:
+    def batches(
+        self, split: str, layout: Layout | None = None
+    ) -> EvalBatches | RandomWindowBatches | StreamBatches:
         """The batch dataset of `split` for a process at `layout` (its rank, world, groups)."""
         if split not in self.datasets:
             self.setup()
@@ -592,7 +599,7 @@ class LMStreamDataModule(SequenceDataModule):
                 "a batch size that is"
             )
         rows = self.batch_size // parts
-        if self.sampler == "random":
+        if self.train_sampling == "random":
             return RandomWindowBatches(
                 stream,
                 rows,

@@ -27,7 +27,7 @@ import io
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -72,7 +72,10 @@ def random_split_indices(n: int, lengths: Sequence[int], seed: int) -> list[np.n
     if sum(lengths) != n:
         raise ValueError(f"split lengths {list(lengths)} do not add up to {n}")
     subsets = torch.utils.data.random_split(
-        range(n), list(lengths), generator=torch.Generator().manual_seed(seed)
+        # torch types the first argument as a Dataset; random_split needs only len().
+        cast(Any, range(n)),
+        list(lengths),
+        generator=torch.Generator().manual_seed(seed),
     )
     return [np.asarray(s.indices, dtype=np.int64) for s in subsets]
 

@@ -20,6 +20,7 @@ import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -71,7 +72,7 @@ def _random_tree(rng: random.Random, depth: int, s: ListOpsSettings) -> tuple[ob
     return (rng.choice(OPERATORS), args), length
 
 
-def _value(tree: object) -> int:
+def _value(tree: Any) -> int:
     if isinstance(tree, int):
         return tree
     op, args = tree
@@ -85,7 +86,7 @@ def _value(tree: object) -> int:
     return sum(vals) % 10
 
 
-def _to_string(tree: object) -> str:
+def _to_string(tree: Any) -> str:
     """LRA's bracketing: ((op a1) a2) ... ]) with every pair wrapped in parentheses."""
     if isinstance(tree, int):
         return str(tree)

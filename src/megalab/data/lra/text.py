@@ -32,7 +32,7 @@ import logging
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -169,7 +169,10 @@ def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, S
     if k == 0 or k == n:
         raise ValueError(f"val_fraction={fraction} of {n} training examples leaves a split empty")
     a, b = torch.utils.data.random_split(
-        range(n), [n - k, k], generator=torch.Generator().manual_seed(seed)
+        # torch types the first argument as a Dataset; random_split needs only len().
+        cast(Any, range(n)),
+        [n - k, k],
+        generator=torch.Generator().manual_seed(seed),
     )
     return Subset(train, list(a.indices)), Subset(train, list(b.indices))
 
