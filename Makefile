@@ -94,3 +94,20 @@ reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size,
 
 reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big on raw Speech Commands SC10 x SEEDS
 	$(call reproduce,sweeps/mega_sc10.yaml,mega/table4_sc)
+
+# --- SeqBoat (Ren et al., NeurIPS 2023) ----------------------------------------------------
+SEQBOAT_TABLE6 := seqboat/table6_train_speed seqboat/table6_train_memory seqboat/table6_eval_speed
+
+.PHONY: reproduce-seqboat-lra reproduce-seqboat-ablations reproduce-seqboat-sc reproduce-seqboat-enwik8
+
+reproduce-seqboat-lra: $(REPRO_INSTALL) ## SeqBoat Table 1 (+ Table 6 efficiency): SeqBoat and SeqBoat-full on the 6 LRA tasks
+	$(call reproduce,sweeps/seqboat_lra.yaml sweeps/seqboat_lra_pathx.yaml,seqboat/table1_lra $(SEQBOAT_TABLE6))
+
+reproduce-seqboat-ablations: $(REPRO_INSTALL) ## SeqBoat Tables 7-8 + Fig. 5: ablations, working-memory size, router temperature
+	$(call reproduce,sweeps/seqboat_ablations.yaml sweeps/seqboat_memory_size.yaml sweeps/seqboat_temperature.yaml,seqboat/table7_ablations_full seqboat/table8_ablations)
+
+reproduce-seqboat-sc: $(REPRO_INSTALL) ## SeqBoat Table 2: SeqBoat and Mega-chunk on raw Speech Commands SC10 x SEEDS
+	$(call reproduce,sweeps/seqboat_sc10.yaml,seqboat/table2_sc)
+
+reproduce-seqboat-enwik8: $(REPRO_INSTALL) ## SeqBoat Table 3: SeqBoat and Mega on enwik8 (8 GPUs per run)
+	$(call reproduce,sweeps/seqboat_enwik8.yaml,seqboat/table3_lm)

@@ -122,11 +122,18 @@ VARIANTS = {
     "local_pos_scalenorm": {"local_pos": True, "norm_type": "scalenorm", "truncation": 7},
     "local_always_compress": {"always_compress": True},
     "causal_rotary": {"causal": True, "rel_pos_bias": "rotary"},
-    "causal_relu2_local_pos": {"causal": True, "attention_activation": "relu2",
-                               "local_pos": True},  # fmt: skip
+    "causal_relu2_local_pos": {
+        "causal": True,
+        "attention_activation": "relu2",
+        "local_pos": True,
+    },
     "chunk_relu2": {"attention": "chunk", "chunk_size": 4, "attention_activation": "relu2"},
-    "chunk_causal_local_pos": {"attention": "chunk", "chunk_size": 4, "causal": True,
-                               "local_pos": True},  # fmt: skip
+    "chunk_causal_local_pos": {
+        "attention": "chunk",
+        "chunk_size": 4,
+        "causal": True,
+        "local_pos": True,
+    },
     "full_softmax": {"attention": "full", "max_positions": 10},
     "full_causal_relu2": {"attention": "full", "causal": True, "attention_activation": "relu2"},
     "always_active_local": {"router": "none"},
@@ -335,8 +342,8 @@ def test_parameter_count_sc10() -> None:
     backbone = SeqBoat(d_model=60, num_layers=8, z_dim=30, v_dim=120, ema_dim=16, chunk_size=128,
                        attention_activation="relu2", local_pos=True, positions="sinusoidal",
                        norm_type="batchnorm", prenorm=True, truncation=4000)  # fmt: skip
-    total = _count(backbone) + _count(FeatureEmbedding(1, 60)) + _count(
-        ClassificationHead(60, 120, 10)
+    total = (
+        _count(backbone) + _count(FeatureEmbedding(1, 60)) + _count(ClassificationHead(60, 120, 10))
     )
     assert total == 298_841
 
