@@ -97,36 +97,6 @@ reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega, Mega-chunk and the T
 reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size, EMA dim, attention fn on LRA Text/Image
 	$(call reproduce,$(MEGA_ABLATIONS),mega/fig4_chunk_size mega/fig4_ema_dim mega/table3_attention)
 
-reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big on raw Speech Commands SC10 x SEEDS
-	$(call reproduce,sweeps/mega_sc10.yaml,mega/table4_sc)
-
-# --- Megalodon (Ma et al. 2024) ----------------------------------------------------------------
-# The Mega rows of these tables come from the same targets (Mega's sweeps, or Mega's experiments
-# inside the Megalodon sweep files).
-MEGALODON_ABLATIONS := $(addprefix sweeps/megalodon_lra_,chunk_size.yaml cema_dim.yaml \
-	norm_groups.yaml rope_base.yaml)
-
-.PHONY: reproduce-megalodon-lra reproduce-megalodon-sc reproduce-megalodon-wt103 \
-	reproduce-megalodon-pg19 reproduce-megalodon-imagenet reproduce-megalodon-ablations
-
-reproduce-megalodon-lra: $(REPRO_INSTALL) ## Megalodon Table 6: Megalodon(-chunk) and Mega(-chunk) on the 6 LRA tasks
-	$(call reproduce,sweeps/megalodon_lra.yaml sweeps/megalodon_lra_pathx.yaml sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,megalodon/table6_lra)
-
-reproduce-megalodon-sc: $(REPRO_INSTALL) ## Megalodon Table 7: Megalodon and Mega (base, big) on raw SC10
-	$(call reproduce,sweeps/megalodon_sc10.yaml sweeps/mega_sc10.yaml,megalodon/table7_sc)
-
-reproduce-megalodon-wt103: $(REPRO_INSTALL) ## Megalodon Table 8: Megalodon and Mega on WikiText-103
-	$(call reproduce,sweeps/megalodon_wt103.yaml,megalodon/table8_wt103)
-
-reproduce-megalodon-pg19: $(REPRO_INSTALL) ## Megalodon Table 5: Megalodon-1.3B on PG-19 (word-level perplexity)
-	$(call reproduce,sweeps/megalodon_pg19.yaml,megalodon/table5_pg19)
-
-reproduce-megalodon-imagenet: $(REPRO_INSTALL) ## Megalodon Table 4: Megalodon, Mega and DeiT-B on ImageNet-1k
-	$(call reproduce,sweeps/megalodon_imagenet.yaml,megalodon/table4_imagenet)
-
-reproduce-megalodon-ablations: $(REPRO_INSTALL) ## Megalodon chunk size, CEMA dim, norm groups, RoPE base on LRA Text/Image
-	$(call reproduce,$(MEGALODON_ABLATIONS),)
-
 reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big (and the XFM row's Transformer) on raw Speech Commands SC10 x SEEDS
 	$(call reproduce,sweeps/mega_sc10.yaml sweeps/transformer_sc10.yaml,mega/table4_sc)
 
@@ -186,3 +156,47 @@ reproduce-mega: $(REPRO_INSTALL) ## Every Mega table (1-7, Fig. 4): all the targ
 	$(REPRO_PY) -m megalab.tables $$dirs --table mega/table1_summary \
 		--out "$(REPRO_ROOT)/$@/$(REPRO_TIME)" || status=1; \
 	exit $$status
+
+# --- Megalodon (Ma et al. 2024) ----------------------------------------------------------------
+# The Mega rows of these tables come from the same targets (Mega's sweeps, or Mega's experiments
+# inside the Megalodon sweep files).
+MEGALODON_ABLATIONS := $(addprefix sweeps/megalodon_lra_,chunk_size.yaml cema_dim.yaml \
+	norm_groups.yaml rope_base.yaml)
+
+.PHONY: reproduce-megalodon-lra reproduce-megalodon-sc reproduce-megalodon-wt103 \
+	reproduce-megalodon-pg19 reproduce-megalodon-imagenet reproduce-megalodon-ablations
+
+reproduce-megalodon-lra: $(REPRO_INSTALL) ## Megalodon Table 6: Megalodon(-chunk) and Mega(-chunk) on the 6 LRA tasks
+	$(call reproduce,sweeps/megalodon_lra.yaml sweeps/megalodon_lra_pathx.yaml sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,megalodon/table6_lra)
+
+reproduce-megalodon-sc: $(REPRO_INSTALL) ## Megalodon Table 7: Megalodon and Mega (base, big) on raw SC10
+	$(call reproduce,sweeps/megalodon_sc10.yaml sweeps/mega_sc10.yaml,megalodon/table7_sc)
+
+reproduce-megalodon-wt103: $(REPRO_INSTALL) ## Megalodon Table 8: Megalodon and Mega on WikiText-103
+	$(call reproduce,sweeps/megalodon_wt103.yaml,megalodon/table8_wt103)
+
+reproduce-megalodon-pg19: $(REPRO_INSTALL) ## Megalodon Table 5: Megalodon-1.3B on PG-19 (word-level perplexity)
+	$(call reproduce,sweeps/megalodon_pg19.yaml,megalodon/table5_pg19)
+
+reproduce-megalodon-imagenet: $(REPRO_INSTALL) ## Megalodon Table 4: Megalodon, Mega and DeiT-B on ImageNet-1k
+	$(call reproduce,sweeps/megalodon_imagenet.yaml,megalodon/table4_imagenet)
+
+reproduce-megalodon-ablations: $(REPRO_INSTALL) ## Megalodon chunk size, CEMA dim, norm groups, RoPE base on LRA Text/Image
+	$(call reproduce,$(MEGALODON_ABLATIONS),)
+
+# --- SeqBoat (Ren et al., NeurIPS 2023) ----------------------------------------------------
+SEQBOAT_TABLE6 := seqboat/table6_train_speed seqboat/table6_train_memory seqboat/table6_eval_speed
+
+.PHONY: reproduce-seqboat-lra reproduce-seqboat-ablations reproduce-seqboat-sc reproduce-seqboat-enwik8
+
+reproduce-seqboat-lra: $(REPRO_INSTALL) ## SeqBoat Table 1 (+ Table 6 efficiency): SeqBoat and SeqBoat-full on the 6 LRA tasks
+	$(call reproduce,sweeps/seqboat_lra.yaml sweeps/seqboat_lra_pathx.yaml,seqboat/table1_lra $(SEQBOAT_TABLE6))
+
+reproduce-seqboat-ablations: $(REPRO_INSTALL) ## SeqBoat Tables 7-8 + Fig. 5: ablations, working-memory size, router temperature
+	$(call reproduce,sweeps/seqboat_ablations.yaml sweeps/seqboat_memory_size.yaml sweeps/seqboat_temperature.yaml,seqboat/table7_ablations_full seqboat/table8_ablations)
+
+reproduce-seqboat-sc: $(REPRO_INSTALL) ## SeqBoat Table 2: SeqBoat and Mega-chunk on raw Speech Commands SC10 x SEEDS
+	$(call reproduce,sweeps/seqboat_sc10.yaml,seqboat/table2_sc)
+
+reproduce-seqboat-enwik8: $(REPRO_INSTALL) ## SeqBoat Table 3: SeqBoat and Mega on enwik8 (8 GPUs per run)
+	$(call reproduce,sweeps/seqboat_enwik8.yaml,seqboat/table3_lm)

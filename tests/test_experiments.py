@@ -76,7 +76,15 @@ FIXTURE_OVERRIDES["lra_retrieval"] = ["data.max_len=512"]
 # (a Transformer fixture step at batch 4 went past 20 GB and was killed): these train in the
 # slow suite on a CUDA machine only (`GPU_ONLY`), and are instantiated everywhere.
 GPU_ONLY: set[str] = {"transformer/lra_pathx", "mega/lra_pathx", "mega_chunk/lra_pathx"}
+# SeqBoat on Path-X: 6 layers over 16,384 pixels (look-around blocks of 3 x 256 keys, or full
+# attention over the activated half for SeqBoat-full) do not fit a CPU fixture step either.
+GPU_ONLY |= {"seqboat/lra_pathx", "seqboat_full/lra_pathx"}
 HEAVY |= GPU_ONLY
+# The 30 SeqBoat ablations (Tables 7-8) change one to three backbone keys of seqboat/lra_image,
+# lra_listops and lra_pathfinder, which train in the default suite; each variant's code path
+# trains in tests/models/test_seqboat.py. They compose in the default suite and train in the slow
+# one, which keeps the default suite within its time budget.
+HEAVY |= {n for n in EXPERIMENTS if n.startswith("seqboat_ablation/")}
 
 # WMT'16 En-De (megalab/testing/wmt.py): 160 training pairs, whose BPE and dictionary cover a
 # few dozen subwords; the dictionary is padded to data.vocab_size, 512 here instead of 33,000.

@@ -60,6 +60,8 @@ class Column:
     mean_of: tuple[str, ...] = ()
     compare: bool = True
     hidden: bool = False  # a component of a `mean_of` column: reproduced, not printed
+    relative_to: str | None = None  # ours as a ratio to this row's value in the same column
+    inverse: bool = False  # ratio = that row's / ours (a speed-up from step times)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,8 @@ def _column(spec: Mapping[str, Any], defaults: Mapping[str, Any]) -> Column:
         mean_of=tuple(spec.get("mean_of") or ()),
         compare=bool(spec.get("compare", True)),
         hidden=bool(spec.get("hidden", False)),
+        relative_to=spec.get("relative_to", defaults.get("relative_to")),
+        inverse=bool(spec.get("inverse", defaults.get("inverse", False))),
     )
 
 
@@ -597,6 +601,30 @@ def summarize(table: PaperTable, runs: Sequence[Run]) -> dict[tuple[str, str], S
     for key, cell in table.cells.items():
         if cell.experiment:
             out[key] = aggregate([r for r in runs if matches(cell, r)], cell.metric, cell.scale)
+    return _relative(table, out)
+
+
+def _relative(
+    table: PaperTable, stats: dict[tuple[str, str], Stat | None]
+) -> dict[tuple[str, str], Stat | None]:
+    """Columns with `relative_to`: ours as the ratio of our means to that row's in the same
+    column (`inverse`: the row's over ours), like the papers' "relative to MEGA" columns."""
+    out = dict(stats)
+    for col in table.columns:
+        if not col.relative_to:
+            continue
+        base = stats.get((col.relative_to, col.id))
+        for row in table.rows:
+            stat = stats.get((row.id, col.id))
+            if stat is None:
+                continue
+            if base is None or base.mean == 0 or stat.mean == 0:
+                out[(row.id, col.id)] = None
+                continue
+            ratio = base.mean / stat.mean if col.inverse else stat.mean / base.mean
+            out[(row.id, col.id)] = Stat(
+                ratio, None, min(stat.n, base.n), stat.seeds, stat.smoke or base.smoke
+            )
     return out
 
 
@@ -705,6 +733,12 @@ def render_table(
     if any(s is not None and s.smoke for s in stats.values()):
         lines.append(
             "**Smoke runs** (2 training steps on fixture data): ours only checks the pipeline."
+        )
+    relative = [c.label for c in shown if c.relative_to]
+    if relative:
+        lines.append(
+            f"Ratios ({', '.join(relative)}): ours is the ratio of our mean to the reference "
+            "row's in the same column (a speed-up: its step time over ours)."
         )
     lines.append("")
     lines.append("| Model | | " + " | ".join(c.label for c in shown) + " |")
