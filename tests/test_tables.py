@@ -418,3 +418,30 @@ def test_make_reproduce_mega_lm_and_imagenet_smoke(tmp_path: Path) -> None:
     proc = _make(tmp_path, "reproduce-mega-imagenet")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| Mega | paper | 90 | 82.3 |" in _table(tmp_path, "reproduce-mega-imagenet")
+
+
+@needs_make
+def test_make_reproduce_megalodon_lra_smoke_listops(tmp_path: Path) -> None:
+    """Megalodon's LRA target on one task: its sweeps and Mega's, then Table 6 beside ours."""
+    proc = _make(tmp_path, "reproduce-megalodon-lra", "ONLY=experiment=megalodon/lra_listops")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| Megalodon | paper | 63.79 | 90.48 |" in proc.stdout  # printed at the end
+    text = _table(tmp_path, "reproduce-megalodon-lra")
+    ours = text[text.index("| Megalodon | paper |") :].splitlines()[1]
+    assert ours.startswith("| | ours | ") and ours.split("|")[3].strip()[0].isdigit()
+    assert "| Mega | paper | 63.14 |" in text and "**Smoke runs**" in text
+
+
+def test_megalodon_tables_match_the_paper() -> None:
+    """Transcription check of Table 6's averages (five tasks when Path-X is ✗)."""
+    t6 = BY_ID["megalodon/table6_lra"]
+    avg = next(c for c in t6.columns if c.id == "avg")
+    for row in t6.rows:
+        values = [t6.cell(row.id, c).value for c in avg.mean_of]
+        values = [v for v in values if v is not None]
+        assert abs(statistics.fmean(values) - t6.cell(row.id, "avg").value) < 0.011, row.label
+    assert t6.cell("megalodon_chunk", "pathx").experiment == "megalodon_chunk/lra_pathx"
+    assert BY_ID["megalodon/table8_wt103"].cell("megalodon", "ppl").value == 17.23
+    assert BY_ID["megalodon/table5_pg19"].cell("megalodon", "test").metric == "test/word_ppl"
+    for name in ("table1_short_context", "table2_scrolls", "table3_mt_bench"):
+        assert not BY_ID[f"megalodon/{name}"].reproducible  # recorded, not reproducible here
