@@ -81,11 +81,18 @@ def test_sweep_runs_megalab_train_with_hydra_overrides(path: Path) -> None:
     assert command[-1] == "${args_no_hyphens}"  # key=value: Hydra overrides
     assert "logger=wandb" in command and "logger.wandb.offline=false" in command
     assert cfg["method"] == "grid"
-    # What the W&B logger sees: ClassificationTask logs val/acc_best after every validation.
-    assert cfg["metric"] == {"name": "val/acc_best", "goal": "maximize"}
+    # What the W&B logger sees: ClassificationTask logs val/acc_best after every validation;
+    # language models log val/loss (test/loss for test-only sweeps of a trained checkpoint).
+    assert cfg["metric"] in (
+        {"name": "val/acc_best", "goal": "maximize"},
+        {"name": "val/loss", "goal": "minimize"},
+        {"name": "test/loss", "goal": "minimize"},
+    )
     experiments = [c for c in command if c.startswith("experiment=")]
     assert experiments or "experiment" in cfg["parameters"]
-    assert sw.load_sweep(path).fixed == experiments  # offline: the logger is the config's own
+    fixed = sw.load_sweep(path).fixed
+    assert [c for c in fixed if c.startswith("experiment=")] == experiments
+    assert not any(c.startswith("logger") for c in fixed)  # offline: the config's own logger
 
 
 def test_classification_task_logs_the_sweep_metric() -> None:
