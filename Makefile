@@ -97,10 +97,11 @@ reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big on 
 
 # --- LaMemo (Ji et al., NAACL 2022) and Transformer-XL ------------------------------------------
 # SMOKE=1 runs on the fixtures, whose WikiText-103 has 61,056 word types and whose enwik8/text8
-# zips are 30,000 bytes without official checksums: these overrides fit the data to them.
-LAMEMO_SMOKE_WT103 := data.vocab_size=61056 data.max_len=64 data.eval_max_len=64
-LAMEMO_SMOKE_CHAR := data.sha256=null data.valid_size=3000 data.test_size=3000 data.max_len=64 \
-	data.eval_max_len=64
+# zips are 30,000 bytes without official checksums: these overrides fit the data to them (`++`:
+# a multirun over experiments first composes without them, where the keys do not exist).
+LAMEMO_SMOKE_WT103 := ++data.vocab_size=61056 ++data.max_len=64 ++data.eval_max_len=64
+LAMEMO_SMOKE_CHAR := ++data.sha256=null ++data.valid_size=3000 ++data.test_size=3000 \
+	++data.max_len=64 ++data.eval_max_len=64
 # Checkpoints for the Fig. 5 extrapolation (empty: train both models first).
 LAMEMO_CKPT ?=
 XL_CKPT ?=
