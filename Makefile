@@ -200,3 +200,52 @@ reproduce-seqboat-sc: $(REPRO_INSTALL) ## SeqBoat Table 2: SeqBoat and Mega-chun
 
 reproduce-seqboat-enwik8: $(REPRO_INSTALL) ## SeqBoat Table 3: SeqBoat and Mega on enwik8 (8 GPUs per run)
 	$(call reproduce,sweeps/seqboat_enwik8.yaml,seqboat/table3_lm)
+
+# --- LaMemo (Ji et al., NAACL 2022) and Transformer-XL ------------------------------------------
+# SMOKE=1 runs on the fixtures, whose WikiText-103 has 61,056 word types and whose enwik8/text8
+# zips are 30,000 bytes without official checksums: these overrides fit the data to them (`++`:
+# a multirun over experiments first composes without them, where the keys do not exist).
+LAMEMO_SMOKE_WT103 := ++data.vocab_size=61056 ++data.max_len=64 ++data.eval_max_len=64
+LAMEMO_SMOKE_CHAR := ++data.sha256=null ++data.valid_size=3000 ++data.test_size=3000 \
+	++data.max_len=64 ++data.eval_max_len=64
+# Checkpoints for the Fig. 5 extrapolation (empty: train both models first).
+LAMEMO_CKPT ?=
+XL_CKPT ?=
+# $(call best_ckpt,<runs folder>,<experiment>): the best checkpoint a run of <experiment> wrote.
+best_ckpt = $(REPRO_PY) -c "import json, pathlib, sys; \
+	runs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).rglob('metrics.json'))]; \
+	print(next(r['best_checkpoint'] for r in runs if r['experiment'] == sys.argv[2]))" "$(1)" "$(2)"
+
+.PHONY: reproduce-lamemo-wt103 reproduce-lamemo-char reproduce-lamemo-ablations \
+	reproduce-lamemo-extrapolation
+
+reproduce-lamemo-wt103: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_WT103))
+reproduce-lamemo-wt103: $(REPRO_INSTALL) ## LaMemo Table 1: Transformer+RPE, XL, LaMemo on WikiText-103 x SEEDS (SMOKE=1)
+	$(call reproduce,sweeps/lamemo_wt103.yaml,lamemo/table1_wt103)
+
+reproduce-lamemo-char: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_CHAR))
+reproduce-lamemo-char: $(REPRO_INSTALL) ## LaMemo Table 2: the three models on text8 and enwik8 x SEEDS
+	$(call reproduce,sweeps/lamemo_char.yaml,lamemo/table2_char)
+
+reproduce-lamemo-ablations: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_WT103))
+reproduce-lamemo-ablations: $(REPRO_INSTALL) ## LaMemo Table 3: interpolation, look-ahead and RPE ablations
+	$(call reproduce,sweeps/lamemo_ablations.yaml,lamemo/table3_ablation)
+
+reproduce-lamemo-extrapolation: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_WT103))
+reproduce-lamemo-extrapolation: $(REPRO_INSTALL) ## LaMemo Fig. 5: test memory 64..640 (LAMEMO_CKPT=, XL_CKPT=; else trains both)
+	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
+	lamemo="$(LAMEMO_CKPT)"; xl="$(XL_CKPT)"; \
+	if [ -z "$$lamemo" ] || [ -z "$$xl" ]; then \
+		$(REPRO_PY) -m megalab.sweep sweeps/lamemo_wt103.yaml --out "$$dir/train" --seeds 1 \
+			$(if $(SMOKE),--smoke) --only experiment=lamemo/wikitext103,transformer_xl/wikitext103 \
+			$(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) || exit 1; \
+		lamemo=$${lamemo:-$$($(call best_ckpt,$$dir/train,lamemo/wikitext103))}; \
+		xl=$${xl:-$$($(call best_ckpt,$$dir/train,transformer_xl/wikitext103))}; \
+	fi; \
+	$(REPRO_PY) -m megalab.sweep sweeps/lamemo_extrapolation.yaml --out "$$dir" --seeds 1 \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$lamemo" || status=1; \
+	$(REPRO_PY) -m megalab.sweep sweeps/lamemo_extrapolation_xl.yaml --out "$$dir" --seeds 1 \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$xl" || status=1; \
+	$(REPRO_PY) -m megalab.tables "$$dir" --table lamemo/fig5_extrapolation || status=1; \
+	echo "Runs, table.md and the plot: $$dir"; \
+	exit $$status

@@ -87,6 +87,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("test", True):
         ckpt_cb = trainer.checkpoint_callback
         best_path = getattr(ckpt_cb, "best_model_path", "") or None
+        if best_path is None and not cfg.get("train", True) and cfg.get("ckpt_path"):
+            # Test only: the given checkpoint, with this config's overrides (e.g. a longer
+            # evaluation memory, LaMemo's Fig. 5).
+            best_path = run_utils.resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
         if best_path is None:
             log.warning("no best checkpoint found: testing the current weights")
         results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
