@@ -25,3 +25,14 @@ def slurm_environment(auto_requeue: bool = True, requeue_signal: str = "SIGUSR1"
     if not isinstance(sig, signal.Signals):
         raise ValueError(f"unknown signal {requeue_signal!r} (e.g. SIGUSR1)")
     return SLURMEnvironment(auto_requeue=auto_requeue, requeue_signal=sig)
+
+
+def block_classes() -> set[type]:
+    """The block class of every megalab backbone: each block becomes its own FSDP unit and
+    activation-checkpointing region (Lightning's `auto_wrap_policy` /
+    `activation_checkpointing_policy` take a set of classes)."""
+    from megalab.models.llama import LlamaBlock
+    from megalab.models.mega import MegaBlock
+    from megalab.models.transformer import TransformerLayer
+
+    return {LlamaBlock, MegaBlock, TransformerLayer}
