@@ -109,8 +109,8 @@ HEAVY |= {
 # Megalodon (Ma et al. 2024): ImageNet (83M) and WikiText-103 (252M) train in the slow suite
 # like Mega's; Path-X (16,384 pixels) on a GPU only. The 1.3B PG-19 model and the 7B
 # pretraining recipe do not fit a 2-step CPU run (weights, gradients and Adam moments: 21 GB and
-# 118 GB): they train at a tiny width (`EXPERIMENT_OVERRIDES`, same recipe otherwise), and their presets'
-# parameter counts are checked on the meta device (tests/models/test_megalodon.py).
+# 118 GB): they train at a tiny width (`EXPERIMENT_OVERRIDES`, same recipe otherwise), and
+# their presets' parameter counts are checked on the meta device (tests/models/test_megalodon.py).
 HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
 GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
 HEAVY |= GPU_ONLY

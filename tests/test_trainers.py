@@ -43,3 +43,25 @@ def test_gpu_trainers_run_two_steps(compose_cfg, trainer: str) -> None:
         "data.batch_size=4",
     )
     assert train(cfg)["global_step"] == 2
+
+
+def test_fsdp_blocks_wraps_and_checkpoints_every_block(compose_cfg) -> None:
+    from megalab.models.llama import LlamaBlock
+    from megalab.models.mega import MegaBlock
+
+    cfg = compose_cfg("trainer=fsdp_blocks", "model=llama_7b", fast=False)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert {LlamaBlock, MegaBlock} <= hydra.utils.instantiate(cfg.trainer.strategy.auto_wrap_policy)
+    assert strategy._activation_checkpointing_kwargs  # a policy is set
+    assert cfg.trainer.precision == "bf16-mixed"
+
+
+@pytest.mark.gpu
+def test_fsdp_blocks_trains_a_llama_two_steps(compose_cfg) -> None:
+    """One GPU: every LlamaBlock an FSDP unit with activation checkpointing."""
+    cfg = compose_cfg(
+        "trainer=fsdp_blocks", "trainer.devices=1", "trainer.max_steps=2",
+        "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "model=llama",
+        "model.backbone.num_layers=2", "data.batch_size=4",
+    )  # fmt: skip
+    assert train(cfg)["global_step"] == 2
