@@ -107,7 +107,7 @@ reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big (an
 # `++` for keys of one task only: a multirun composes the base config (no experiment) first.
 MT_SMOKE = data.vocab_size=512 ++task.generation.max_len_b=30 ++task.val_generation.max_len_b=30
 IMAGENET_SMOKE = data.num_classes=3 $(shell $(REPRO_PY) -c "import timm.data" 2>/dev/null \
-	|| echo data.augment=basic data.mixup=0 data.cutmix=0)
+	|| echo ++data.augment=basic ++data.mixup=0 ++data.cutmix=0)
 LM_SMOKE = data.max_len=64 data.eval_max_len=64 data.train_len_unit=10
 WT103_SMOKE = $(LM_SMOKE) data.vocab_size=61056
 ENWIK8_SMOKE = $(LM_SMOKE) data.sha256=null data.valid_size=3000 data.test_size=3000

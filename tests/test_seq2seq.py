@@ -95,6 +95,14 @@ def test_trains_reports_bleu_and_translates_a_file(
     assert lines[0] == pipeline.detokenize(pipeline.decode(best.tokens.tolist()))
 
 
+def test_validation_bleu_on_a_subset_from_a_second_loader(compose_cfg) -> None:
+    record, _ = run(compose_cfg, "transformer/wmt16_en_de", "data.val_bleu_subset=5",
+                    "trainer.limit_val_batches=2")  # fmt: skip
+    metrics = record["metrics"]
+    assert math.isfinite(metrics["val/bleu"]) and math.isfinite(metrics["val/loss"])
+    assert not any("dataloader_idx" in k for k in metrics)
+
+
 def test_label_smoothed_loss_is_fairseqs() -> None:
     """(1 − ε)·NLL + ε/V·Σ_v −log p_v summed over non-padded targets (fairseq 0.10)."""
     torch.manual_seed(0)
