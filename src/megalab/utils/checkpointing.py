@@ -69,10 +69,15 @@ class _HashingWriter:
 
     def __init__(self, f: IO[bytes]) -> None:
         self.f, self.sha, self.size, self.tail = f, hashlib.sha256(), 0, b""
+        self.error: OSError | None = None  # torch re-raises write errors as RuntimeError
 
     def write(self, data: Any) -> int:
         data = bytes(data)
-        self.f.write(data)
+        try:
+            self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         self.sha.update(data)
         self.size += len(data)
         self.tail = (self.tail + data[-_EOCD_SIZE:])[-_EOCD_SIZE:]
@@ -113,6 +118,7 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(path)
+    writer: _HashingWriter | None = None
     try:
         with open(tmp, "wb") as f:
             writer = _HashingWriter(f)
@@ -128,10 +134,11 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -
         os.replace(tmp, path)
     except BaseException as err:
         tmp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        cause = writer.error if writer is not None and writer.error is not None else err
+        if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             kept = f"; the previous {path.name} is kept" if path.exists() else ""
             raise CheckpointError(
-                f"cannot write the checkpoint {path}: {os.strerror(err.errno)}{kept}. Free "
+                f"cannot write the checkpoint {path}: {os.strerror(cause.errno)}{kept}. Free "
                 "space in that folder (or point paths.output_dir elsewhere) and resume"
             ) from None
         raise
