@@ -233,7 +233,7 @@ def _dropouts(cfg: DictConfig) -> list[str]:
     def walk(node: DictConfig, prefix: str) -> None:
         for k in node:
             child = node._get_node(k)
-            full = f"{prefix}.{k}"
+            full = f"{prefix}.{k!s}"
             if isinstance(child, DictConfig):
                 walk(child, full)
             elif str(k).endswith("dropout"):
