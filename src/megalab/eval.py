@@ -6,9 +6,14 @@ carried state and bounded memory, with perplexity per context-position bucket an
 
 When the checkpoint lies in a megalab run directory, the run's own `data`, `model`, `task`,
 `optim` and `scheduler` configs are used, so no overrides need repeating; command-line
-overrides of those groups still apply on top. Writes `eval_metrics.json` into this evaluation's
-output directory and, for a checkpoint of a megalab run, into that run's directory, where
-`megalab-tables` takes its metrics over the ones the training run recorded.
+overrides of those groups still apply on top. A run folder is data (it may come from anyone):
+its config may name only megalab's classes and the library classes megalab's configs use
+(`megalab.utils.safe_config`), and its checkpoint is loaded with `weights_only=True` after its
+checksum is verified; anything else is refused before it is built.
+
+Writes `eval_metrics.json` into this evaluation's output directory and, for a checkpoint of a
+megalab run, into that run's directory, where `megalab-tables` takes its metrics over the ones
+the training run recorded.
 """
 
 from __future__ import annotations
@@ -22,8 +27,11 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megalab.config_schema import validate as validate_config
+from megalab.utils import errors
 from megalab.utils import run as run_utils
 from megalab.utils.paths import CONFIG_DIR
+from megalab.utils.safe_config import check_targets
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +63,11 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         for item in ours:
             key, _, value = item.lstrip("+").partition("=")
             OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
+    # The run folder is data: build nothing from it but megalab's classes (safe_config).
+    for key in RUN_GROUPS:
+        node = cfg.get(key)
+        if isinstance(node, DictConfig):
+            check_targets(node, f"{run_cfg_path} ({key})")
     return cfg
 
 
@@ -69,6 +82,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
+    validate_config(cfg)
     mode = cfg.get("mode", "test")
     if mode == "long_context":
         from megalab.long_context import evaluate_long_context
@@ -103,14 +117,20 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     overrides = list(HydraConfig.get().overrides.task)
-    cfg = merge_run_config(cfg, overrides)
-    record = evaluate(cfg)
+    with errors.reported():
+        cfg = merge_run_config(cfg, overrides)
+        record = evaluate(cfg)
     for key, val in sorted(record["metrics"].items()):
         if isinstance(val, float):
             print(f"{key} = {val:.4f}")
+
+
+def main() -> None:
+    """`megalab-eval`: the Hydra entry point, with the closest keys after a misspelled one."""
+    errors.run_entry_point(hydra_main, "eval")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ length) that model configs interpolate from `${data.*}`; `setup` checks the data
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,8 @@ class TokenSequences(Dataset):
             raise ValueError("offsets must have one more entry than labels")
         self.tokens, self.offsets, self.labels = tokens, offsets, labels
         self.tokens2, self.offsets2 = tokens2, offsets2
+        # Sequences cut to the maximum length when they were read (0: none).
+        self.truncated = 0
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -80,12 +83,19 @@ def cached_sequences(
     name: str,
     params: dict[str, Any],
     build: Callable[[], TokenSequences],
+    *,
+    sources: Sequence[str | Path] = (),
+    vocab_size: int | None = None,
+    num_classes: int | None = None,
 ) -> TokenSequences:
     """Load prepared token sequences from a cache keyed by `params`, or build and store them.
 
     The arrays are saved as .npy files and memory-mapped on load, so a 100K-document split is
-    tokenised once and then opens instantly in every process.
+    tokenised once and then opens instantly in every process. The cache records checksums of
+    its files and of `sources` (`megalab.data.cache`); a load checks the headers, the offsets,
+    and that token ids are below `vocab_size` and labels below `num_classes`.
     """
+    from megalab.data.cache import check_npy, check_offsets, check_range, read_marker
     from megalab.data.download import cache_dir, mark_prepared, prepared
 
     path = cache_dir(cache_root, name, params)
@@ -96,13 +106,50 @@ def cached_sequences(
             value = getattr(ds, key)
             if value is not None:
                 np.save(path / f"{key}.npy", np.asarray(value))
-        mark_prepared(path, {"sequences": len(ds)})
+        info = {"sequences": len(ds), "truncated": int(ds.truncated)}
+        mark_prepared(path, info, sources=sources)
         return ds
-    arrays: dict[str, Any] = {
-        key: np.load(path / f"{key}.npy", mmap_mode="r") if (path / f"{key}.npy").exists() else None
-        for key in names
-    }
-    return TokenSequences(**arrays)
+    arrays: dict[str, Any] = {}
+    for key in names:
+        file = path / f"{key}.npy"
+        if file.exists():
+            check_npy(file, ndim=1, cache=path)
+            arrays[key] = np.load(file, mmap_mode="r")
+        else:
+            arrays[key] = None
+    for tokens, offsets in (("tokens", "offsets"), ("tokens2", "offsets2")):
+        if arrays[tokens] is not None:
+            check_offsets(arrays[offsets], len(arrays[tokens]), path / f"{offsets}.npy", path)
+            if vocab_size is not None:
+                check_range(arrays[tokens], 0, vocab_size, "token id", path / f"{tokens}.npy", path)
+    if num_classes is not None:
+        check_range(arrays["labels"], 0, num_classes, "label", path / "labels.npy", path)
+    ds = TokenSequences(**arrays)
+    ds.truncated = int(read_marker(path).get("truncated", 0))
+    return ds
+
+
+class TruncationError(ValueError):
+    """Inputs longer than `data.max_len` that the settings do not allow to cut."""
+
+
+def check_truncation(
+    dataset: str, truncated: dict[str, int], sizes: dict[str, int], max_len: int, allow: bool
+) -> None:
+    """Report sequences cut to `max_len`: a warning with `allow` (`data.truncate=true`), else
+    `TruncationError`, since a cut input can change its label (a ListOps expression loses
+    operands) and silently lowers the accuracy."""
+    total = sum(truncated.values())
+    if total == 0:
+        return
+    per_split = ", ".join(f"{n:,} of {sizes.get(s, 0):,} in {s}" for s, n in truncated.items() if n)
+    message = f"{dataset}: {per_split} are longer than data.max_len={max_len}"
+    if not allow:
+        raise TruncationError(
+            f"{message}. Raise data.max_len to fit them, or set data.truncate=true to cut them "
+            "to that length"
+        )
+    logging.getLogger(__name__).warning("%s: cut to that length (data.truncate=true)", message)
 
 
 def file_key(path: Path) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -17,9 +18,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from megalab.models.base import BackboneOutput, BackboneProtocol
 from megalab.optim import build_optimizer, describe_groups
+from megalab.utils.distributed import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class TaskBase(L.LightningModule):
         self.scheduler_fn = scheduler
         self.check_finite = check_finite
         self._t_last: float | None = None
+        self._pending_metric_states: dict[str, Any] | None = None
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -113,24 +117,55 @@ class TaskBase(L.LightningModule):
         self._t_last = None
 
     # -- exact resume ---------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Random number generators (dropout masks, data augmentation) continue where they were.
-        checkpoint["rng_states"] = {
-            "python": random.getstate(),
-            "numpy": _numpy_state_to_tensors(np.random.get_state()),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    # Every process saves its own random number generators (dropout masks, augmentation) and the
+    # accumulated state of its metrics (a resumed epoch reports the same accuracy, the best
+    # validation accuracy so far is kept); each process restores its own on resume.
+    def _own_resume_state(self) -> dict[str, Any]:
+        return {
+            "rng": {
+                "python": random.getstate(),
+                "numpy": _numpy_state_to_tensors(np.random.get_state()),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+            "metrics": metric_states(self),
         }
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["resume_states"] = {"ranks": gather_from_ranks(self._own_resume_state())}
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("rng_states")
-        if not states:
+        self._pending_metric_states = None
+        saved = checkpoint.get("resume_states")
+        if saved is None and checkpoint.get("rng_states"):  # checkpoints of earlier versions
+            saved = {"ranks": [{"rng": checkpoint["rng_states"], "metrics": {}}]}
+        if not saved:
             return
+        ranks = saved["ranks"]
+        rank = self.global_rank if self._trainer is not None else 0
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if len(ranks) != world:
+            log.warning(
+                "the checkpoint comes from %d process(es), this run has %d: the random number "
+                "generators and metric accumulations cannot continue exactly",
+                len(ranks),
+                world,
+            )
+        mine = ranks[rank] if rank < len(ranks) else ranks[0]
+        states = mine["rng"]
         random.setstate(states["python"])
         np.random.set_state(_numpy_state_from_tensors(states["numpy"]))
         torch.set_rng_state(states["torch"])
         if states["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(states["cuda"])
+        self._pending_metric_states = mine.get("metrics") or None
+
+    def on_train_start(self) -> None:
+        # After the sanity check and the subclasses' resets: the restored accumulations win.
+        pending = getattr(self, "_pending_metric_states", None)
+        if pending:
+            load_metric_states(self, pending)
+        self._pending_metric_states = None
 
 
 class SequenceTask(TaskBase):
@@ -193,3 +228,42 @@ class SequenceTask(TaskBase):
                 value = value.mean()
             self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size)
         return loss
+
+
+# Metrics that carry over a resume: training accumulations (a resumed epoch reports the whole
+# epoch) and best-so-far trackers. Evaluation metrics start every evaluation empty.
+_RESUMED_METRIC = re.compile(r"(^|[._])train([._]|$)|_best$")
+
+
+def metric_states(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """The accumulated state of the training and best-so-far metrics in `module` (cloned, CPU)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, metric in module.named_modules():
+        if not isinstance(metric, Metric) or not name or not _RESUMED_METRIC.search(name):
+            continue
+        state = {}
+        for key, value in metric.metric_state.items():
+            if isinstance(value, Tensor):
+                state[key] = value.detach().clone().cpu()
+            else:
+                state[key] = [v.detach().clone().cpu() for v in value]
+        out[name] = {"update_count": int(metric._update_count), "state": state}
+    return out
+
+
+def load_metric_states(module: nn.Module, saved: Mapping[str, Mapping[str, Any]]) -> None:
+    """Put accumulated metric states (from `metric_states`) back into `module`'s metrics."""
+    metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
+    for name, entry in saved.items():
+        metric = metrics.get(name)
+        if metric is None:
+            log.warning("the checkpoint has the state of a metric %r this task does not have", name)
+            continue
+        device = metric.device
+        for key, value in entry["state"].items():
+            if isinstance(value, Tensor):
+                setattr(metric, key, value.to(device))
+            else:
+                setattr(metric, key, [v.to(device) for v in value])
+        metric._update_count = int(entry["update_count"])
+        metric._computed = None

@@ -119,8 +119,10 @@ class ClassificationTask(SequenceTask):
         return loss
 
     def on_train_start(self) -> None:
-        # Sanity-check batches must not count towards the best validation accuracy.
+        # Sanity-check batches must not count towards the best validation accuracy; a resumed
+        # run then gets the best so far back from its checkpoint.
         self.val_acc_best.reset()
+        super().on_train_start()
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "val")

@@ -33,6 +33,7 @@ from megalab.models.base import BackboneOutput
 from megalab.models.state import detach_state, pack_state, state_to, unpack_state
 from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
+from megalab.utils.distributed import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -81,16 +82,6 @@ class LinearLMHead(nn.Module):
     def log_probs(self, hidden: Tensor) -> Tensor:
         """Log-distribution over the vocabulary (..., V) in float32 (for generation)."""
         return F.log_softmax(self.proj(hidden).float(), dim=-1)
-
-
-def _gather_from_ranks(obj: Any) -> list[Any]:
-    """`obj` from every process (a one-element list without distributed training)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
 
 
 def check_causal(backbone: nn.Module) -> None:
@@ -324,7 +315,7 @@ class LanguageModelingTask(SequenceTask):
         super().on_save_checkpoint(checkpoint)
         if self.carry_state:
             packed = {"items": [[g, pack_state(s)] for g, s in self._state["train"].items()]}
-            checkpoint[_STATE_KEY] = {"ranks": _gather_from_ranks(packed)}
+            checkpoint[_STATE_KEY] = {"ranks": gather_from_ranks(packed)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)

@@ -36,3 +36,17 @@ def block_classes() -> set[type]:
     from megalab.models.transformer import TransformerLayer
 
     return {LlamaBlock, MegaBlock, TransformerLayer}
+
+
+def gather_from_ranks(obj: Any) -> list[Any]:
+    """`obj` from every process, in rank order (a one-element list without distributed training).
+
+    Collective: every process must call it (checkpoint hooks run on all of them).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]

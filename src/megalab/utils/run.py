@@ -1,5 +1,5 @@
 """Run plumbing shared by the entry points: building callbacks and loggers from config,
-resolving checkpoints, writing the run's `config.yaml` and `metrics.json`."""
+writing the run's `config.yaml` and `metrics.json` (checkpoints: `megalab.utils.run_folder`)."""
 
 from __future__ import annotations
 
@@ -45,24 +45,6 @@ def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
     return instantiate_group(cfg)
 
 
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
-    """`last` means this run directory's `checkpoints/last.ckpt`; `best` its best checkpoint."""
-    if ckpt_path in (None, "", "none", "null"):
-        return None
-    ckpt_dir = Path(output_dir) / "checkpoints"
-    if ckpt_path == "last":
-        path = ckpt_dir / "last.ckpt"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"ckpt_path=last but {path} does not exist. To resume a run, start it again in "
-                "its own output directory: `hydra.run.dir=<run dir> ckpt_path=last`"
-            )
-        return str(path)
-    if not Path(ckpt_path).exists():
-        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
-    return str(ckpt_path)
-
-
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write a text file so that readers never see a partial file."""
     path = Path(path)
@@ -71,6 +53,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

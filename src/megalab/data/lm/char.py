@@ -127,7 +127,7 @@ class CharLMDataModule(LMStreamDataModule):
             meta["splits"][split] = {"file": f"{split}.bin", "dtype": "uint8", **info}
             log.info("%s %s: %s tokens", self.name, split, f"{info['tokens']:,}")
         write_meta(cache, meta)
-        mark_prepared(cache, meta)
+        mark_prepared(cache, meta, sources=[self.archive])
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not self.archive.exists():
@@ -135,7 +135,7 @@ class CharLMDataModule(LMStreamDataModule):
         cache = cache_dir(self.cache_root, "tokens", self.params())
         if not prepared(cache):
             self.prepare_data()
-        return load_streams(cache)
+        return load_streams(cache, self.spec.vocab_size)
 
 
 class Enwik8DataModule(CharLMDataModule):

@@ -282,12 +282,12 @@ class PG19DataModule(LMStreamDataModule):
             )
         (cache / "tokenizer.json").write_text(tok.to_str())
         write_meta(cache, meta)
-        mark_prepared(cache, meta)
+        mark_prepared(cache, meta, sources=self.source.source_files())
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not prepared(self.cache()):
             self.prepare_data()
-        return load_streams(self.cache())
+        return load_streams(self.cache(), self.spec.vocab_size)
 
     def text_codec(self) -> TokenizerCodec:
         """Prompts through the data's tokenizer; `<eos>` ends a book."""

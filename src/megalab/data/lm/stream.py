@@ -184,19 +184,44 @@ def write_meta(cache: Path, meta: Mapping[str, Any]) -> None:
     os.replace(tmp, cache / "meta.json")
 
 
-def load_streams(cache: Path) -> dict[str, TokenStream]:
-    """The `TokenStream`s of a prepared directory (from its `meta.json`)."""
-    meta = json.loads((cache / "meta.json").read_text())
+def load_streams(cache: Path, vocab_size: int | None = None) -> dict[str, TokenStream]:
+    """The `TokenStream`s of a prepared directory (from its `meta.json`).
+
+    Cheap checks first (`megalab.data.cache`): each token file has the size its token count
+    and dtype give, and the largest id recorded at preparation is below `vocab_size`.
+    """
+    from megalab.data.cache import CacheError, rebuild_hint
+
+    try:
+        meta = json.loads((cache / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CacheError(
+            f"{cache / 'meta.json'} is unreadable ({err}). {rebuild_hint(cache)}"
+        ) from None
     streams = {}
     for split, info in meta["splits"].items():
+        path = cache / info["file"]
+        want = int(info["tokens"]) * np.dtype(info["dtype"]).itemsize
+        size = path.stat().st_size if path.exists() else -1
+        if size != want:
+            raise CacheError(
+                f"{path} has {size:,} bytes, {want:,} expected ({info['tokens']:,} "
+                f"{info['dtype']} tokens). {rebuild_hint(cache)}"
+            )
+        max_id = info.get("max_id")
+        if vocab_size is not None and max_id is not None and max_id >= vocab_size:
+            raise CacheError(
+                f"{path} holds token ids up to {max_id}, beyond the vocabulary of {vocab_size} "
+                f"(data.vocab_size). {rebuild_hint(cache)}"
+            )
         words = info.get("words_file")
         streams[split] = TokenStream(
-            cache / info["file"],
+            path,
             dtype=info["dtype"],
             length=info["tokens"],
             words=None if not words else cache / words,
             words_per_token=info.get("words_per_token", False),
-            max_id=info.get("max_id"),
+            max_id=max_id,
             name=split,
         )
     return streams

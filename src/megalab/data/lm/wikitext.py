@@ -180,7 +180,7 @@ class WikiText103DataModule(LMStreamDataModule):
                 "WikiText-103 %s: %s tokens (with the leading <eos>)", split, f"{info['tokens']:,}"
             )
         write_meta(cache, meta)
-        mark_prepared(cache, meta)
+        mark_prepared(cache, meta, sources=self.source.source_files())
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not prepared(self.cache()):
@@ -193,4 +193,4 @@ class WikiText103DataModule(LMStreamDataModule):
                 f"data.vocab_size={self.spec.vocab_size:,}; set data.vocab_size="
                 f"{meta['vocab_size']} (the model's embedding and softmax are sized by it)"
             )
-        return load_streams(cache)
+        return load_streams(cache, self.spec.vocab_size)
