@@ -8,17 +8,22 @@ the monitored metric so Hydra sweepers can optimise it.
 
 from __future__ import annotations
 
-import logging
-import time
-from pathlib import Path
-from typing import Any
+from megalab.utils.runtime import configure_runtime, log_settings
 
-import hydra
-import lightning as L
-from omegaconf import DictConfig, open_dict
+# Allocator and OpenMP settings must precede the first import of torch (docs/benchmarks.md).
+configure_runtime()
 
-from megalab.utils import run as run_utils
-from megalab.utils.paths import CONFIG_DIR, export_project_root
+import logging  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import hydra  # noqa: E402
+import lightning as L  # noqa: E402
+from omegaconf import DictConfig, open_dict  # noqa: E402
+
+from megalab.utils import run as run_utils  # noqa: E402
+from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
+    log_settings()
     record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
