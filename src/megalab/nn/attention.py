@@ -243,10 +243,11 @@ class ChunkedAttention(nn.Module):
         key position r + q_offset of its chunk.
 
         The fused kernel computes it (with the bias gradient) unless attention dropout is active
-        or the inputs are half precision (bf16/fp16 autocast): those take `_attend_unfused`.
+        or autocast / half precision is on: those take `_attend_unfused`.
         """
         dropout = self.training and self.dropout > 0
-        if dropout or q.dtype not in (torch.float32, torch.float64):
+        half = q.dtype not in (torch.float32, torch.float64)
+        if dropout or half or torch.is_autocast_enabled(q.device.type):
             return self._attend_unfused(q, k, v, valid, q_offset)
         from megalab.nn.fused_attention import mega_attention  # imports this module
 
