@@ -22,6 +22,7 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
+from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 
@@ -115,6 +116,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         "metrics": {**fit_metrics, **test_metrics},
         "output_dir": str(output_dir),
     }
+    record["metrics"].update(efficiency_metrics(trainer))
     best = getattr(trainer.checkpoint_callback, "best_model_score", None)
     if best is not None and monitor:
         record["monitor_value"] = run_utils.to_number(best)
