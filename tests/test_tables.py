@@ -359,6 +359,10 @@ def test_make_reproduce_mega_lra_smoke_listops(tmp_path: Path) -> None:
     ours = text[text.index("| Mega | paper |") :].splitlines()[1]
     assert ours.startswith("| | ours | ") and ours.split("|")[3].strip()[0].isdigit()
     assert "**Smoke runs**" in text
+    # the efficiency callback's run averages, under the table
+    eff = text[text.index("#### Efficiency (Mega Table 2)") :].splitlines()
+    row = next(line for line in eff if line.startswith("| Mega | ListOps | mega/lra_listops |"))
+    assert all(c.strip()[0].isdigit() for c in row.split("|")[4:-1]), row
 
 
 @needs_make

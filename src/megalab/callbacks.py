@@ -8,6 +8,10 @@ import lightning as L
 from lightning.pytorch.callbacks import LearningRateMonitor as _LearningRateMonitor
 from lightning.pytorch.callbacks import RichProgressBar as _RichProgressBar
 
+from megalab.efficiency import EfficiencyMonitor
+
+__all__ = ["EfficiencyMonitor", "LearningRateMonitor", "RichProgressBar"]
+
 
 class LearningRateMonitor(_LearningRateMonitor):
     """Lightning's LR monitor that stays silent when the run has no logger (`logger=none`)."""

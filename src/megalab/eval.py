@@ -18,20 +18,25 @@ the training run recorded.
 
 from __future__ import annotations
 
-import logging
-from pathlib import Path
-from typing import Any
+from megalab.utils.runtime import configure_runtime, log_settings
 
-import hydra
-import yaml
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf, open_dict
+# Allocator and OpenMP settings must precede the first import of torch (docs/benchmarks.md).
+configure_runtime()
 
-from megalab.config_schema import validate as validate_config
-from megalab.utils import errors
-from megalab.utils import run as run_utils
-from megalab.utils.paths import CONFIG_DIR
-from megalab.utils.safe_config import check_targets
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import hydra  # noqa: E402
+import yaml  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+
+from megalab.config_schema import validate as validate_config  # noqa: E402
+from megalab.utils import errors  # noqa: E402
+from megalab.utils import run as run_utils  # noqa: E402
+from megalab.utils.paths import CONFIG_DIR  # noqa: E402
+from megalab.utils.safe_config import check_targets  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +124,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
 def hydra_main(cfg: DictConfig) -> None:
     """Hydra entry point."""
+    log_settings()
     overrides = list(HydraConfig.get().overrides.task)
     with errors.reported():
         cfg = merge_run_config(cfg, overrides)

@@ -1019,6 +1019,8 @@ def build_report(
 ) -> Report:
     """Render the `wanted` tables (default: every table some run reproduces; `everything`:
     all), the runs no table covers, and, when `out` is given, the sweep plots."""
+    from megalab.efficiency import render_efficiency
+
     by_id = {t.id: t for t in tables}
     unknown = [w for w in wanted if w not in by_id]
     if unknown:
@@ -1033,6 +1035,7 @@ def build_report(
             rendered.append(table.id)
             stats = summarize(table, runs)
             parts.append(render_table(table, stats, plan_status(table, planned)))
+            parts.append(render_efficiency(table, runs))  # eff/* and Speed/Mem columns
     other = render_other_runs(runs, matched, metric, scale)
     if other:
         parts.append(other)

@@ -8,22 +8,28 @@ the monitored metric so Hydra sweepers can optimise it.
 
 from __future__ import annotations
 
-import logging
-import time
-from pathlib import Path
-from typing import Any
+from megalab.utils.runtime import configure_runtime, log_settings
 
-import hydra
-import lightning as L
-from omegaconf import DictConfig
+# Allocator and OpenMP settings must precede the first import of torch (docs/benchmarks.md).
+configure_runtime()
 
-from megalab.config_schema import validate as validate_config
-from megalab.utils import errors
-from megalab.utils import run as run_utils
-from megalab.utils.checkpointing import RunInterrupted
-from megalab.utils.locking import unlock_run_folder
-from megalab.utils.paths import CONFIG_DIR, export_project_root
-from megalab.utils.run_folder import (
+import logging  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import hydra  # noqa: E402
+import lightning as L  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from megalab.config_schema import validate as validate_config  # noqa: E402
+from megalab.efficiency import efficiency_metrics  # noqa: E402
+from megalab.utils import errors  # noqa: E402
+from megalab.utils import run as run_utils  # noqa: E402
+from megalab.utils.checkpointing import RunInterrupted  # noqa: E402
+from megalab.utils.locking import unlock_run_folder  # noqa: E402
+from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
+from megalab.utils.run_folder import (  # noqa: E402
     remember_wandb_run,
     resume_command,
     schedule_record,
@@ -118,6 +124,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         "metrics": {**fit_metrics, **test_metrics},
         "output_dir": str(output_dir),
     }
+    record["metrics"].update(efficiency_metrics(trainer))
     best = getattr(trainer.checkpoint_callback, "best_model_score", None)
     if best is not None and monitor:
         record["monitor_value"] = run_utils.to_number(best)
@@ -131,6 +138,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
+    log_settings()
     with errors.reported():
         record = train(cfg)
     value = record.get("monitor_value")

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from megalab.models.base import Backbone, BackboneOutput
 from megalab.models.state import register_state
 from megalab.nn.attention import ChunkedAttention, KVCache
+from megalab.nn.checkpoint import checkpoint_block
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
 from megalab.nn.norms import SequenceNorm
@@ -108,6 +109,8 @@ class MegaConfig:
     positions: str = "none"
     max_len: int | None = None
     output_proj: bool = False
+    checkpoint_activations: bool = False
+    attention_recompute: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -155,6 +158,7 @@ class MovingAverageGatedAttention(nn.Module):
             max_positions=cfg.max_positions,
             causal=cfg.causal,
             dropout=cfg.attention_dropout,
+            recompute=cfg.attention_recompute,
         )
         self.dropout = nn.Dropout(cfg.dropout)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
@@ -305,6 +309,13 @@ class Mega(Backbone):
         max_len: rows of the learned position table (the input length, 196 for ImageNet).
         output_proj: SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`; weight
             N(0, 0.02), bias 0), so pooling and the head read projected features.
+        checkpoint_activations: keep only each block's input for the backward and recompute
+            the block (`megalab.nn.checkpoint`): activation memory of one (B, L, D) tensor per
+            layer, for about a third more compute. Results are unchanged.
+        attention_recompute: how the fused attention kernel treats the attention weights in
+            the backward: True recomputes them (memory linear in the span), False keeps them
+            (faster), None keeps them for spans of at most 512 keys (chunks) and recomputes
+            longer ones (`megalab.nn.attention.ChunkedAttention`).
 
     The arguments are flat, in this order (so `model.backbone.chunk_size=128` overrides one);
     they are validated once into a frozen `MegaConfig` (`self.config`) that the blocks read.
@@ -410,8 +421,13 @@ class Mega(Backbone):
             x = x * mask.unsqueeze(-1).to(x.dtype)
         new_layers: list[MAGAState] = []
         for i, layer in enumerate(self.layers):
-            x, layer_state = layer(
-                x, mask, None if state is None else state.layers[i], return_state=state is not None
+            x, layer_state = checkpoint_block(
+                layer,
+                x,
+                mask,
+                None if state is None else state.layers[i],
+                return_state=state is not None,
+                enabled=self.config.checkpoint_activations,
             )
             if layer_state is not None:
                 new_layers.append(layer_state)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput
+from megalab.nn.checkpoint import checkpoint_block
 from megalab.nn.embedding import INITS, init_bert_params
 from megalab.nn.regularization import DropPath, drop_path_rates
 
@@ -113,6 +114,8 @@ class Transformer(Backbone):
     `embed_norm` adds a LayerNorm on the embeddings after the positions are added and before
     the embedding dropout. `init="bert"` redraws every Linear weight and the learned position
     table from N(0, 0.02) with zero biases (fairseq's `init_bert_params`); norms keep (1, 0).
+    `checkpoint_activations` keeps only each layer's input for the backward and recomputes the
+    layer (`megalab.nn.checkpoint`): less memory, about a third more compute, same results.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class Transformer(Backbone):
         drop_path: float = 0.0,
         embed_norm: bool = False,
         init: str = "default",
+        checkpoint_activations: bool = False,
     ) -> None:
         super().__init__()
         if init not in INITS:
@@ -146,6 +150,7 @@ class Transformer(Backbone):
         self.d_model = d_model
         self.causal = causal
         self.positions = positions
+        self.checkpoint_activations = checkpoint_activations
         self._max_len = max_len if positions == "learned" else None
         self.pos_embedding = (
             nn.Embedding(max_len, d_model) if positions == "learned" and max_len else None
@@ -213,7 +218,9 @@ class Transformer(Backbone):
             # Every query may see itself, so padded queries never produce NaN rows.
             attn_mask = allowed | torch.eye(L, dtype=torch.bool, device=x.device)
         for layer in self.layers:
-            x = layer(x, attn_mask, self.causal)
+            x = checkpoint_block(
+                layer, x, attn_mask, self.causal, enabled=self.checkpoint_activations
+            )
         if self.final_norm is not None:
             x = self.final_norm(x)
         if mask is not None:

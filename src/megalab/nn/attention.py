@@ -40,6 +40,9 @@ from megalab.models.state import register_state
 
 ATTENTION_FUNCTIONS = ("softmax", "laplace", "relu2")
 REL_POS_BIASES = ("simple", "rotary")
+# Chunks of at most this many keys keep their attention weights for the backward (B·L·c floats,
+# like one activation of width c); longer spans recompute them (`ChunkedAttention.recompute`).
+KEEP_WEIGHTS_SPAN = 512
 
 # The authors' rounded constants for μ = √½ and σ = 1/(2√π).
 LAPLACE_MU = 0.707107
@@ -67,15 +70,24 @@ class SimpleRelativePositionalBias(nn.Module):
         self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
 
+    def check(self, k_len: int) -> None:
+        """Raise when `k_len` keys exceed the table."""
+        if k_len > self.max_positions:
+            raise ValueError(
+                f"attention span {k_len} exceeds the 'simple' relative position bias size "
+                f"{self.max_positions}: increase max_positions (no chunking) or chunk_size, or "
+                "use rel_pos_bias='rotary'"
+            )
+
+    def factors(self, q_len: int, k_len: int, q_offset: int = 0) -> tuple[str, Tensor, None]:
+        """The bias as `megalab.nn.fused_attention` takes it: the Toeplitz weights w."""
+        self.check(k_len)
+        return "toeplitz", self.weight, None
+
     def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> Tensor:
         """(q_len, k_len) bias; query r sits at key position r + q_offset."""
         M = self.max_positions
-        if k_len > M:
-            raise ValueError(
-                f"attention span {k_len} exceeds the 'simple' relative position bias size "
-                f"{M}: increase max_positions (no chunking) or chunk_size, or use "
-                "rel_pos_bias='rotary'"
-            )
+        self.check(k_len)
         dev = self.weight.device
         i = torch.arange(q_offset, q_offset + q_len, device=dev)
         j = torch.arange(k_len, device=dev)
@@ -106,14 +118,19 @@ class RotaryRelativePositionalBias(nn.Module):
         x1, x2 = x.to(positions.dtype).chunk(2)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=1)
 
-    def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> Tensor:
-        """(q_len, k_len) bias; query r sits at key position r + q_offset."""
+    def factors(self, q_len: int, k_len: int, q_offset: int = 0) -> tuple[str, Tensor, Tensor]:
+        """The bias as the product R_a R_bᵀ of the rotated vectors (q_len, z) and (k_len, z)."""
         # Sin/cos tables in at least float32 (the code builds them in float32).
         dtype = torch.promote_types(self.a.dtype, torch.float32)
         dev = self.a.device
         i = torch.arange(q_offset, q_offset + q_len, device=dev, dtype=dtype)
         j = torch.arange(k_len, device=dev, dtype=dtype)
-        return (self._rotate(self.a, i) @ self._rotate(self.b, j).T).to(self.a.dtype)
+        return "lowrank", self._rotate(self.a, i), self._rotate(self.b, j)
+
+    def forward(self, q_len: int, k_len: int, q_offset: int = 0) -> Tensor:
+        """(q_len, k_len) bias; query r sits at key position r + q_offset."""
+        _, r_a, r_b = self.factors(q_len, k_len, q_offset)
+        return (r_a @ r_b.T).to(self.a.dtype)
 
 
 @register_state
@@ -136,6 +153,10 @@ class ChunkedAttention(nn.Module):
         max_positions: size M of the 'simple' bias without chunking (with chunking M = c).
         causal: each query sees only keys at or before it (within its chunk).
         dropout: dropout on the attention weights.
+        recompute: how the fused kernel (`megalab.nn.fused_attention`, used for float32/64
+            without attention dropout) treats the weights in the backward: True recomputes
+            them (memory linear in the span), False keeps them, None (default) keeps them for
+            chunks of at most `KEEP_WEIGHTS_SPAN` keys and recomputes them for longer spans.
     """
 
     def __init__(
@@ -147,6 +168,7 @@ class ChunkedAttention(nn.Module):
         max_positions: int = 1024,
         causal: bool = False,
         dropout: float = 0.0,
+        recompute: bool | None = None,
     ) -> None:
         super().__init__()
         if attention_activation not in ATTENTION_FUNCTIONS:
@@ -161,6 +183,7 @@ class ChunkedAttention(nn.Module):
         self.attention_activation = attention_activation
         self.causal = causal
         self.dropout = dropout
+        self.recompute = recompute
         self.rel_pos_bias: SimpleRelativePositionalBias | RotaryRelativePositionalBias
         if rel_pos_bias == "simple":
             M = chunk_size if chunk_size > 0 else max_positions
@@ -217,7 +240,44 @@ class ChunkedAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
     ) -> Tensor:
         """q (B, K, Cq, z), k (B, K, Ck, z), v (B, K, Ck, v), valid (B, K, Ck); query r is at
-        key position r + q_offset of its chunk."""
+        key position r + q_offset of its chunk.
+
+        The fused kernel computes it (with the bias gradient) unless attention dropout is active
+        or autocast / half precision is on: those take `_attend_unfused`.
+        """
+        dropout = self.training and self.dropout > 0
+        half = q.dtype not in (torch.float32, torch.float64)
+        if dropout or half or torch.is_autocast_enabled(q.device.type):
+            return self._attend_unfused(q, k, v, valid, q_offset)
+        from megalab.nn.fused_attention import mega_attention  # imports this module
+
+        B, K, Cq = q.shape[:3]
+        Ck = k.shape[2]
+        recompute = self.recompute
+        if recompute is None:
+            recompute = Ck > KEEP_WEIGHTS_SPAN
+        kind, b1, b2 = self.rel_pos_bias.factors(Cq, Ck, q_offset)
+        positions = getattr(self.rel_pos_bias, "max_positions", 0)
+        o = mega_attention(
+            q.reshape(B * K, Cq, -1),
+            k.reshape(B * K, Ck, -1),
+            v.reshape(B * K, Ck, -1),
+            (kind, b1, b2),
+            fn=self.attention_activation,
+            valid=None if valid is None else valid.reshape(B * K, Ck),
+            causal=self.causal,
+            q_offset=q_offset,
+            scale=self.z_dim**-0.5,
+            positions=positions,
+            recompute=recompute,
+        )
+        return o.view(B, K, Cq, -1)
+
+    def _attend_unfused(
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
+    ) -> Tensor:
+        """`_attend` from PyTorch ops (SDPA's math kernel for softmax): attention dropout and
+        half precision."""
         Cq, Ck = q.shape[2], k.shape[2]
         bias = self.rel_pos_bias(Cq, Ck, q_offset)  # (Cq, Ck)
         causal = None

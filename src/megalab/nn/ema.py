@@ -55,7 +55,6 @@ from torch import Tensor, nn
 
 from megalab.nn.ema_kernel import (
     ema_kernel,
-    fft_conv,
     log_decay,
     next_fast_len,
     recurrent_step,
@@ -63,6 +62,7 @@ from megalab.nn.ema_kernel import (
     state_decay,
     state_readout,
 )
+from megalab.nn.fft_conv import fft_conv_lean, rfft_lean
 
 __all__ = ["DampedEMA", "log_decay", "next_fast_len"]
 
@@ -171,7 +171,7 @@ class DampedEMA(nn.Module):
         if self.shift:
             # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel delayed by one tap (its lag 0 is 0).
             k = torch.cat([F.pad(k[: self.d_model], (0, 1)), F.pad(k[self.d_model :], (1, 0))])
-        spec = torch.fft.rfft(k, n=n_fft, dim=-1)  # (D', F)
+        spec = rfft_lean(k, n_fft)  # (D', F)
         if self.bidirectional:
             # Σ_m k_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
             spec = spec[: self.d_model] + spec[self.d_model :].conj()
@@ -209,25 +209,27 @@ class DampedEMA(nn.Module):
         B, L, D = x.shape
         cdt = torch.promote_types(x.dtype, torch.float32)
         residual = x.to(cdt) * self.omega  # ω ⊙ x on the unmasked input, as in the code
-        x_tilde = x if mask is None else x * mask.unsqueeze(-1).to(x.dtype)
         want_state = state is not None or return_state
         if self.ema_dim == 0:
             new_state = x.new_zeros(B, D, 0) if want_state else None
             return F.silu(residual).to(x.dtype), new_state
 
         with torch.autocast(device_type=x.device.type, enabled=False):
-            xt = x_tilde.to(cdt).transpose(1, 2)  # (B, D, L): time last for the FFT
+            xt = x.to(cdt).transpose(1, 2)  # (B, D, L): time last for the FFT
+            keep = None if mask is None else mask.unsqueeze(1).to(cdt)  # (B, 1, L)
+            # x̃: padded inputs zeroed (the convolution applies the mask itself).
+            x_tilde = xt if keep is None or not want_state else xt * keep
             if state is not None and L == 1:
-                y, new_state = self._one_step(xt[..., 0], state.to(cdt))
+                y, new_state = self._one_step(x_tilde[..., 0], state.to(cdt))
                 y = y.unsqueeze(-1)
             else:
                 K = L if (state is not None or self.truncation is None) else min(self.truncation, L)
-                y = self._fft_conv(xt, K)
+                y = self._fft_conv(xt, K, keep)
                 new_state = None
                 if want_state:
                     w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())
                     # Σ_t (α⊙β) x_t q^{L−1−t}: the state after the segment's last token.
-                    new_state = state_after(xt, w_in, log_q)
+                    new_state = state_after(x_tilde, w_in, log_q)
                     if state is not None:
                         h0 = state.to(cdt)
                         # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
@@ -236,13 +238,14 @@ class DampedEMA(nn.Module):
         out = F.silu(y.transpose(1, 2) + residual).to(x.dtype)
         return out, (new_state.to(x.dtype) if new_state is not None else None)
 
-    def _fft_conv(self, x: Tensor, K: int) -> Tensor:
-        """Linear convolution of (B, D, L) x with the length-K kernel(s) by one real FFT."""
+    def _fft_conv(self, x: Tensor, K: int, mask: Tensor | None = None) -> Tensor:
+        """Linear convolution of (B, D, L) x ⊙ mask (B, 1, L) with the length-K kernel(s) by one
+        real FFT (`megalab.nn.fft_conv`: no complex FFT and no padded copies in the backward)."""
         L = x.shape[-1]
         # A linear convolution needs n_fft ≥ L + (taps − 1); the shifted backward kernel has
         # K + 1 taps (its lag 0 is zero), so it needs L + K, the mega-image code's FFT length.
         n_fft = next_fast_len(L + K - 1 + int(self.shift))
-        return fft_conv(x, self._kernel_spectrum(K, n_fft, x.dtype), n_fft)
+        return fft_conv_lean(x, self._kernel_spectrum(K, n_fft, x.dtype), n_fft, mask)
 
     def _one_step(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """One token: h ← (α⊙β) x + q ⊙ h;  y = Σ_n η_n h_n / √h.  x (B, D), h (B, D, h)."""
