@@ -197,10 +197,11 @@ RULES: dict[str, Rule] = {
     "model.d_model": integer(1),
     "model.backbone.num_layers": integer(1),
     "model.backbone.num_heads": integer(1),
-    "model.backbone.ffn_dim": integer(1),
+    # <= 0 removes the FFN (Mega's and SeqBoat's configs without one).
+    "model.backbone.ffn_dim": integer(note=" (<= 0: no FFN)"),
     "model.backbone.z_dim": integer(1),
     "model.backbone.v_dim": integer(1),
-    "model.backbone.ema_dim": integer(1),
+    "model.backbone.ema_dim": integer(0, note=" (0 removes the EMA: the h = 0 ablation)"),
     "model.backbone.chunk_size": Rule(
         lambda v: _is_int(v) and (v == -1 or v >= 1), "an integer >= 1, or -1 (no chunking)"
     ),
