@@ -520,7 +520,7 @@ class CompressedAttention(nn.Module):
         v: Tensor,
         allowed: Tensor,
         bias: Tensor | None,
-        relu_scale: float | Tensor | None,
+        relu_scale: float | Tensor,
     ) -> Tensor:
         """f(Q Kᵀ / s + bias) V on aligned blocks: q (..., Cq, z), k (..., Ck, z), v (..., Ck, e),
         allowed (..., Cq, Ck) bool; `relu_scale` is s for relu² (a constant or (..., Cq, 1))."""
