@@ -103,7 +103,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
-    record: dict[str, Any] = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
+    record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
     extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
     if callable(extras):
         record.update(extras())

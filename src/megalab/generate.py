@@ -32,17 +32,20 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from torch import Tensor, nn
+from torch import Tensor
 
 from megalab.convert.common import load_checkpoint
 from megalab.eval import merge_run_config
 from megalab.utils.paths import CONFIG_DIR
+
+if TYPE_CHECKING:
+    from megalab.tasks.language_modeling import LanguageModelingTask
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class IncrementalDecoder:
     tokens) on every call.
     """
 
-    def __init__(self, task: nn.Module, batch_size: int) -> None:
+    def __init__(self, task: LanguageModelingTask, batch_size: int) -> None:
         backbone = task.backbone
         if not backbone.causal:
             raise ValueError(
@@ -121,7 +124,7 @@ class IncrementalDecoder:
 
 @torch.inference_mode()
 def sample_tokens(
-    task: nn.Module,
+    task: LanguageModelingTask,
     prompt: Tensor,
     max_new_tokens: int,
     temperature: float = 1.0,
@@ -168,7 +171,7 @@ def sample_tokens(
 
 
 # ------------------------------------------------------------------------------- command line
-def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
     """The run's task with the checkpoint's weights (read with `weights_only=True`)."""
     ckpt_path = Path(cfg.ckpt_path)
     if not ckpt_path.exists():

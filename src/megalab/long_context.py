@@ -38,13 +38,16 @@ import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from megalab.models.state import map_state
+
+if TYPE_CHECKING:
+    from megalab.tasks.language_modeling import LanguageModelingTask
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ def _refresh(backbone: nn.Module, state: Any, fresh: Any) -> Any:
 
 @torch.inference_mode()
 def score_stream(
-    task: nn.Module,
+    task: LanguageModelingTask,
     tokens: np.ndarray,
     words: np.ndarray | None = None,
     segment_len: int = 4096,
@@ -188,6 +191,7 @@ def score_stream(
                     bucket.words += int(wcount[sel].sum())
         covered += width
         if norm_refresh_after is not None and state is not None and covered >= norm_refresh_after:
+            assert norm_refresh_window is not None  # validated with norm_refresh_after above
             lo = a + width - norm_refresh_window
             recent = starts[:, None] + lo + np.arange(norm_refresh_window)[None, :]
             recent_t = torch.as_tensor(np.asarray(tokens[recent], dtype=np.int64), device=device)

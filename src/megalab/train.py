@@ -31,6 +31,7 @@ from megalab.utils.locking import unlock_run_folder  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
     remember_wandb_run,
+    resolve_ckpt_path,
     resume_command,
     schedule_record,
     start_run,
@@ -99,7 +100,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         if best_path is None and not cfg.get("train", True) and cfg.get("ckpt_path"):
             # Test only: the given checkpoint, with this config's overrides (e.g. a longer
             # evaluation memory, LaMemo's Fig. 5).
-            best_path = run_utils.resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+            best_path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
         if best_path is None:
             log.warning("no best checkpoint found: testing the current weights")
         results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)

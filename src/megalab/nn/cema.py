@@ -155,7 +155,7 @@ class ComplexEMA(nn.Module):
             params = (self.alpha, self.delta, self.theta, self.eta)
             versions = tuple((p._version, p.data_ptr()) for p in params)
             key = (n_fft, length, dtype, self.alpha.device, versions)
-            if key == self._cache_key:
+            if key == self._cache_key and self._cache_val is not None:
                 return self._cache_val
         spec = torch.fft.rfft(self.kernel(length, dtype), n=n_fft, dim=-1)
         if self.bidirectional:

@@ -48,6 +48,8 @@ class SinusoidPositions(nn.Module):
     relies on).
     """
 
+    inv_freq: Tensor  # registered buffer
+
     def __init__(self, d_model: int) -> None:
         super().__init__()
         if d_model % 2:

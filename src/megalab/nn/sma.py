@@ -214,6 +214,7 @@ class GumbelSoftmaxRouter(nn.Module):
     """
 
     n_logits = 2
+    step: Tensor  # registered buffer
 
     def __init__(self, tau_start: float = 2.0, tau_min: float = 0.5, decay: float = 0.999995):
         super().__init__()
@@ -372,7 +373,7 @@ class WorkingMemory(NamedTuple):
     value: Tensor
     pos: Tensor
     valid: Tensor
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # a field that shadows tuple.count, on purpose
 
 
 class CompressedAttention(nn.Module):
@@ -519,7 +520,7 @@ class CompressedAttention(nn.Module):
         v: Tensor,
         allowed: Tensor,
         bias: Tensor | None,
-        relu_scale: float | Tensor | None,
+        relu_scale: float | Tensor,
     ) -> Tensor:
         """f(Q Kᵀ / s + bias) V on aligned blocks: q (..., Cq, z), k (..., Ck, z), v (..., Ck, e),
         allowed (..., Cq, Ck) bool; `relu_scale` is s for relu² (a constant or (..., Cq, 1))."""
@@ -606,7 +607,7 @@ class CompressedAttention(nn.Module):
         if return_memory:
             r_new = valid.sum(dim=1)
             idx = r_new.unsqueeze(1) + torch.arange(W, device=q.device)  # last W of [mem, new]
-            new_memory = WorkingMemory(
+            new_memory = WorkingMemory(  # type: ignore[call-arg]  # mypy drops the count field
                 *(_gather_time(t, idx) for t in (K, V, KP, KV)), mem.count + r_new
             )
         return o, new_memory, span

@@ -90,6 +90,7 @@ class _GroupStatsNorm(nn.Module):
         B, L = xg.shape[:2]
         y = ((xg - mean.unsqueeze(-1)) * torch.rsqrt(var + self.eps).unsqueeze(-1)).view(B, L, -1)
         if self.weight is not None:
+            assert self.bias is not None  # weight and bias are created together
             y = y * (1.0 + self.weight.to(y.dtype)) + self.bias.to(y.dtype)
         if mask is not None:
             y = torch.where(mask.unsqueeze(-1), y, torch.zeros((), dtype=y.dtype, device=y.device))

@@ -14,7 +14,7 @@ its streams afresh: `task.carry_state=false`), as the authors train.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -51,5 +51,5 @@ class ChunkParallelStrategy(DDPStrategy):
                 f"{type(task).__name__} is not one (use task=language_modeling)"
             )
         assert self.chunk is not None
-        task.use_chunk_parallel(self.chunk)
+        cast(Any, task).use_chunk_parallel(self.chunk)  # checked with hasattr above
         super().setup(trainer)

@@ -11,7 +11,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import numpy as np
@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from megalab.models.base import BackboneOutput, BackboneProtocol
+from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
 from megalab.optim import build_optimizer, describe_groups
 from megalab.utils.distributed import gather_from_ranks
 
@@ -171,6 +171,10 @@ class TaskBase(L.LightningModule):
 class SequenceTask(TaskBase):
     """Base of the tasks on a backbone: encoder -> backbone (optimisation as `TaskBase`)."""
 
+    # Any module that meets `BackboneProtocol` (checked in __init__), typed as the base class
+    # that spells the contract out (initial_state, max_len, causal and nn.Module's methods).
+    backbone: Backbone
+
     def __init__(
         self,
         encoder: nn.Module,
@@ -188,7 +192,7 @@ class SequenceTask(TaskBase):
                 "(derive from megalab.models.base.Backbone)"
             )
         self.encoder = encoder
-        self.backbone = backbone
+        self.backbone = cast(Backbone, backbone)
         # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
         self.compile_backbone = compile
 
@@ -241,7 +245,7 @@ def metric_states(module: nn.Module) -> dict[str, dict[str, Any]]:
     for name, metric in module.named_modules():
         if not isinstance(metric, Metric) or not name or not _RESUMED_METRIC.search(name):
             continue
-        state = {}
+        state: dict[str, Any] = {}
         for key, value in metric.metric_state.items():
             if isinstance(value, Tensor):
                 state[key] = value.detach().clone().cpu()

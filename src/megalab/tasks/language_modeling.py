@@ -121,7 +121,7 @@ class LanguageModelingTask(SequenceTask):
         self.head: Any = head  # an LM head: nll(hidden, targets), tie(embedding)
         if tie_weights:
             if hasattr(head, "tie_encoder"):  # heads that tie to a whole encoder (adaptive_xl)
-                head.tie_encoder(encoder)
+                cast(Any, head).tie_encoder(encoder)  # duck-typed (nn.Module.__getattr__ hides it)
             elif isinstance(head, AdaptiveSoftmax):
                 head.tie(encoder)
             else:

@@ -33,7 +33,7 @@ import struct
 import subprocess
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import lightning as L
 import torch
@@ -481,7 +481,7 @@ class LastCheckpoint(Checkpoint):
             if trainer.ckpt_path is None:  # a fresh run: its files start empty
                 for logger in trainer.loggers:
                     if callable(getattr(logger, "truncate", None)):
-                        logger.truncate(0)
+                        cast(Any, logger).truncate(0)  # duck-typed, checked above
             return
         self._saved_results = state.get("train_results") or []
         metrics = state.get("callback_metrics") or {}
@@ -491,7 +491,7 @@ class LastCheckpoint(Checkpoint):
         rows = state.get("logger_rows") or {}
         for i, logger in enumerate(trainer.loggers):
             if str(i) in rows and callable(getattr(logger, "truncate", None)):
-                logger.truncate(int(rows[str(i)]))
+                cast(Any, logger).truncate(int(rows[str(i)]))  # duck-typed, checked above
         pending = state.get("pending_log")
         if pending:
             metrics = {**pending, "epoch": state.get("pending_log_epoch", trainer.current_epoch)}
@@ -525,7 +525,7 @@ class LastCheckpoint(Checkpoint):
 
     # -- signals -----------------------------------------------------------------------------------
     def _signals(self, trainer: L.Trainer) -> list[int]:
-        signals = [signal.SIGINT, signal.SIGTERM]
+        signals: list[int] = [signal.SIGINT, signal.SIGTERM]
         env = trainer._accelerator_connector.cluster_environment
         if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal:
             signals.append(int(env.requeue_signal))
@@ -574,7 +574,7 @@ class LastCheckpoint(Checkpoint):
     def _decide(self, trainer: L.Trainer) -> tuple[bool, bool]:
         """(save now?, stop after saving?) for the step that just finished, on every rank."""
         step = trainer.global_step
-        by_steps = bool(self.every_n_train_steps) and step % self.every_n_train_steps == 0
+        by_steps = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
         by_time = (
             self.every_n_minutes is not None
             and trainer.is_global_zero
@@ -586,7 +586,8 @@ class LastCheckpoint(Checkpoint):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        if trainer.fast_dev_run:  # a debugging run writes no checkpoints (as Lightning's)
+        # Trainer sets fast_dev_run in its debugging-flag setup; its class does not declare it.
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]  # a debugging run: no checkpoints
             return
         if trainer.fit_loop.epoch_loop._should_accumulate():
             return  # mid-accumulation: the optimizer has not stepped
@@ -599,7 +600,7 @@ class LastCheckpoint(Checkpoint):
         self._save(trainer, stop, "batch_end")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn != "fit" or trainer.sanity_checking or trainer.fast_dev_run:
+        if trainer.state.fn != "fit" or trainer.sanity_checking or trainer.fast_dev_run:  # type: ignore[attr-defined]
             return
         # A signal during validation is acted on once the validation is complete.
         (signalled,) = _any_rank(trainer, [self._signal is not None])
@@ -609,7 +610,7 @@ class LastCheckpoint(Checkpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The final state, after the last epoch-end hooks: evaluating last.ckpt evaluates the
         # trained model, and resuming a finished run goes straight to its test.
-        if not trainer.fast_dev_run:
+        if not trainer.fast_dev_run:  # type: ignore[attr-defined]
             self._save(trainer, False, "train_end")
 
     @staticmethod

@@ -167,7 +167,7 @@ def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
     keys = []
     if isinstance(node, DictConfig):
         for k in node:
-            full = f"{prefix}.{k}" if prefix else str(k)
+            full = f"{prefix}.{k!s}" if prefix else str(k)
             keys.append(full)
             try:
                 child = node._get_node(k)
