@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -313,7 +313,10 @@ class Megalodon(Backbone):
                 "and keeps no streaming state; build it with causal=True to stream"
             )
         return MegalodonState(
-            [layer.attn.initial_state(batch_size, like) for layer in self.layers],
+            [
+                cast(MegalodonBlock, layer).attn.initial_state(batch_size, like)
+                for layer in self.layers
+            ],
             self.final_norm.initial_state(batch_size, like),
         )
 

@@ -47,7 +47,7 @@ full), -local (`router="none"`), -chunk (`router="none", attention="chunk"`), -G
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +175,11 @@ class LayerReport:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+def _gumbel_tau(cfg: SeqBoatConfig) -> tuple[float, float, float]:
+    """The Gumbel-softmax temperature schedule (start, end, decay): three numbers (checked)."""
+    return cast("tuple[float, float, float]", tuple(cfg.gumbel_tau))
+
+
 class SeqBoatLayer(nn.Module):
     """One SeqBoat layer (the code's `SeqBoatUnit`) on (B, L, D) tensors; see the module docstring.
 
@@ -198,14 +203,13 @@ class SeqBoatLayer(nn.Module):
                                  truncation=cfg.truncation)  # fmt: skip
         else:
             self.ssm = S4D(D, cfg.ema_dim, bidirectional=not cfg.causal, truncation=cfg.truncation)
-        self.router = build_router(cfg.router, D, cfg.init_temp_scale, tuple(cfg.gumbel_tau))
+        self.router = build_router(cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg))
         n_logits = getattr(self.router, "n_logits", 0)
         self.ffn_router: nn.Module | None = None
         self.ffn: PositionwiseFFN | None = None
         if cfg.ffn_mode == "parallel":
             # SeqBoat-{GAU,FFN}: the FFN beside the GAU, with its own decisions (M = 2).
-            self.ffn_router = build_router(cfg.router, D, cfg.init_temp_scale,
-                                           tuple(cfg.gumbel_tau))  # fmt: skip
+            self.ffn_router = build_router(cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg))
             self.ffn = PositionwiseFFN(D, cfg.ffn_dim, cfg.activation_dropout)
         self.n_logits = n_logits
         n_ffn_logits = getattr(self.ffn_router, "n_logits", 0)
@@ -374,7 +378,9 @@ class SeqBoatLayer(nn.Module):
                 "packed": plan.packed,
                 "length": plan.length,
             }
-        new_state = SeqBoatLayerState(ssm_state, memory) if want_state else None
+        new_state = None
+        if want_state:  # the SSM returned its state, since one was asked for
+            new_state = SeqBoatLayerState(cast(Tensor, ssm_state), memory)
         return out, new_state, report
 
 
@@ -490,7 +496,8 @@ class SeqBoat(Backbone):
     def initial_state(self, batch_size: int, like: Tensor) -> SeqBoatState:
         """An empty streaming state (causal models)."""
         self._check_causal()
-        return SeqBoatState([b.layer.initial_state(batch_size, like) for b in self.layers], 0)
+        blocks = [cast(SeqBoatBlock, b) for b in self.layers]
+        return SeqBoatState([b.layer.initial_state(batch_size, like) for b in blocks], 0)
 
     def _check_causal(self) -> None:
         if not self.causal:
@@ -546,8 +553,8 @@ class SeqBoat(Backbone):
             "attention_span": torch.stack([r.span for r in reports]),
         }
         if reports[0].tau is not None:
-            aux["tau"] = torch.stack([r.tau.to(torch.float32) for r in reports])
+            aux["tau"] = torch.stack([cast(Tensor, r.tau).to(torch.float32) for r in reports])
         if reports[0].ffn_activation is not None:
-            aux["ffn_activation"] = torch.stack([r.ffn_activation for r in reports])
+            aux["ffn_activation"] = torch.stack([cast(Tensor, r.ffn_activation) for r in reports])
         new_state = SeqBoatState(new_layers, offset + x.shape[1]) if state is not None else None
         return BackboneOutput(x, new_state, aux), reports

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -120,9 +121,9 @@ class AdaptiveEmbedding(nn.Module):
 
     def reset_parameters(self) -> None:
         for emb in self.emb_layers:
-            nn.init.normal_(emb.weight, 0.0, self.init_std)
+            nn.init.normal_(cast(nn.Embedding, emb).weight, 0.0, self.init_std)
         for proj in self.emb_projs:
-            nn.init.normal_(proj, 0.0, self.proj_init_std)
+            nn.init.normal_(cast(Tensor, proj), 0.0, self.proj_init_std)
 
     def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
         """(B, L) ids -> √d_model · embedding, dropped out; zero where `mask` is False."""
@@ -203,8 +204,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
 
     def reset_parameters(self) -> None:
         for layer in self.out_layers:
-            nn.init.normal_(layer.weight, 0.0, self.init_std)
-            nn.init.zeros_(layer.bias)
+            linear = cast(nn.Linear, layer)
+            nn.init.normal_(linear.weight, 0.0, self.init_std)
+            nn.init.zeros_(linear.bias)
         for proj in self.out_projs:
             if proj is not None:
                 nn.init.normal_(proj, 0.0, self.proj_init_std)
@@ -248,10 +250,11 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         """(weight, bias, projection) of band i; band 0 includes the cluster rows."""
         if self.div_val == 1:
             lo, hi = ([0, *self.ends])[i], self.ends[i]
-            weight = self.out_layers[0].weight[lo:hi]
-            bias = self.out_layers[0].bias[lo:hi]
+            first = cast(nn.Linear, self.out_layers[0])
+            weight, bias = first.weight[lo:hi], first.bias[lo:hi]
         else:
-            weight, bias = self.out_layers[i].weight, self.out_layers[i].bias
+            layer = cast(nn.Linear, self.out_layers[i])
+            weight, bias = layer.weight, layer.bias
         if i == 0 and self.n_clusters > 0:
             weight = torch.cat([weight, self.cluster_weight], dim=0)
             bias = torch.cat([bias, self.cluster_bias], dim=0)
