@@ -85,6 +85,9 @@ HEAVY |= GPU_ONLY
 # trains in tests/models/test_seqboat.py. They compose in the default suite and train in the slow
 # one, which keeps the default suite within its time budget.
 HEAVY |= {n for n in EXPERIMENTS if n.startswith("seqboat_ablation/")}
+# SeqBoat on enwik8 (Table 5: 14 layers at D = 616, 39M parameters over 8,192-token blocks):
+# about 2 minutes for two CPU steps.
+HEAVY |= {"seqboat/enwik8"}
 
 # WMT'16 En-De (megalab/testing/wmt.py): 160 training pairs, whose BPE and dictionary cover a
 # few dozen subwords; the dictionary is padded to data.vocab_size, 512 here instead of 33,000.
