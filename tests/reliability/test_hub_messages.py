@@ -3,10 +3,12 @@ last, without the Hub client's retry warnings (two per attempt, five attempts) a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 OFFLINE_VARS = ("MEGALAB_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
@@ -20,10 +22,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _closed_port() -> int:
+@contextlib.contextmanager
+def _closed_port() -> Iterator[int]:
+    """A local port that refuses connections: bound (so no other process takes it meanwhile)
+    but not listening."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
 
 
 def _check(err: str) -> str:
@@ -40,19 +45,16 @@ def _check(err: str) -> str:
 def test_unreachable_hub_prints_one_message_last(tmp_path: Path) -> None:
     """No network (the Hub endpoint refuses connections): the client retries five times."""
     env = {k: v for k, v in os.environ.items() if k not in OFFLINE_VARS}
-    env.update(
-        PYTHONPATH=os.pathsep.join(sys.path),
-        HF_HOME=str(tmp_path / "hf"),
-        HF_ENDPOINT=f"http://127.0.0.1:{_closed_port()}",  # nothing listens: no network
-    )
-    out = tmp_path / "imdb"
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, "imdb", "--out", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    env.update(PYTHONPATH=os.pathsep.join(sys.path), HF_HOME=str(tmp_path / "hf"))
+    with _closed_port() as port:
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"  # nothing listens: no network
+        proc = subprocess.run(
+            [sys.executable, "-c", SCRIPT, "imdb", "--out", str(tmp_path / "imdb")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert proc.returncode == 1, proc.stderr[-3000:]
     message = _check(proc.stderr)
     # the client's retries, summarised once in the reason
