@@ -202,7 +202,7 @@ def test_render_mean_std_delta_and_missing(tmp_path: Path) -> None:
     assert "| XFM‡ | paper |" in text and "| Mega-chunk | paper |" in text
     assert text.count("| | ours |") == 1  # rows without runs show the paper's line only
     assert "mean of 5 seeds" in text and "Smoke" not in text
-    assert "| mega/lra_listops_variant | 50.00 | 1 |" in text  # no paper cell for it
+    assert "| mega/lra_listops_variant | — | 50.00 | 1 | ? |" in text  # no paper cell for it
 
 
 def test_a_later_evaluation_of_a_run_takes_precedence(tmp_path: Path) -> None:

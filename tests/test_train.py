@@ -81,8 +81,16 @@ class SigtermAt(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+@pytest.fixture(scope="module")
+def straight_run() -> dict[str, Path]:
+    """The uninterrupted run of test_resume_continues_exactly, trained once for both cases."""
+    return {}
+
+
 @pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
-def test_resume_continues_exactly(compose_cfg, tmp_path: Path, stop: int) -> None:
+def test_resume_continues_exactly(
+    compose_cfg, tmp_path: Path, stop: int, straight_run: dict[str, Path]
+) -> None:
     """Train 5 steps straight, or get SIGTERM after `stop` steps and resume: same weights and
     optimizer. With the default callbacks: the signal saves `last.ckpt` (the fault-injection
     suite in tests/reliability covers kills without warning, DDP and the logs)."""
@@ -94,9 +102,11 @@ def test_resume_continues_exactly(compose_cfg, tmp_path: Path, stop: int) -> Non
         "scheduler.warmup_steps=2",
         "trainer.max_steps=5",
     )
-    straight = compose_cfg(*common)
-    straight.paths.output_dir = str(tmp_path / "straight")
-    train(straight)
+    if "dir" not in straight_run:
+        straight = compose_cfg(*common)
+        straight.paths.output_dir = str(tmp_path / "straight")
+        train(straight)
+        straight_run["dir"] = tmp_path / "straight"
 
     first = compose_cfg(
         *common, "+callbacks.stop._target_=test_train.SigtermAt", f"+callbacks.stop.step={stop}"
@@ -109,7 +119,7 @@ def test_resume_continues_exactly(compose_cfg, tmp_path: Path, stop: int) -> Non
     record = train(second)
     assert record["global_step"] == 5
 
-    a = _final_weights(tmp_path / "straight")
+    a = _final_weights(straight_run["dir"])
     b = _final_weights(tmp_path / "resumed")
     assert a["global_step"] == b["global_step"] == 5
     for name, value in a["state_dict"].items():

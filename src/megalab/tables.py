@@ -5,7 +5,13 @@ Collects the `metrics.json` of every run under the given folders (with the metri
 of a W&B project through its public API; matches them to the papers' published numbers in
 `tables/` (one file per paper table, each cell naming the experiment that reproduces it), and
 renders Markdown: the paper's number, ours as mean ± std over seeds, the difference and the
-number of seeds, with cells that have no runs yet marked `missing`. Sweep results (runs in a
+number of seeds, with cells that have no runs yet marked `missing`. Runs are grouped by
+configuration (the experiment and the resolved config, settings such as paths and devices
+aside), so every seed of every configuration counts and a repeated seed of one configuration
+counts once (the newest run that finished its schedule). A run whose overrides make it another
+configuration than a cell's (`trainer.max_steps=20`) never goes into that cell: it is listed
+under "Other runs" with what differs. Each row shows our runs' step counts, and marks runs
+that stopped before their configured schedule (†) and smoke runs. Sweep results (runs in a
 folder written by `megalab-sweep`, whose `sweep.json` names the swept parameters) also become
 PNG plots: the metric against the swept parameter, one line per experiment, with the paper's
 points where it gives them.
@@ -43,6 +49,62 @@ MISSING = "missing"  # a reproducible cell without runs yet
 BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)
 # Keys a run's identity never depends on when it is matched to a paper cell.
 _NOT_PARAMS = ("experiment", "seed")
+# Config keys (and their sub-keys) that say where and how a run ran, not what it computes: they
+# never make two runs' configurations differ, and overriding them keeps a run in its paper row.
+# `trainer` is the trainer group's choice (TRAINER=gpu|ddp|cpu); its step schedule and batch
+# keys (trainer.max_steps, ...) are not in this list and do count.
+SETTING_KEYS = frozenset(
+    {
+        "experiment",
+        "experiment_name",
+        "seed",
+        "task_name",
+        "tags",
+        "ckpt_path",
+        "train",
+        "test",
+        "hydra",
+        "paths",
+        "logger",
+        "trainer._target_",
+        "trainer.accelerator",
+        "trainer.devices",
+        "trainer.num_nodes",
+        "trainer.strategy",
+        "trainer.plugins",
+        "trainer.sync_batchnorm",
+        "trainer.enable_progress_bar",
+        "trainer.enable_model_summary",
+        "trainer.enable_checkpointing",
+        "trainer.log_every_n_steps",
+        "trainer.num_sanity_val_steps",
+        "trainer.default_root_dir",
+        "trainer.benchmark",
+        "trainer.profiler",
+        "data.download",
+        "callbacks.rich_progress_bar",
+        "callbacks.model_checkpoint",
+        "callbacks.last_checkpoint",
+        "callbacks.lr_monitor",
+        "callbacks.efficiency_monitor",
+    }
+)
+# Last components of keys that hold a place or a per-run value (`data.seed: ${seed}`).
+_SETTING_NAMES = frozenset(
+    {
+        "seed",
+        "num_workers",
+        "data_dir",
+        "cache_root",
+        "hf_cache_dir",
+        "dirpath",
+        "save_dir",
+        "output_dir",
+        "root_dir",
+        "log_dir",
+        "default_root_dir",
+    }
+)
 
 
 # -- the papers' numbers ---------------------------------------------------------------------
@@ -360,6 +422,48 @@ class Run:
     source: str = ""
     time: float = 0.0
     smoke: bool = False
+    # The Hydra overrides it was started with (`.hydra/overrides.yaml`, key -> value as typed);
+    # None where unknown (W&B runs, folders without `.hydra/`): then only `params` are checked.
+    overrides: dict[str, str] | None = None
+    allowed: frozenset[str] = frozenset()  # override keys its sweep set for every point
+    _identity: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def identity(self) -> str:
+        """Its resolved configuration without settings (`SETTING_KEYS`), as one string: runs
+        with equal identities are seeds of one configuration."""
+        if self._identity is None:
+            flat = {k: v for k, v in _flatten(self.config).items() if not is_setting(k)}
+            self._identity = json.dumps(
+                [self.experiment, flat], sort_keys=True, default=str, separators=(",", ":")
+            )
+        return self._identity
+
+    @property
+    def steps(self) -> int | None:
+        value = self.record.get("global_step")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def unfinished(self) -> str | None:
+        """Why it stopped before its configured schedule (None: it finished, or unknown)."""
+        if self.record.get("finished") is not False:
+            return None
+        max_steps = self.record.get("max_steps")
+        of = f" of {max_steps}" if isinstance(max_steps, int) and max_steps >= 0 else ""
+        reason = str(self.record.get("stop_reason") or "stopped").replace("_", " ")
+        return f"{reason} at step {self.steps}{of}"
+
+    def differences(self, params: Mapping[str, Any] | None = None) -> dict[str, str]:
+        """Its overrides that a configuration with `params` does not have: what makes it
+        another configuration than its experiment's (smoke runs: none, they are marked)."""
+        if self.overrides is None or self.smoke:
+            return {}
+        return {
+            k: v
+            for k, v in self.overrides.items()
+            if not is_setting(k) and k not in self.allowed and k not in (params or {})
+        }
 
     def metric(self, name: str | None) -> float | None:
         """A metric (`test/acc`) or a record field (`params.total`), as a float."""
@@ -401,6 +505,48 @@ def _select(config: Any, key: str) -> Any:
         else:
             return None
     return node
+
+
+def is_setting(key: str) -> bool:
+    """Whether a config key says where or how a run ran (`SETTING_KEYS`), not what it is."""
+    parts = key.split(".")
+    if key == "trainer" or parts[-1] in _SETTING_NAMES:  # the trainer group's choice
+        return True
+    return any(".".join(parts[:i]) in SETTING_KEYS for i in range(1, len(parts) + 1))
+
+
+def _flatten(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys (W&B's flat sweep keys are kept as they are)."""
+    out: dict[str, Any] = {}
+    if not isinstance(config, Mapping):
+        return out
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def _override_items(overrides: Iterable[str]) -> dict[str, str]:
+    """Hydra override strings (`+a.b=1`, `~c`, `d=x`) -> {key: value as typed}."""
+    out = {}
+    for text in overrides:
+        key, _, value = str(text).partition("=")
+        out[key.strip().lstrip("+~")] = value.strip()
+    return out
+
+
+def _load_overrides(run_dir: Path) -> dict[str, str] | None:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    try:
+        items = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None
+    return _override_items(items) if isinstance(items, list) else None
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -472,6 +618,11 @@ def collect_runs(paths: Iterable[str | Path]) -> list[Run]:
                 source=str(run_dir),
                 time=path.stat().st_mtime,
                 smoke=bool(manifest.get("smoke")),
+                overrides=_load_overrides(run_dir),
+                # the sweep file's own command and its swept keys (checked against the cell)
+                allowed=frozenset(
+                    [*_override_items(manifest.get("fixed") or []), *manifest.get("parameters", [])]
+                ),
             )
             run.swept = {k: _select(config, k) for k in keys}
             runs.append(run)
@@ -561,6 +712,8 @@ def matches(cell: Cell, run: Run) -> bool:
         return False
     if any(k not in cell.params for k in run.swept):
         return False
+    if run.differences(cell.params):  # e.g. `trainer.max_steps=20`: not the paper's setting
+        return False
     return all(_same(run.param(k), v) for k, v in cell.params.items())
 
 
@@ -573,26 +726,61 @@ class Stat:
     n: int
     seeds: tuple[Any, ...]
     smoke: bool = False
+    steps: tuple[int | None, ...] = ()  # each run's optimizer steps
+    unfinished: tuple[str, ...] = ()  # "<run folder>: <why>" for runs short of their schedule
 
 
-def aggregate(runs: Sequence[Run], metric: str | None, scale: float = 1.0) -> Stat | None:
-    """Mean ± std of `metric` x `scale` over seeds (a repeated seed counts once, the newest)."""
-    latest: dict[Any, Run] = {}
+def one_per_seed(runs: Iterable[Run]) -> list[Run]:
+    """Every seed of every configuration once: of the runs of one configuration and seed, the
+    newest that finished its schedule (else the newest). Runs of other configurations are all
+    kept (a multirun over `model.d_model=32,64 seed=0,1` is four runs)."""
+    chosen: dict[tuple[str, Any], Run] = {}
     unseeded = []
-    for run in sorted(runs, key=lambda r: r.time):
-        if run.metric(metric) is None:
-            continue
+    for run in sorted(runs, key=lambda r: (r.unfinished is None, r.time)):
         if run.seed is None:
             unseeded.append(run)
         else:
-            latest[run.seed] = run
-    chosen = list(latest.values()) + unseeded
+            chosen[(run.identity, run.seed)] = run
+    return list(chosen.values()) + unseeded
+
+
+def aggregate(runs: Sequence[Run], metric: str | None, scale: float = 1.0) -> Stat | None:
+    """Mean ± std of `metric` x `scale` over seeds (a seed repeated with the same configuration
+    counts once: `one_per_seed`)."""
+    chosen = one_per_seed(r for r in runs if r.metric(metric) is not None)
     values = [run.metric(metric) * scale for run in chosen]  # type: ignore[operator]
     if not values:
         return None
     std = statistics.stdev(values) if len(values) > 1 else None
-    seeds = tuple(sorted(latest, key=str)) + (None,) * len(unseeded)
-    return Stat(statistics.fmean(values), std, len(values), seeds, any(r.smoke for r in chosen))
+    seeds: tuple[Any, ...] = tuple(sorted((r.seed for r in chosen if r.seed is not None), key=str))
+    seeds += (None,) * sum(r.seed is None for r in chosen)
+    return Stat(
+        statistics.fmean(values),
+        std,
+        len(values),
+        seeds,
+        any(r.smoke for r in chosen),
+        tuple(r.steps for r in chosen),
+        tuple(f"{r.source or r.experiment}: {r.unfinished}" for r in chosen if r.unfinished),
+    )
+
+
+def configurations(runs: Iterable[Run]) -> list[list[Run]]:
+    """Runs grouped by configuration (experiment and resolved config, settings aside)."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(run.identity, []).append(run)
+    return list(groups.values())
+
+
+def cell_runs(cell: Cell, runs: Sequence[Run]) -> list[Run]:
+    """The runs behind a cell: those that match it, of one configuration (the one with the
+    most seeds, then the newest; others that match, e.g. of an experiment file edited between
+    runs, are listed among the other runs with what differs)."""
+    groups = configurations(r for r in runs if matches(cell, r))
+    if not groups:
+        return []
+    return max(groups, key=lambda g: (len({r.seed for r in g}), max(r.time for r in g)))
 
 
 def summarize(table: PaperTable, runs: Sequence[Run]) -> dict[tuple[str, str], Stat | None]:
@@ -600,7 +788,7 @@ def summarize(table: PaperTable, runs: Sequence[Run]) -> dict[tuple[str, str], S
     out: dict[tuple[str, str], Stat | None] = {}
     for key, cell in table.cells.items():
         if cell.experiment:
-            out[key] = aggregate([r for r in runs if matches(cell, r)], cell.metric, cell.scale)
+            out[key] = aggregate(cell_runs(cell, runs), cell.metric, cell.scale)
     return _relative(table, out)
 
 
@@ -623,7 +811,13 @@ def _relative(
                 continue
             ratio = base.mean / stat.mean if col.inverse else stat.mean / base.mean
             out[(row.id, col.id)] = Stat(
-                ratio, None, min(stat.n, base.n), stat.seeds, stat.smoke or base.smoke
+                ratio,
+                None,
+                min(stat.n, base.n),
+                stat.seeds,
+                stat.smoke or base.smoke,
+                stat.steps,
+                stat.unfinished + base.unfinished,
             )
     return out
 
@@ -668,12 +862,27 @@ def _paper_text(cell: Cell | None, digits: int) -> str:
     return _num(cell.value, digits)
 
 
+UNFINISHED = "†"  # marks ours where a run stopped before its configured schedule
+
+
 def _ours_text(stat: Stat | None, digits: int) -> str:
     if stat is None:
         return MISSING
+    mark = f" {UNFINISHED}" if stat.unfinished else ""
     if stat.std is None:
-        return _num(stat.mean, digits)
-    return f"{_num(stat.mean, digits)} ± {_num(stat.std, digits)}"
+        return _num(stat.mean, digits) + mark
+    return f"{_num(stat.mean, digits)} ± {_num(stat.std, digits)}{mark}"
+
+
+def _steps_text(stat: Stat | None) -> str:
+    """The runs' optimizer steps (a range over seeds), "(smoke)" for smoke runs."""
+    if stat is None:
+        return ""
+    steps = [s for s in stat.steps if s is not None]
+    text = "?" if not steps else str(min(steps))
+    if steps and min(steps) != max(steps):
+        text += f"–{max(steps)}"
+    return text + (" (smoke)" if stat.smoke else "")
 
 
 def _delta_text(cell: Cell, stat: Stat | None, digits: int) -> str:
@@ -723,12 +932,14 @@ def render_table(
     status = status or {}
     active = {k for k, v in stats.items() if v is not None} | set(status)
     skipped: dict[str, list[str]] = {}
+    unfinished: list[str] = []
     shown = [c for c in table.columns if c.compare and not c.hidden]
     hidden = [c.label for c in table.columns if not c.compare]
     lines = [f"### {table.paper} {table.table}: {table.title}".rstrip(": "), ""]
     lines.append(
         "Ours: mean ± std over seeds of " + _metric_text(shown) + "; Δ = ours − paper, "
-        "(n) = seeds; `missing` = not run yet."
+        "(n) = seeds; steps = optimizer steps of our runs; `missing` = not run yet; "
+        f"{UNFINISHED} = a run stopped before its configured schedule."
     )
     if any(s is not None and s.smoke for s in stats.values()):
         lines.append(
@@ -752,14 +963,16 @@ def render_table(
         lines.append(f"| {row.label} | paper | " + " | ".join(paper) + " |")
         if not reproducible:
             continue
-        ours, delta = [], []
+        ours, delta, steps = [], [], []
         for cell, col in zip(cells, shown):
             if col.mean_of:
                 ours.append(_row_mean(table, row, col, stats))
                 delta.append("")
+                steps.append("")
             elif cell is None or not cell.experiment:
                 ours.append(BLANK)
                 delta.append("")
+                steps.append("")
             else:
                 stat = stats.get((row.id, col.id))
                 reason = status.get((row.id, col.id))
@@ -770,8 +983,13 @@ def render_table(
                 else:
                     ours.append(_ours_text(stat, col.digits))
                 delta.append(_delta_text(cell, stat, col.digits))
+                steps.append(_steps_text(stat))
+                if stat is not None:
+                    place = f"{row.label} / {col.label}"
+                    unfinished += [f"{place}: {u}" for u in stat.unfinished]
         lines.append("| | ours | " + " | ".join(ours) + " |")
         lines.append("| | Δ (n) | " + " | ".join(delta) + " |")
+        lines.append("| | steps | " + " | ".join(steps) + " |")
     lines.append("")
     source = f"Source: {table.citation or table.paper}, {table.table}"
     if table.seeds:
@@ -786,33 +1004,66 @@ def render_table(
         lines.append(f"[^{i}]: Skipped ({', '.join(where)}): {reason}")
     if skipped:
         lines.append("")
+    if unfinished:
+        lines.append(f"{UNFINISHED} Stopped before the configured schedule (not a result):")
+        lines += [f"- {u}" for u in unfinished]
+        lines.append("")
     return "\n".join(lines)
 
 
-def _describe(run: Run) -> str:
-    extra = " ".join(f"{k}={v}" for k, v in run.swept.items())
-    return f"{run.experiment or '?'}" + (f" {extra}" if extra else "")
+def _differing(group: Sequence[Run], siblings: Sequence[Sequence[Run]]) -> str:
+    """What makes a group of runs another configuration: its overrides beyond its experiment's
+    settings, else the resolved config keys whose values differ from the sibling groups' (runs
+    of the same experiment) or the swept parameters."""
+    run = group[0]
+    diff = run.differences()
+    if not diff and run.swept:
+        diff = {k: str(v) for k, v in run.swept.items()}
+    if not diff:
+        mine = {k: v for k, v in _flatten(run.config).items() if not is_setting(k)}
+        for other in siblings:
+            theirs = {k: v for k, v in _flatten(other[0].config).items() if not is_setting(k)}
+            for key in sorted(set(mine) | set(theirs)):
+                if mine.get(key) != theirs.get(key) and key not in diff:
+                    diff[key] = json.dumps(mine.get(key), default=str)
+    return " ".join(f"`{k}={v}`" for k, v in diff.items()) or BLANK
 
 
 def render_other_runs(runs: Sequence[Run], matched: set[int], metric: str, scale: float) -> str:
-    """Runs that match no rendered paper cell, grouped by experiment and swept parameters."""
-    groups: dict[str, list[Run]] = {}
-    for run in runs:
-        if id(run) not in matched:
-            groups.setdefault(_describe(run), []).append(run)
+    """Runs in no rendered paper row, one line per configuration (runs of one configuration
+    and several seeds share a line), with what differs from the experiment's configuration:
+    a run whose config is not a paper cell's never counts as that cell's."""
+    groups = configurations(r for r in runs if id(r) not in matched)
     if not groups:
         return ""
     lines = [
-        "### Runs without a paper number",
+        "### Other runs (not in a paper row)",
         "",
-        f"| Experiment | `{metric}` × {scale:g} | n |",
-        "|---|---:|---:|",
+        "Configurations that differ from every paper cell's (what differs is shown), runs "
+        "without a paper number, and runs of a configuration other than the one in a paper row.",
+        "",
+        f"| Experiment | Differs | `{metric}` × {scale:g} | n | steps | runs |",
+        "|---|---|---:|---:|---:|---|",
     ]
-    for name in sorted(groups):
-        stat = aggregate(groups[name], metric, scale)
+    by_experiment: dict[str | None, list[list[Run]]] = {}
+    for group in configurations(runs):
+        by_experiment.setdefault(group[0].experiment, []).append(group)
+    for group in sorted(groups, key=lambda g: (g[0].experiment or "", g[0].identity)):
+        siblings = [
+            g for g in by_experiment[group[0].experiment] if g[0].identity != group[0].identity
+        ]
+        stat = aggregate(group, metric, scale)
+        where = ", ".join(sorted({r.source for r in group if r.source})) or BLANK
         lines.append(
-            f"| {name} | {_ours_text(stat, 2) if stat else BLANK} | {stat.n if stat else 0} |"
+            f"| {group[0].experiment or '(no experiment)'} | {_differing(group, siblings)} | "
+            f"{_ours_text(stat, 2) if stat else BLANK} | {stat.n if stat else 0} | "
+            f"{_steps_text(stat) if stat else BLANK} | {where} |"
         )
+    notes = [
+        f"- {u}" for g in groups for s in [aggregate(g, metric, scale)] if s for u in s.unfinished
+    ]
+    if notes:
+        lines += ["", f"{UNFINISHED} Stopped before the configured schedule:", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -1029,7 +1280,7 @@ def build_report(
     matched: set[int] = set()
     rendered = []
     for table in tables:
-        hits = [id(r) for c in table.reproducible for r in runs if matches(c, r)]
+        hits = [id(r) for c in table.reproducible for r in cell_runs(c, runs)]
         matched.update(hits)
         if everything or table.id in wanted or (hits and not wanted):
             rendered.append(table.id)

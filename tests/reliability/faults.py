@@ -7,19 +7,52 @@ with `tests/reliability` on PYTHONPATH, so the product code carries no test hook
 
 from __future__ import annotations
 
+import csv
+import json
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
 PHASES = ("step", "checkpoint", "checkpoint_partial", "validation", "epoch_end", "test")
+# Measurements of time and memory (the efficiency monitor's): they differ between any two runs.
+TIMING = {"train/tokens_per_sec", "train/step_s", "train/step_tokens_per_s", "train/peak_mem_mb"}
+
+
+def _measured(key: str) -> bool:
+    return key in TIMING or key.startswith("eff/")
+
+
+def csv_rows(run: Path) -> list[dict[str, str]]:
+    """The rows of a run's `csv/metrics.csv` (timing columns and empty cells aside)."""
+    with open(run / "csv" / "metrics.csv", newline="") as f:
+        rows = csv.DictReader(f)
+        return [{k: v for k, v in r.items() if not _measured(k) and v} for r in rows]
+
+
+def assert_same_run(run: Path, straight: Path) -> None:
+    """Same final weights, `metrics.json` (timing aside) and CSV rows as the straight run."""
+    a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)
+    b = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"]
+    for name, value in a["state_dict"].items():
+        assert torch.equal(b["state_dict"][name], value), name
+    ma = json.loads((straight / "metrics.json").read_text())["metrics"]
+    mb = json.loads((run / "metrics.json").read_text())["metrics"]
+    assert {k: v for k, v in ma.items() if not _measured(k)} == {
+        k: v for k, v in mb.items() if not _measured(k)
+    }
+    assert csv_rows(run) == csv_rows(straight)
 
 
 class Fault(L.Callback):
     """At `phase` (once `trainer.global_step >= step`), deliver `how` to this process.
 
-    `how`: "kill" (SIGKILL: nothing runs after it), "term" (SIGTERM) or "int" (SIGINT).
+    `how`: "kill" (SIGKILL: nothing runs after it), "term" (SIGTERM), "int" (SIGINT) or "usr1"
+    (SIGUSR1: the requeue signal of a SLURM job).
     Phases: `step` (after an optimizer step), `validation` (mid-validation batch), `epoch_end`
     (in the epoch-end hooks), `test` (a test batch), `checkpoint` (after the temporary file of
     a checkpoint is complete, before its rename), `checkpoint_partial` (half-way through the
@@ -36,7 +69,12 @@ class Fault(L.Callback):
         if self.done:
             return
         self.done = True
-        sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[self.how]
+        sig = {
+            "kill": signal.SIGKILL,
+            "term": signal.SIGTERM,
+            "int": signal.SIGINT,
+            "usr1": signal.SIGUSR1,
+        }[self.how]
         os.kill(os.getpid(), sig)
 
     def _due(self, trainer: L.Trainer) -> bool:

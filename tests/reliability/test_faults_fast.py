@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
+import resource
+import signal
+import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -139,24 +142,38 @@ def test_truncated_checkpoint_fails_naming_the_file(tmp_path: Path) -> None:
         read_checkpoint(ckpt)
 
 
+def _in_child(fn: Callable[[], int]) -> int:
+    """Run `fn` in a forked child (this process's imports, no new interpreter) and return its
+    exit status: what `fn` returns, 1 if it raised."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            code = fn()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
-    """RLIMIT_FSIZE makes writes past a size fail as a full disk does (EFBIG)."""
+    """RLIMIT_FSIZE (in a child process) makes writes past a size fail as a full disk does."""
     ckpt = tmp_path / "last.ckpt"
     write_checkpoint({"w": torch.zeros(10)}, ckpt)
     before = ckpt.read_bytes()
-    code = f"""
-import resource, signal, torch
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
-from megalab.utils.checkpointing import CheckpointError, write_checkpoint
-try:
-    write_checkpoint({{"w": torch.randn(1_000_000)}}, {str(ckpt)!r})
-except CheckpointError as e:
-    print("REFUSED", e)
-"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert "REFUSED" in out.stdout and "previous last.ckpt is kept" in out.stdout, out.stderr
+
+    def write_on_a_full_disk() -> int:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+        try:
+            write_checkpoint({"w": torch.randn(1_000_000)}, ckpt)
+        except CheckpointError as err:
+            return 0 if "previous last.ckpt is kept" in str(err) else 3
+        return 2
+
+    assert _in_child(write_on_a_full_disk) == 0
     assert ckpt.read_bytes() == before
     assert not list(tmp_path.glob(".*.tmp")), "the temporary file is removed"
 
@@ -169,24 +186,24 @@ def test_stale_temporary_files_are_removed(tmp_path: Path) -> None:
 
 # -- run folders ---------------------------------------------------------------------------------
 def test_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
-    code = f"""
-import time
-from megalab.utils.locking import lock_run_folder
-lock_run_folder({str(tmp_path)!r})
-print("LOCKED", flush=True)
-time.sleep(30)
-"""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    holder = subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
-    )
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child holds the lock until it is killed
+        try:
+            lock_run_folder(tmp_path)
+            os.write(write, b"L")
+            time.sleep(60)
+        finally:
+            os._exit(0)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "LOCKED"
-        with pytest.raises(RunFolderLockedError, match=f"process {holder.pid}"):
+        assert os.read(read, 1) == b"L"
+        with pytest.raises(RunFolderLockedError, match=f"process {pid}"):
             lock_run_folder(tmp_path)
     finally:
-        holder.kill()
-        holder.wait()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)
+        os.close(write)
     lock_run_folder(tmp_path)  # free again once the holder is gone (even killed)
     unlock_run_folder(tmp_path)
 

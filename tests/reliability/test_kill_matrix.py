@@ -1,12 +1,11 @@
 """The kill matrix (slow): runs killed or signalled at every phase, single-process and DDP,
 resume with `ckpt_path=last` to the same weights, `metrics.json` and CSV rows as an
-uninterrupted run. Faults come from `faults.Fault` through Hydra overrides."""
+uninterrupted run; a SLURM job's requeue signal saves, requeues and resumes the same way.
+Faults come from `faults.Fault` through Hydra overrides."""
 
 from __future__ import annotations
 
 import contextlib
-import csv
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from faults import assert_same_run
 
 from conftest import ROOT
 
@@ -54,19 +54,25 @@ CASES = [
     ("step_val", "checkpoint_partial", 3, "kill"),
     ("step_val", "validation", 4, "kill"),
     ("step_val", "epoch_end", 3, "kill"),
+    ("step_val", "step", 3, "term"),  # an epoch's last batch, no validation due
     ("ddp", "step", 3, "kill"),
     ("ddp", "validation", 4, "kill"),
     ("ddp", "step", 5, "term"),
+    ("ddp", "checkpoint", 4, "kill"),
+    ("ddp", "epoch_end", 3, "kill"),
+    ("ddp", "test", 8, "kill"),
 ]
-TIMING = {"train/tokens_per_sec"}
 
 
-def _run(args: list[str], out: Path, data: Path) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], out: Path, data: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(Path(__file__).parent)]),
         "OMP_NUM_THREADS": "1",
         "MEGALAB_ROOT": str(ROOT),
+        **(env or {}),
     }
     cmd = [sys.executable, "-m", "megalab.train", *args, f"paths.data_dir={data}"]
     proc = subprocess.Popen(
@@ -86,9 +92,13 @@ def _run(args: list[str], out: Path, data: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
-def _rows(run: Path) -> list[dict[str, str]]:
-    with open(run / "csv" / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if k not in TIMING and v} for r in csv.DictReader(f)]
+def _fault(phase: str, step: int, how: str) -> list[str]:
+    return [
+        "+callbacks.fault._target_=faults.Fault",
+        f"+callbacks.fault.phase={phase}",
+        f"+callbacks.fault.step={step}",
+        f"+callbacks.fault.how={how}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -107,14 +117,8 @@ def test_interrupted_run_resumes_exactly(
     straight_runs, fixture_data_dir: Path, tmp_path: Path, variant, phase, step, how
 ) -> None:
     run = tmp_path / "run"
-    fault = [
-        "+callbacks.fault._target_=faults.Fault",
-        f"+callbacks.fault.phase={phase}",
-        f"+callbacks.fault.step={step}",
-        f"+callbacks.fault.how={how}",
-    ]
     args = [*BASE, *VARIANTS[variant]]
-    killed = _run([*args, *fault], run, fixture_data_dir)
+    killed = _run([*args, *_fault(phase, step, how)], run, fixture_data_dir)
     assert killed.returncode != 0
     if how != "kill":
         assert killed.returncode == 128 + {"term": 15, "int": 2}[how]
@@ -123,15 +127,62 @@ def test_interrupted_run_resumes_exactly(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not list((run / "checkpoints").glob(".*.tmp")), "temporary files are cleaned up"
     assert not list((run / "checkpoints").glob("last-v*.ckpt"))
+    assert_same_run(run, straight_runs[variant])
 
-    straight = straight_runs[variant]
-    a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)
-    b = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    for name, value in a["state_dict"].items():
-        assert torch.equal(b["state_dict"][name], value), name
-    ma = json.loads((straight / "metrics.json").read_text())["metrics"]
-    mb = json.loads((run / "metrics.json").read_text())["metrics"]
-    assert {k: v for k, v in ma.items() if k not in TIMING} == {
-        k: v for k, v in mb.items() if k not in TIMING
+
+# A SLURM job as `sbatch` starts it (one task), on CPU, with Lightning's SLURM environment and
+# auto-requeue (trainer=slurm); `scontrol` is a script that records its arguments.
+SLURM = [
+    "trainer=slurm",
+    "trainer.accelerator=cpu",
+    "trainer.devices=1",
+    "trainer.num_nodes=1",
+    *STEP_VAL,
+]
+
+
+def _slurm_env(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "megalab",
+        "SLURM_NTASKS": "1",
+        "SLURM_NTASKS_PER_NODE": "1",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_NODELIST": "localhost",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
     }
-    assert _rows(run) == _rows(straight)
+
+
+def test_slurm_requeue_signal_saves_requeues_and_resumes(
+    fixture_data_dir: Path, tmp_path: Path
+) -> None:
+    """SIGUSR1 (the launcher's `--signal=USR1@120`) at step 5: `last.ckpt` at step 5, the job
+    requeued with `scontrol requeue <job id>`, exit 128 + 10; the requeued job (same folder,
+    `ckpt_path=auto`) ends exactly like an uninterrupted one."""
+    env = _slurm_env(tmp_path)
+    args = [*BASE, *SLURM]
+    straight = tmp_path / "straight"
+    proc = _run(args, straight, fixture_data_dir, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (tmp_path / "scontrol.log").exists()
+
+    run = tmp_path / "run"
+    killed = _run([*args, "ckpt_path=auto", *_fault("step", 5, "usr1")], run, fixture_data_dir, env)
+    assert killed.returncode == 128 + signal.SIGUSR1, killed.stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert "ckpt_path=last" in killed.stderr.splitlines()[-1]
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 5
+
+    requeued = _run([*args, "ckpt_path=auto"], run, fixture_data_dir, env)
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # once
+    assert_same_run(run, straight)

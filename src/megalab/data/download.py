@@ -5,7 +5,10 @@ dataset can fetch its official files without extra dependencies:
 
 - :func:`download` streams a URL (``http``, ``https`` or ``file``) to ``<dest>.part``, resumes an
   interrupted transfer with a ``Range`` request, verifies SHA-256/MD5 digests and only then
-  renames the file to its final name, so a file under the final name is always complete.
+  renames the file to its final name, so a file under the final name is always complete. Beside
+  the ``.part`` a sidecar (``<dest>.part.json``) records the URL, size, ETag and Last-Modified
+  of what is being fetched: a transfer resumes (``If-Range``) only when they still match, and a
+  transfer whose length the server never states is not taken as complete without a checksum.
 - :func:`extract` unpacks ``.tar``/``.tar.gz``/``.tgz``/``.tar.bz2``/``.tar.xz``/``.zip`` archives
   and single ``.gz`` files, refusing members that would land outside the destination, and marks
   completion so that an interrupted extraction is redone.
@@ -46,6 +49,7 @@ __all__ = [
     "DatasetMissingError",
     "DownloadError",
     "UnsafeArchiveError",
+    "UnverifiableDownloadError",
     "cache_dir",
     "download",
     "extract",
@@ -78,6 +82,10 @@ class DownloadError(RuntimeError):
 
 class ChecksumError(DownloadError):
     """The downloaded bytes do not have the expected digest."""
+
+
+class UnverifiableDownloadError(DownloadError):
+    """A transfer ended without any way to tell whether it is complete (no size, no checksum)."""
 
 
 class UnsafeArchiveError(ValueError):
@@ -236,13 +244,67 @@ class _RestartError(Exception):
 
 
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+_META_SUFFIX = ".json"  # <dest>.part.json: what the .part holds the first bytes of
 
 
-def _open_http(url: str, offset: int, timeout: float) -> tuple[Any, int, int | None]:
-    """Open ``url`` from byte ``offset``; return (response, start offset, total size or None)."""
+def _meta_path(part: Path) -> Path:
+    return part.with_name(part.name + _META_SUFFIX)
+
+
+def _read_meta(part: Path) -> dict[str, Any] | None:
+    try:
+        meta = json.loads(_meta_path(part).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _write_meta(part: Path, meta: Mapping[str, Any]) -> None:
+    path = _meta_path(part)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(meta), sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _drop_part(part: Path) -> None:
+    part.unlink(missing_ok=True)
+    _meta_path(part).unlink(missing_ok=True)
+
+
+def _validator(meta: Mapping[str, Any] | None) -> str | None:
+    """The ``If-Range`` value for a recorded response: a strong ETag, else Last-Modified."""
+    if not meta:
+        return None
+    etag = meta.get("etag")
+    if etag and not str(etag).startswith("W/"):
+        return str(etag)
+    return meta.get("last_modified") or None
+
+
+def _response_meta(url: str, headers: Any, total: int | None) -> dict[str, Any]:
+    return {
+        "url": url,
+        "size": total,
+        "etag": headers.get("ETag"),
+        "last_modified": headers.get("Last-Modified"),
+    }
+
+
+def _open_http(
+    url: str, offset: int, timeout: float, meta: Mapping[str, Any] | None = None
+) -> tuple[Any, int, int | None]:
+    """Open ``url`` from byte ``offset``; return (response, start offset, total size or None).
+
+    A resumed request carries ``If-Range`` with the recorded ETag or Last-Modified, so a server
+    whose file changed sends the whole new file (200) instead of the rest of the old one; a 206
+    whose validators or total size differ from the recorded ones restarts the file too.
+    """
     headers = {"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"}
     if offset > 0:
         headers["Range"] = f"bytes={offset}-"
+        validator = _validator(meta)
+        if validator:
+            headers["If-Range"] = validator
     req = urllib.request.Request(url, headers=headers)
     try:
         resp = urllib.request.urlopen(req, timeout=timeout)
@@ -250,8 +312,9 @@ def _open_http(url: str, offset: int, timeout: float) -> tuple[Any, int, int | N
         if e.code == 416 and offset > 0:
             # Range not satisfiable: either the part is already complete or it is junk.
             m = re.search(r"\*/(\d+)", e.headers.get("Content-Range", "") or "")
+            same = not meta or not _changed(meta, e.headers, int(m.group(1)) if m else None)
             e.close()
-            if m and int(m.group(1)) == offset:
+            if m and int(m.group(1)) == offset and same:
                 return None, offset, offset
             raise _RestartError() from e
         raise
@@ -259,13 +322,38 @@ def _open_http(url: str, offset: int, timeout: float) -> tuple[Any, int, int | N
     length = resp.headers.get("Content-Length")
     if offset > 0 and status == 206:
         m = _CONTENT_RANGE.match(resp.headers.get("Content-Range", "") or "")
-        if not m or int(m.group(1)) != offset:
+        total = None if not m or m.group(3) == "*" else int(m.group(3))
+        if not m or int(m.group(1)) != offset or (meta and _changed(meta, resp.headers, total)):
             resp.close()
             raise _RestartError()
-        total = None if m.group(3) == "*" else int(m.group(3))
         return resp, offset, total
-    # 200 (server ignored Range, or fresh download): the body is the whole file.
+    # 200 (server ignored Range, the file changed, or a fresh download): the whole file.
     return resp, 0, (int(length) if length is not None else None)
+
+
+def _changed(meta: Mapping[str, Any], headers: Any, total: int | None) -> bool:
+    """Whether a response describes another file than the recorded one."""
+    for key, header in (("etag", "ETag"), ("last_modified", "Last-Modified")):
+        now = headers.get(header)
+        if meta.get(key) and now and now != meta[key]:
+            return True
+    return meta.get("size") is not None and total is not None and total != meta["size"]
+
+
+def _head_size(url: str, timeout: float) -> int | None:
+    """The size a HEAD request announces (None when it gives none or fails)."""
+    req = urllib.request.Request(
+        url, method="HEAD", headers={"User-Agent": _USER_AGENT, "Accept-Encoding": "identity"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            length = resp.headers.get("Content-Length")
+    except (OSError, HTTPException):
+        return None
+    try:
+        return int(length) if length is not None else None
+    except ValueError:
+        return None
 
 
 def _open_file_url(url: str, offset: int) -> tuple[BinaryIO, int, int]:
@@ -280,23 +368,48 @@ def _open_file_url(url: str, offset: int) -> tuple[BinaryIO, int, int]:
 
 
 def _transfer(
-    url: str, part: Path, *, chunk_size: int, timeout: float, progress: bool, desc: str
+    url: str,
+    part: Path,
+    *,
+    chunk_size: int,
+    timeout: float,
+    progress: bool,
+    desc: str,
+    verified: bool = False,
+    size: int | None = None,
 ) -> bool:
     """Append the rest of ``url`` to ``part``. Returns whether an existing partial was resumed.
 
-    Raises on network errors (the partial file is kept for the next attempt) and on a body
-    shorter than announced.
+    A partial file is resumed only when its sidecar says it holds the start of this URL's
+    current file (same ETag/Last-Modified, checked by the server through ``If-Range`` and here),
+    or, without validators (or without a sidecar: an older partial file), when a checksum will
+    verify the result (``verified``); otherwise it restarts from byte 0. Raises on network
+    errors (the partial file is kept for the next attempt) and on a body shorter than its
+    announced, recorded (earlier response, HEAD request) or expected (``size``) length; raises
+    :class:`UnverifiableDownloadError` when no length is known at all and nothing verifies it.
     """
+    meta = _read_meta(part)
     offset = part.stat().st_size if part.exists() else 0
+    same_url = meta is None or meta.get("url") == url
+    if offset and not (same_url and (_validator(meta) or verified)):
+        _drop_part(part)  # bytes of an unknown or unidentifiable file: start over
+        meta, offset = None, 0
     total: int | None
     scheme = urllib.parse.urlparse(url).scheme.lower()
     if scheme == "file":
         src, start, total = _open_file_url(url, offset)
+        headers: Any = {}
     else:
-        src, start, total = _open_http(url, offset, timeout)
+        src, start, total = _open_http(url, offset, timeout, meta)
         if src is None:  # the partial file already holds the whole body
             return True
+        headers = src.headers
     resumed = start > 0
+    if not resumed:
+        meta = _response_meta(url, headers, total)
+        _write_meta(part, meta)
+    elif meta is not None and meta.get("size") is None and total is not None:
+        _write_meta(part, {**meta, "size": total})
     mode = "ab" if resumed else "wb"
     bar = _progress_bar(total, start, desc, progress)
     received = start
@@ -313,9 +426,23 @@ def _transfer(
                 bar.update(len(block))
     finally:
         bar.close()
+    if total is None:  # no Content-Length: the size recorded earlier, or a HEAD request's
+        total = (meta or {}).get("size") or (
+            _head_size(url, timeout) if scheme in ("http", "https") else None
+        )
+        if total is not None and meta is not None:
+            _write_meta(part, {**meta, "size": total})
     if total is not None and received != total:
         raise DownloadError(
             f"Transfer of {url} ended after {received} of {total} bytes (connection cut)."
+        )
+    if size is not None and received != size:
+        raise DownloadError(f"Transfer of {url} gave {received} bytes; the file has {size}.")
+    if total is None and size is None and not verified:
+        raise UnverifiableDownloadError(
+            f"Downloaded {received} bytes of {url}, but cannot tell whether that is the whole "
+            "file: the server states no length (not even for a HEAD request) and no checksum "
+            "or size is known for it."
         )
     return resumed
 
@@ -343,6 +470,7 @@ def download(
     *,
     sha256: str | None = None,
     md5: str | None = None,
+    size: int | None = None,
     progress: bool = True,
     chunk_size: int = 1 << 20,
     timeout: float = 60.0,
@@ -352,8 +480,14 @@ def download(
 ) -> Path:
     """Download ``url`` to ``dest`` (resumable, verified, atomic) and return ``dest``.
 
-    Bytes go to ``<dest>.part``; an existing ``.part`` is resumed with ``Range: bytes=N-`` (a
-    server answering 200 instead of 206 restarts the file cleanly). After the body is complete
+    Bytes go to ``<dest>.part``, described by ``<dest>.part.json`` (URL, size, ETag,
+    Last-Modified); an existing ``.part`` is resumed with ``Range: bytes=N-`` and ``If-Range``
+    only while those match (a server answering 200 instead of 206, a changed ETag or size, or a
+    ``.part`` of unknown origin without a checksum to verify it restart the file cleanly). A
+    body without ``Content-Length`` is checked against the size recorded from an earlier
+    response or a HEAD request, or ``size``; with none of them and no checksum the file is not
+    accepted (:class:`UnverifiableDownloadError`; its bytes are kept as ``<dest>.unverified``).
+    After the body is complete
     the SHA-256 and/or MD5 digests are checked, and only a verified file is renamed to ``dest``
     with :func:`os.replace`. A bad file is moved to ``<dest>.corrupt`` and :class:`ChecksumError`
     names the URL and both digests. If ``dest`` already exists (and matches the digests when
@@ -389,11 +523,27 @@ def download(
     while True:
         try:
             resumed = _transfer(
-                url, part, chunk_size=chunk_size, timeout=timeout, progress=progress, desc=desc
+                url,
+                part,
+                chunk_size=chunk_size,
+                timeout=timeout,
+                progress=progress,
+                desc=desc,
+                verified=bool(expected),
+                size=size,
             )
         except _RestartError:
-            part.unlink(missing_ok=True)
+            _drop_part(part)
             continue
+        except UnverifiableDownloadError as e:
+            unverified = dest.with_name(dest.name + ".unverified")
+            os.replace(part, unverified)
+            _meta_path(part).unlink(missing_ok=True)
+            raise UnverifiableDownloadError(
+                f"{e} Nothing was saved as {dest}; the bytes are in {unverified}. Give the "
+                f"file's SHA-256 (`sha256=`, `megalab-data ... --sha256`) to have it verified, "
+                f"or check it yourself and rename it to {dest}."
+            ) from e
         except urllib.error.HTTPError as e:
             if e.code < 500 or attempt >= retries:
                 raise DownloadError(
@@ -427,13 +577,15 @@ def download(
         bad = _digest_mismatches(part, expected) if expected else {}
         if not bad:
             os.replace(part, dest)
+            _meta_path(part).unlink(missing_ok=True)
             return dest
         if resumed and not restarted_after_mismatch:
             # The resumed bytes may come from a different version of the file: try once afresh.
             restarted_after_mismatch = True
-            part.unlink(missing_ok=True)
+            _drop_part(part)
             continue
         os.replace(part, corrupt)
+        _meta_path(part).unlink(missing_ok=True)
         detail = "; ".join(f"{a}: expected {w}, got {g}" for a, (w, g) in bad.items())
         raise ChecksumError(
             f"Checksum mismatch for {url} ({detail}). The downloaded file was moved to {corrupt} "

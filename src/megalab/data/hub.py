@@ -21,9 +21,11 @@ modification times of the local files) keys prepared caches on the source data.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,57 @@ HUB_SPLIT_NAMES: dict[str, tuple[str, ...]] = {
 #: The revision holding the Hub's parquet export, read when a repository has only a script.
 PARQUET_EXPORT = "refs/convert/parquet"
 _SAVED_MARKER = "dataset_dict.json"  # written by DatasetDict.save_to_disk
+# The Hub clients' loggers: each retry of a request warns twice (the error, "Retrying in ..."),
+# which buries the one message that says what to do.
+_CLIENT_LOGGERS = ("huggingface_hub", "datasets", "fsspec")
+
+
+class _Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def quiet_hub_client() -> Iterator[list[str]]:
+    """Keep the warnings of `datasets`/`huggingface_hub` (a retried request warns on every
+    attempt) off the console while a Hub call runs; yields the list they are collected in, for
+    one summary line (`client_summary`) in the error that follows. They are logged at DEBUG."""
+    collect = _Collect()
+    saved = []
+    for name in _CLIENT_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.handlers[:], logger.propagate))
+        logger.handlers = [collect]
+        logger.propagate = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield collect.messages
+    finally:
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+        collect.messages += [str(w.message) for w in caught]
+        for message in collect.messages:
+            log.debug("Hub client: %s", message)
+
+
+def client_summary(messages: Sequence[str]) -> str:
+    """The Hub client's warnings in one line: how often it retried, and the distinct errors."""
+    retries = sum(1 for m in messages if m.startswith("Retrying in"))
+    errors = list(dict.fromkeys(m for m in messages if not m.startswith("Retrying in")))
+    parts = [f"the Hub client retried {retries} time(s)"] if retries else []
+    if errors:
+        parts.append(
+            errors[0] + (f" (and {len(errors) - 1} other warning(s))" if errors[1:] else "")
+        )
+    return "; ".join(parts)
+
+
 _PREPARED = "prepared"  # default cache folder inside a dataset's folder, never source data
 
 
@@ -181,14 +234,17 @@ class HubDataset:
         elif is_offline():
             reason = "offline mode is on (HF_HUB_OFFLINE / MEGALAB_OFFLINE); unset it to download"
         else:
+            log.info("fetching %s from the Hugging Face Hub into %s", self.repo, self.local_dir)
             try:
-                log.info("fetching %s from the Hugging Face Hub into %s", self.repo, self.local_dir)
-                self.fetch(absent, cache_dir=cache_dir)
+                with quiet_hub_client() as messages:
+                    self.fetch(absent, cache_dir=cache_dir)
                 return
             except (HubFormatError, self.format_error):
                 raise
             except Exception as e:  # anything from the Hub client means "not available"
                 reason = f"fetching from the Hub failed: {type(e).__name__}: {e}"
+                if messages:
+                    reason += f" ({client_summary(messages)})"
         present = [self.hub_names(s)[0] for s in self.splits if s not in absent]
         if present:
             absent_names = ", ".join(self.hub_names(s)[0] for s in absent)

@@ -401,12 +401,16 @@ def load_hub_split(hub_id: str, split: str, cache_dir: Path) -> Any:
         )
     import datasets
 
+    from megalab.data.hub import client_summary, quiet_hub_client
+
     try:
-        return datasets.load_dataset(hub_id, split=split, token=token, cache_dir=str(cache_dir))
+        with quiet_hub_client() as messages:
+            return datasets.load_dataset(hub_id, split=split, token=token, cache_dir=str(cache_dir))
     except Exception as e:
+        detail = f"; {client_summary(messages)}" if messages else ""
         raise dl.DatasetMissingError(
-            f"loading the {split!r} split of {hub_id} failed ({type(e).__name__}: {e}). Check "
-            f"that your account accepted the dataset's terms, that you are online (or that "
+            f"loading the {split!r} split of {hub_id} failed ({type(e).__name__}: {e}{detail}). "
+            "Check that your account accepted the dataset's terms, that you are online (or that "
             f"{cache_dir} already holds it), and the token in HF_TOKEN / your login."
         ) from e
 

@@ -597,6 +597,12 @@ class LastCheckpoint(Checkpoint):
         if self._validation_due(trainer):
             self._pending = True  # saved at the end of this step's validation
             return
+        if trainer.fit_loop.epoch_loop._num_ready_batches_reached():
+            # The epoch's last batch, before its epoch-end hooks and metrics: a resume from
+            # here would start the next epoch without them (other data order, no epoch row).
+            # Saved after the next step instead (or at the end of training).
+            self._pending = True
+            return
         self._save(trainer, stop, "batch_end")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
