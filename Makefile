@@ -249,3 +249,17 @@ reproduce-lamemo-extrapolation: $(REPRO_INSTALL) ## LaMemo Fig. 5: test memory 6
 	$(REPRO_PY) -m megalab.tables "$$dir" --table lamemo/fig5_extrapolation || status=1; \
 	echo "Runs, table.md and the plot: $$dir"; \
 	exit $$status
+
+# --- Benchmarks -------------------------------------------------------------------------------
+# Rotated rounds in one process, medians with min-max (benchmarks/bench_mega.py docstring); the
+# JSON is kept under benchmarks/results/ and its tables replace the generated block of
+# docs/benchmarks.md. The quick default takes minutes on an idle 2-core machine; FULL=1 adds 16K
+# tokens per sequence and runs 7 rounds. ARGS= passes options to bench_mega.py (e.g.
+# ARGS="--sections layer --update" re-measures one section).
+BENCH_JSON ?= benchmarks/results/bench_mega.json
+
+.PHONY: bench
+
+bench: $(REPRO_INSTALL) ## Run the Mega benchmark suite (FULL=1: all lengths) and write docs/benchmarks.md tables from its JSON
+	$(REPRO_PY) benchmarks/bench_mega.py $(if $(FULL),--full) --json $(BENCH_JSON) $(ARGS)
+	$(REPRO_PY) benchmarks/report.py $(BENCH_JSON) docs/benchmarks.md

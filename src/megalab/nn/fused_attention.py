@@ -43,9 +43,11 @@ BIAS_KINDS = ("dense", "toeplitz", "lowrank")
 BLOCK_ELEMENTS = 1 << 24
 
 
-def query_block(n: int, cq: int, ck: int, block_elements: int = BLOCK_ELEMENTS) -> int:
-    """Queries per block so that one (n, block, ck) tensor holds about `block_elements`."""
-    return max(1, min(cq, block_elements // max(1, n * ck)))
+def query_block(n: int, cq: int, ck: int, block_elements: int | None = None) -> int:
+    """Queries per block so that one (n, block, ck) tensor holds about `block_elements`
+    (default `BLOCK_ELEMENTS`)."""
+    elements = BLOCK_ELEMENTS if block_elements is None else block_elements
+    return max(1, min(cq, elements // max(1, n * ck)))
 
 
 class _Spec:
@@ -78,13 +80,40 @@ def _bias_block(spec: _Spec, b1: Tensor, b2: Tensor | None, i0: int, i1: int, ck
     if spec.bias_kind == "lowrank":
         assert b2 is not None
         return b1[i0:i1] @ b2.T
-    return b1[_toeplitz_index(spec, i0, i1, ck, b1.device)]
+    return _toeplitz_windows(spec, b1, i0, i1, ck).flip(0)
 
 
-def _toeplitz_index(spec: _Spec, i0: int, i1: int, ck: int, device: torch.device) -> Tensor:
-    """w-indices M − 1 + j − (i + offset) of the 'simple' bias for rows i0:i1."""
-    rows = torch.arange(i0 + spec.q_offset, i1 + spec.q_offset, device=device)
-    return (spec.positions - 1) - rows.unsqueeze(1) + torch.arange(ck, device=device)
+def _toeplitz_start(spec: _Spec, i1: int) -> int:
+    """w-index M − 1 − (i + offset) of b[i, 0] for the last row i = i1 − 1 of a block."""
+    start = spec.positions - 1 - (i1 - 1 + spec.q_offset)
+    if start < 0:
+        raise ValueError(
+            f"query position {i1 - 1 + spec.q_offset} is beyond the {spec.positions} positions "
+            "of the 'simple' bias: increase max_positions or chunk_size"
+        )
+    return start
+
+
+def _toeplitz_windows(spec: _Spec, w: Tensor, i0: int, i1: int, ck: int) -> Tensor:
+    """Rows i0:i1 of the 'simple' bias b[i, j] = w[M − 1 + j − (i + offset)], last row first.
+
+    Row i is the window of `ck` weights starting at M − 1 − (i + offset); the windows of a
+    block are consecutive, so they are one strided view of w (no index tensor, unlike a gather
+    with (rows, Ck) int64 indices, which cost more than the softmax at 1K keys).
+    """
+    start = _toeplitz_start(spec, i1)
+    return w.unfold(0, ck, 1)[start : start + i1 - i0]
+
+
+def _diagonal_sums(g: Tensor) -> Tensor:
+    """s[t] = Σ_{r + j = t} g[r, j] for g (R, C): the R + C − 1 anti-diagonal sums.
+
+    Skewing: with each row padded by R zeros, the flat buffer read with rows of C + R − 1
+    elements shifts row r right by r, so anti-diagonals become columns.
+    """
+    R, C = g.shape
+    skewed = torch.nn.functional.pad(g, (0, R)).flatten()[: R * (C + R - 1)]
+    return skewed.view(R, C + R - 1).sum(0)
 
 
 def _allowed(
@@ -274,7 +303,10 @@ def _bias_grad(
         db1[i0:i1] += g @ b2
         db2 += g.T @ b1[i0:i1]
     else:
-        db1.index_add_(0, _toeplitz_index(spec, i0, i1, ck, g.device).flatten(), g.flatten())
+        # b[i, j] = w[start + (i1 − 1 − i) + j]: rows last first, the anti-diagonal r + j = t
+        # of the flipped block is w[start + t].
+        start = _toeplitz_start(spec, i1)
+        db1[start : start + (i1 - i0) + ck - 1] += _diagonal_sums(g.flip(0))
 
 
 def mega_attention(
