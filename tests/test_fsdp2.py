@@ -66,3 +66,33 @@ def test_tensor_parallel_mesh_and_bad_dtype_are_refused() -> None:
         _data_parallel_mesh(Mesh())
     with pytest.raises(ValueError, match="unknown dtype 'bf16'"):
         block_sharded_strategy(param_dtype="bf16")
+
+
+@pytest.mark.slow
+def test_model_parallel_cpu_trains_like_one_process(fixture_data_dir: Path, tmp_path: Path) -> None:
+    """`trainer=model_parallel_cpu` (2 gloo processes, FSDP2 per block) trains a Llama language
+    model for 2 steps through megalab.train and logs the losses of one process."""
+    import json
+
+    from conftest import FAST, run_cli
+
+    common = [
+        *FAST,
+        "data=enwik8", "data.sha256=null", "data.valid_size=3000", "data.test_size=3000",
+        "data.sampler=random", "data.max_len=32", "data.batch_size=4", "data.eval_batch_size=2",
+        "data.eval_max_len=32", "model=llama", "task=language_modeling",
+        "task.carry_state=false", "model.d_model=16", "model.backbone.num_layers=2",
+        "model.backbone.num_heads=2", "trainer.max_steps=2", "trainer.limit_val_batches=2",
+        f"paths.data_dir={fixture_data_dir}",
+    ]  # fmt: skip
+    records = {}
+    for trainer in ("cpu", "model_parallel_cpu"):
+        out = tmp_path / trainer
+        proc = run_cli("-m", "megalab.train", *common, f"trainer={trainer}",
+                       f"hydra.run.dir={out}")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records[trainer] = json.loads((out / "metrics.json").read_text())
+    one, two = records["cpu"], records["model_parallel_cpu"]
+    assert two["global_step"] == 2
+    for key in ("train/loss_step", "val/loss", "test/loss"):
+        assert abs(one["metrics"][key] - two["metrics"][key]) < 1e-4, key
