@@ -22,7 +22,7 @@ def test_trainer_config_composes(compose_cfg, name: str) -> None:
             "DDPStrategy",
             "FSDPStrategy",
             "ChunkParallelStrategy",
-            "ModelParallelStrategy",
+            "BlockShardedStrategy",
         )
 
 

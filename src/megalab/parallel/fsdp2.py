@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 
@@ -99,19 +100,28 @@ def _data_parallel_mesh(mesh: Any) -> Any:
     return mesh["data_parallel"] if "data_parallel" in names else mesh
 
 
+class BlockShardedStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy whose "auto" data-parallel size is every process the
+    tensor-parallel size leaves (Lightning's own "auto" is the number of nodes)."""
+
+    def setup_environment(self) -> None:
+        tp = self._tensor_parallel_size
+        if self._data_parallel_size == "auto" and isinstance(tp, int):
+            self._data_parallel_size = self.num_nodes * self.num_processes // tp
+        super().setup_environment()
+
+
 def block_sharded_strategy(
     activation_checkpointing: bool = False,
     param_dtype: str | None = None,
     reduce_dtype: str | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Lightning's `ModelParallelStrategy` (`**kwargs`: data_parallel_size,
+    """`BlockShardedStrategy` (Lightning's `ModelParallelStrategy`; `**kwargs`: data_parallel_size,
     tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout) carrying
     the options the task's `configure_model` hands to `shard_blocks` (dtypes by name:
     "bfloat16", "float32")."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    strategy = ModelParallelStrategy(**kwargs)
+    strategy = BlockShardedStrategy(**kwargs)
     strategy.megalab_shard_options = {  # type: ignore[attr-defined]
         "activation_checkpointing": activation_checkpointing,
         "param_dtype": _dtype(param_dtype),
