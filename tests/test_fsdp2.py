@@ -71,7 +71,8 @@ def test_tensor_parallel_mesh_and_bad_dtype_are_refused() -> None:
 @pytest.mark.slow
 def test_model_parallel_cpu_trains_like_one_process(fixture_data_dir: Path, tmp_path: Path) -> None:
     """`trainer=model_parallel_cpu` (2 gloo processes, FSDP2 per block) trains a Llama language
-    model for 2 steps through megalab.train and logs the losses of one process."""
+    model (model=llama's defaults at a tiny width) for 2 steps through megalab.train to the
+    weights of one process."""
     import json
 
     from conftest import FAST, run_cli
@@ -94,5 +95,7 @@ def test_model_parallel_cpu_trains_like_one_process(fixture_data_dir: Path, tmp_
         records[trainer] = json.loads((out / "metrics.json").read_text())
     one, two = records["cpu"], records["model_parallel_cpu"]
     assert two["global_step"] == 2
-    for key in ("train/loss_step", "val/loss", "test/loss"):
+    # The weights after 2 sharded steps equal one process's: validation and test agree. (The
+    # logged training loss is rank 0's, on its half of the batch, so it is not compared.)
+    for key in ("val/loss", "test/loss"):
         assert abs(one["metrics"][key] - two["metrics"][key]) < 1e-4, key
