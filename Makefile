@@ -263,3 +263,31 @@ BENCH_JSON ?= benchmarks/results/bench_mega.json
 bench: $(REPRO_INSTALL) ## Run the Mega benchmark suite (FULL=1: all lengths) and write docs/benchmarks.md tables from its JSON
 	$(REPRO_PY) benchmarks/bench_mega.py $(if $(FULL),--full) --json $(BENCH_JSON) $(ARGS)
 	$(REPRO_PY) benchmarks/report.py $(BENCH_JSON) docs/benchmarks.md
+
+# --- Megalodon vs Llama at ~100M parameters (Megalodon Fig. 1 and Fig. 4 in miniature) --------
+# The two models at equal parameters (108.5M / 109.5M), tokens (2.6B) and recipe on PG-19, at 4K
+# and 32K context (sweeps/megalodon_vs_llama.yaml), one seed by default; then the Fig. 4 ratios
+# (tables/megalodon/fig4_throughput.yaml) and the loss curves beside the tokens/s
+# (megalab.curves: curves.png, curves.md). SMOKE=1: the PG-19 fixture (400-token vocabulary),
+# windows of 64 tokens for the 4K pair and 512 for the 32K pair (the same 8x), 2 CPU steps.
+VS_LLAMA_SMOKE := ++data.vocab_size=400 ++data.tokenizer_sample_books=null
+VS_LLAMA_ctx4k := megalodon/pg19_100m,llama/pg19
+VS_LLAMA_ctx32k := megalodon/pg19_100m_32k,llama/pg19_32k
+# $(call vs_llama,<ctx4k|ctx32k: the pair and its folder>,<smoke window>)
+define vs_llama
+	$(REPRO_PY) -m megalab.sweep sweeps/megalodon_vs_llama.yaml --only experiment=$(VS_LLAMA_$(1)) \
+		--out "$$dir/$(1)" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) \
+		$(ARGS) $(if $(SMOKE),$(VS_LLAMA_SMOKE) ++data.max_len=$(2) ++data.eval_max_len=$(2)) || status=1;
+endef
+
+.PHONY: reproduce-megalodon-vs-llama
+
+reproduce-megalodon-vs-llama: SEEDS = 1
+reproduce-megalodon-vs-llama: $(REPRO_INSTALL) ## Megalodon Fig. 1 + 4 in miniature: Megalodon vs Llama (~100M) on PG-19 at 4K and 32K, loss curves and tokens/s
+	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
+	$(call vs_llama,ctx4k,64) \
+	$(call vs_llama,ctx32k,512) \
+	$(REPRO_PY) -m megalab.tables "$$dir" --table megalodon/fig4_throughput || status=1; \
+	$(REPRO_PY) -m megalab.curves "$$dir" || status=1; \
+	echo "Runs, table.md, curves.md and curves.png: $$dir"; \
+	exit $$status

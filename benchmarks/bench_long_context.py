@@ -1,21 +1,34 @@
-"""Long-context throughput and memory: Llama block vs Mega block (and Megalodon when its config
-exists), training and decoding, as ratios against Llama from one run.
+"""Long context: Megalodon block vs Llama block vs Mega block at equal width, training and
+decoding, as ratios against Llama from one process in rotated rounds.
 
-    python benchmarks/bench_long_context.py [--d-model 128] [--lengths 4096 16384 32768]
-        [--contexts 1024 4096 16384 32768] [--models llama mega megalodon] [--json out.json]
+    python benchmarks/bench_long_context.py [--d-model 128] [--chunks 2048 4096]
+        [--lengths 4096 16384 32768 65536] [--contexts 1024 4096 16384 32768]
+        [--models llama mega megalodon] [--llama-max-len 16384] [--rounds 3] [--warmup 1]
+        [--sections train decode] [--device cpu|cuda] [--threads 1] [--json out.json]
 
-1. Training: one block (a 1-layer backbone from `configs/model/<name>.yaml` at width d; Mega
-   causal with chunk `--chunk`, Megalodon likewise), forward + backward on one sequence of L
-   tokens, float32: tokens/s and peak memory, each case in a fresh process (peak RSS growth on
-   CPU, `max_memory_allocated` on CUDA).
-2. Decoding: a 2-layer model reads a context of N tokens (one pass with the state), then
-   decodes `--decode` tokens one at a time with the carried state: ms per token and the
-   state's size. Mega's and Megalodon's state is bounded; Llama's key/value cache grows with N.
+Protocol (as benchmarks/bench_mega.py): every case of a section at one length is built in this
+process; each runs `--warmup` untimed passes; then `--rounds` rounds run every case once, in an
+order rotated by one case per round, so that a drift in the machine's load falls on every case
+alike. A case's time is its median over rounds (min-max); its ratio against Llama at the same
+length is computed per round (Llama's time / the case's) and reported as the median (min-max).
+Thread count, OpenMP wait policy and the allocator settings (`megalab.utils.runtime`) are
+recorded with the results.
 
-Each case runs in its own process: one untimed warm-up pass, then `--rounds` timed repeats;
-the time is their median, with min-max (the processes run one after the other, so load on a
-shared machine affects the models alike only on average). Ratios are against Llama at the same
-length. Thread count and allocator are printed with the results.
+- **train**: one block (a 1-layer backbone built from `configs/model/<name>.yaml`) at width d,
+  forward + backward of one sequence of L tokens, float32, dropout 0. Llama-2: d/64 heads of 64,
+  SwiGLU by Meta's rule (512 at d = 128), full causal attention on SDPA. Mega: causal, z = d/4,
+  v = d_FFN = 2d, h = 16, chunk c, rotary bias. Megalodon: z = d/4, v = 2d, one head, SwiGLU
+  2d, CEMA h = 16, timestep norm in groups of 32 channels, chunk c (one case per `--chunks`
+  value for Mega and Megalodon). Memory: the bytes autograd saves for the backward per token
+  (`saved_tensors_hooks`, unique storages, parameters excluded; deterministic, unlike RSS),
+  from one extra forward; on CUDA also `max_memory_allocated` over a step. Llama beyond
+  `--llama-max-len` is not timed (full attention: minutes per step on one CPU thread); its
+  saved bytes per token are measured up to that length, where they are already constant (SDPA
+  keeps no L x L matrix).
+- **decode**: a 2-layer model reads a context of N tokens in one pass with its state, then
+  decodes `--decode` tokens one at a time from that state, the models in rotated rounds: ms per
+  token and the size of the carried state (Llama's key/value cache grows with N; Mega's and
+  Megalodon's state is the recurrent state plus the keys/values of the open chunk).
 """
 
 from __future__ import annotations
@@ -24,185 +37,304 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from megalab.utils.runtime import configure_runtime
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+RUNTIME = configure_runtime()  # before torch: allocator and OpenMP settings
 
-# Per model: overrides at width d (attention widths as each paper's ratios).
-SIZES = {
-    "llama": lambda d, c: {"num_heads": max(1, d // 64), "ffn_dim": None},
-    "mega": lambda d, c: {
-        "z_dim": d // 4,
-        "v_dim": 2 * d,
-        "ffn_dim": 2 * d,
-        "causal": True,
-        "prenorm": True,
-        "chunk_size": c,
-        "rel_pos_bias": "rotary",
-        "dropout": 0.0,
-        "max_positions": 1024,
-    },
-    "megalodon": lambda d, c: {"chunk_size": c, "causal": True},
-}
+import torch  # noqa: E402
+
+# Everything measured so far, written to --json after every length: a timeout keeps it.
+RECORD: dict[str, Any] = {"settings": {}, "rows": []}
+JSON_PATH: list[Path] = []
 
 
-def build(name: str, d: int, layers: int, chunk: int):
+def checkpoint(rows: list[dict]) -> None:
+    RECORD["rows"].extend(rows)
+    if JSON_PATH:
+        JSON_PATH[0].parent.mkdir(parents=True, exist_ok=True)
+        JSON_PATH[0].write_text(json.dumps(RECORD, indent=1))
+
+
+# Per model: backbone overrides at width d and chunk c (attention widths as each paper's ratios).
+def sizes(name: str, d: int, chunk: int) -> dict[str, Any]:
+    if name == "llama":
+        return {"num_heads": max(1, d // 64), "ffn_dim": None, "dropout": 0.0}
+    if name == "mega":
+        return {"z_dim": d // 4, "v_dim": 2 * d, "ffn_dim": 2 * d, "causal": True,
+                "prenorm": True, "chunk_size": chunk, "rel_pos_bias": "rotary", "dropout": 0.0,
+                "max_positions": 1024}  # fmt: skip
+    if name == "megalodon":
+        return {"z_dim": d // 4, "v_dim": 2 * d, "num_heads": 1, "ffn_dim": 2 * d,
+                "swiglu": True, "cema_dim": 16, "norm_groups": max(1, d // 32),
+                "chunk_size": chunk, "causal": True, "dropout": 0.0}  # fmt: skip
+    raise ValueError(f"unknown model {name!r} (llama, mega, megalodon)")
+
+
+def build(name: str, d: int, layers: int, chunk: int, device: str) -> torch.nn.Module:
     import hydra
     from omegaconf import OmegaConf
 
     from megalab.utils.paths import CONFIG_DIR
 
-    path = CONFIG_DIR / "model" / f"{name}.yaml"
-    cfg = OmegaConf.create({"model": OmegaConf.load(path), "data": {"max_len": 1 << 20,
-                            "vocab_size": 256, "d_input": None, "pad_id": None,
-                            "num_classes": None}})  # fmt: skip
+    model = OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml")
+    cfg = OmegaConf.create({"model": model, "data": {"max_len": 1 << 20, "vocab_size": 256,
+                            "d_input": None, "pad_id": None, "num_classes": None}})  # fmt: skip
     cfg.model.d_model = d
     cfg.model.backbone.num_layers = layers
-    for k, v in SIZES.get(name, lambda d, c: {})(d, chunk).items():
+    for k, v in sizes(name, d, chunk).items():
         if k in cfg.model.backbone:
             cfg.model.backbone[k] = v
     torch.manual_seed(0)
-    return hydra.utils.instantiate(cfg.model.backbone)
+    return hydra.utils.instantiate(cfg.model.backbone).to(device)
 
 
-def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+def case_name(model: str, chunk: int) -> str:
+    return model if model == "llama" else f"{model}_c{chunk}"
 
 
-def train_case(name: str, d: int, L: int, chunk: int, rounds: int, device: str) -> dict:
-    """Forward + backward of one block on one sequence (runs in its own process)."""
-    model = build(name, d, 1, chunk).to(device).train()
-    x = torch.randn(1, L, d, device=device, requires_grad=True)
-
-    def step():
-        model(x).y.sum().backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    before = rss_mb()
+def sync(device: str) -> None:
     if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    step()  # warm-up, and the memory measurement
-    peak = (
-        (torch.cuda.max_memory_allocated() - base) / 2**20
-        if device == "cuda"
-        else rss_mb() - before
-    )
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "peak_mb": peak}
+        torch.cuda.synchronize()
 
 
-def decode_case(name: str, d: int, N: int, chunk: int, decode: int, rounds: int,
-                device: str) -> dict:  # fmt: skip
+# -- measuring -----------------------------------------------------------------------------------
+def saved_bytes(module: torch.nn.Module, forward: Callable[[], Any]) -> int:
+    """Bytes autograd keeps for the backward of one forward (parameters excluded)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    return sum(v for k, v in seen.items() if k not in params)
+
+
+def rounds(cases: dict[str, Callable[[], None]], n_rounds: int, warmup: int) -> dict[str, list]:
+    """Time every case once per round, in an order rotated by one case per round."""
+    for run in cases.values():
+        for _ in range(warmup):
+            run()
+    names = list(cases)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(n_rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            t = time.perf_counter()
+            cases[name]()
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+# -- sections ------------------------------------------------------------------------------------
+def train_section(a: argparse.Namespace) -> None:
+    llama_per_token: dict[int, float] = {}
+    for L in a.lengths:
+        rows: list[dict[str, Any]] = []
+        cases: dict[str, Callable[[], None]] = {}
+        saved: dict[str, int] = {}
+        peaks: dict[str, float] = {}
+        for model in a.models:
+            for chunk in [0] if model == "llama" else a.chunks:
+                name = case_name(model, chunk)
+                if model == "llama" and a.llama_max_len < L:
+                    continue
+                block = build(model, a.d_model, 1, chunk, a.device).train()
+                x = torch.randn(1, L, a.d_model, device=a.device, requires_grad=True)
+
+                def forward(block=block, x=x):
+                    return block(x).y
+
+                def step(block=block, forward=forward) -> None:
+                    block.zero_grad(set_to_none=True)
+                    forward().sum().backward()
+                    sync(a.device)
+
+                saved[name] = saved_bytes(block, forward)
+                if a.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    step()
+                    peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                cases[name] = step
+        if a.rounds == 0:  # --rounds 0: the saved bytes only (one forward per case)
+            rows += [{"section": "train", "case": n, "L": L, "saved_bytes_per_token": b / L,
+                      "not_timed": "--rounds 0"} for n, b in saved.items()]  # fmt: skip
+            checkpoint(rows)
+            continue
+        times = rounds(cases, a.rounds, a.warmup)
+        if "llama" in saved:
+            llama_per_token[L] = saved["llama"] / L
+        base_times = times.get("llama")
+        for name, ts in times.items():
+            row: dict[str, Any] = {
+                "section": "train", "case": name, "L": L, "times_s": ts, **stats(ts),
+                "tokens_per_s": L / statistics.median(ts),
+                "saved_bytes_per_token": saved[name] / L,
+            }  # fmt: skip
+            if name in peaks:
+                row["cuda_peak_mb"] = peaks[name]
+            if base_times:
+                row["speed_ratio"] = stats([b / t for b, t in zip(base_times, ts)])
+                row["memory_ratio"] = saved[name] / saved["llama"]
+            elif llama_per_token:  # against Llama's bytes per token at its longest L
+                longest = max(llama_per_token)
+                row["memory_ratio"] = saved[name] / L / llama_per_token[longest]
+                row["memory_ratio_llama_L"] = longest
+            rows.append(row)
+        if "llama" in a.models and a.llama_max_len < L:
+            rows.append({"section": "train", "case": "llama", "L": L, "not_run":
+                         f"full attention over {L} tokens is not timed beyond "
+                         f"--llama-max-len {a.llama_max_len}"})  # fmt: skip
+        checkpoint(rows)
+        print(f"  train L={L} done", file=sys.stderr, flush=True)
+
+
+def decode_section(a: argparse.Namespace) -> None:
     from megalab.long_context import state_bytes
 
-    model = build(name, d, 2, chunk).to(device).eval()
-    out = {}
-    with torch.inference_mode():
-        x = torch.randn(1, N, d, device=device)
-        state = model(x, None, model.initial_state(1, x)).state
-        step_x = torch.randn(1, 1, d, device=device)
-        s = model(step_x, None, state).state  # warm-up
-        times = []
-        for _ in range(rounds):
-            s = state
-            t0 = time.perf_counter()
-            for _ in range(decode):
-                s = model(step_x, None, s).state
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) / decode)
-        out = {"times": times, "state_mb": state_bytes(s) / 2**20}
-    return out
+    chunk = a.chunks[0]
+    for N in a.contexts:
+        rows: list[dict[str, Any]] = []
+        cases, states = {}, {}
+        for model in a.models:
+            if model == "llama" and a.llama_max_len < N:
+                continue
+            net = build(model, a.d_model, 2, chunk, a.device).eval()
+            with torch.inference_mode():
+                x = torch.randn(1, N, a.d_model, device=a.device)
+                state = net(x, None, net.initial_state(1, x)).state
+            step_x = torch.randn(1, 1, a.d_model, device=a.device)
+
+            def run(net=net, state=state, step_x=step_x) -> None:
+                with torch.inference_mode():
+                    s = state
+                    for _ in range(a.decode):
+                        s = net(step_x, None, s).state
+                    sync(a.device)
+
+            name = case_name(model, 0 if model == "llama" else chunk)
+            cases[name] = run
+            states[name] = state_bytes(state)
+        times = rounds(cases, a.rounds, a.warmup)
+        for name, ts in times.items():
+            per_token = [t / a.decode for t in ts]
+            rows.append({"section": "decode", "case": name, "N": N, "times_s": per_token,
+                         **stats(per_token), "tokens_per_s": 1 / statistics.median(per_token),
+                         "state_mb": states[name] / 2**20})  # fmt: skip
+        checkpoint(rows)
+        print(f"  decode N={N} done", file=sys.stderr, flush=True)
 
 
-def run_isolated(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--case", *args], capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr[-2000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+# -- report --------------------------------------------------------------------------------------
+def settings(a: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "device": a.device if a.device == "cpu" else torch.cuda.get_device_name(),
+        "threads": torch.get_num_threads(),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "runtime": RUNTIME,
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "dtype": "float32",
+        "d_model": a.d_model,
+        "rounds": a.rounds,
+        "warmup": a.warmup,
+        "decode_tokens": a.decode,
+    }
 
 
-def summary(times: list[float]) -> tuple[float, float, float]:
-    return statistics.median(times), min(times), max(times)
+def _range(r: dict[str, float], scale: float = 1.0, fmt: str = "{:,.0f}") -> str:
+    return (f"{fmt.format(r['median'] * scale)} ({fmt.format(r['min'] * scale)}-"
+            f"{fmt.format(r['max'] * scale)})")  # fmt: skip
+
+
+def render(rows: list[dict]) -> str:
+    out = []
+    train = [r for r in rows if r["section"] == "train"]
+    if train:
+        out += ["### Training block, forward + backward (ratios against `llama` at the same L)",
+                "", "| case | L | ms / step (min-max) | tokens/s | × speed (min-max) | "
+                "saved KB / token | × memory |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in train:
+            if "not_timed" in r:
+                kb = r["saved_bytes_per_token"] / 1024
+                out.append(f"| {r['case']} | {r['L']} | not timed | | | {kb:,.2f} | |")
+                continue
+            if "not_run" in r:
+                out.append(f"| {r['case']} | {r['L']} | not run: {r['not_run']} | | | | |")
+                continue
+            ratio = _range(r["speed_ratio"], fmt="{:.2f}") if "speed_ratio" in r else "—"
+            mem = f"{r['memory_ratio']:.2f}" if "memory_ratio" in r else "—"
+            if "memory_ratio_llama_L" in r:
+                mem += f" (vs Llama's per token at {r['memory_ratio_llama_L']})"
+            kb = r["saved_bytes_per_token"] / 1024
+            out.append(f"| {r['case']} | {r['L']} | {_range(r, 1e3)} | {r['tokens_per_s']:,.0f}"
+                       f" | {ratio} | {kb:,.2f} | {mem} |")  # fmt: skip
+    decode = [r for r in rows if r["section"] == "decode"]
+    if decode:
+        out += ["", "### Decoding one token after a context of N tokens", "",
+                "| case | context N | ms / token (min-max) | tokens/s | state MB |",
+                "|---|---:|---:|---:|---:|"]  # fmt: skip
+        for r in decode:
+            out.append(f"| {r['case']} | {r['N']} | {_range(r, 1e3, '{:.2f}')} | "
+                       f"{r['tokens_per_s']:,.0f} | {r['state_mb']:.2f} |")  # fmt: skip
+    return "\n".join(out)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--chunk", type=int, default=2048)
-    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768])
+    p.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096])
+    p.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     p.add_argument("--decode", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="0: memory only, no timing")
+    p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--models", nargs="+", default=["llama", "mega", "megalodon"])
-    p.add_argument("--sections", nargs="+", default=["train", "decode"])
+    p.add_argument("--llama-max-len", type=int, default=None,
+                   help="longest L/N for Llama (default 16384 on CPU)")  # fmt: skip
+    p.add_argument("--sections", nargs="+", default=["decode", "train"],
+                   choices=["train", "decode"])  # fmt: skip
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--case", nargs="*", default=None)
+    p.add_argument("--threads", type=int, default=1,
+                   help="intra-op threads (1 on a shared machine)")  # fmt: skip
+    p.add_argument("--json", type=Path, default=None,
+                   help="write settings and rows here (after every length)")  # fmt: skip
+    p.add_argument("--render", type=Path, default=None,
+                   help="print the tables of a --json file and exit")  # fmt: skip
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    if a.case is not None:  # a child process: one measurement, printed as JSON
-        kind, name, n = a.case[0], a.case[1], int(a.case[2])
-        if kind == "train":
-            r = train_case(name, a.d_model, n, a.chunk, a.rounds, a.device)
-        else:
-            r = decode_case(name, a.d_model, n, a.chunk, a.decode, a.rounds, a.device)
-        print(json.dumps(r))
+    if a.render:
+        print(render(json.loads(a.render.read_text())["rows"]))
         return
-    from megalab.utils.paths import CONFIG_DIR
-
-    models = [m for m in a.models if (CONFIG_DIR / "model" / f"{m}.yaml").exists()]
-    skipped = sorted(set(a.models) - set(models))
-    common = ["--d-model", str(a.d_model), "--chunk", str(a.chunk), "--rounds", str(a.rounds),
-              "--decode", str(a.decode), "--device", a.device,
-              "--threads", str(a.threads)]  # fmt: skip
-    print(f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"device {a.device}, threads {a.threads}, d {a.d_model}, chunk {a.chunk}, "
-          f"allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}"
-          + (f"; no config for {', '.join(skipped)}" if skipped else ""))  # fmt: skip
-    rows = []
-    if "train" in a.sections:
-        print("\n| model | L | ms / step (min-max) | tokens/s | x speed | peak MB | x memory |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for L in a.lengths:
-            res = {m: run_isolated(["train", m, str(L), *common]) for m in models}
-            base = res.get("llama")
-            for m in models:
-                med, lo, hi = summary(res[m]["times"])
-                bmed = summary(base["times"])[0] if base else med
-                speed, mem = bmed / med, res[m]["peak_mb"] / base["peak_mb"] if base else 1.0
-                print(f"| {m} | {L} | {med * 1e3:,.0f} ({lo * 1e3:,.0f}-{hi * 1e3:,.0f}) | "
-                      f"{L / med:,.0f} | {speed:.2f} | {res[m]['peak_mb']:,.0f} | {mem:.2f} |",
-                      flush=True)  # fmt: skip
-                rows.append({"section": "train", "model": m, "L": L, **res[m]})
-    if "decode" in a.sections:
-        print("\n| model | context N | ms / token (min-max) | tokens/s | state MB |")
-        print("|---|---:|---:|---:|---:|")
-        for N in a.contexts:
-            for m in models:
-                r = run_isolated(["decode", m, str(N), *common])
-                med, lo, hi = summary(r["times"])
-                print(f"| {m} | {N} | {med * 1e3:.2f} ({lo * 1e3:.2f}-{hi * 1e3:.2f}) | "
-                      f"{1 / med:,.0f} | {r['state_mb']:.2f} |", flush=True)  # fmt: skip
-                rows.append({"section": "decode", "model": m, "N": N, **r})
+    if a.llama_max_len is None:
+        a.llama_max_len = 16384 if a.device == "cpu" else 1 << 30
+    torch.set_num_threads(a.threads)
+    RECORD["settings"] = settings(a)
     if a.json:
-        a.json.write_text(json.dumps(rows, indent=2))
+        JSON_PATH.append(a.json)
+    print(f"# {json.dumps(RECORD['settings'])}", file=sys.stderr, flush=True)
+    for section in a.sections:
+        if section == "train":
+            train_section(a)
+        else:
+            decode_section(a)
+    print(render(RECORD["rows"]))
 
 
 if __name__ == "__main__":

@@ -66,6 +66,9 @@ FIXTURE_OVERRIDES["pg19"] = [*_LM_SHORT, "data.vocab_size=400", "data.tokenizer_
 HEAVY |= {"mega/wikitext103", "transformer/pg19"}
 # The ~100M Llama on PG-19 (85M in its 12 layers, like the PG-19 Transformer).
 HEAVY |= {"llama/pg19"}
+# Megalodon vs Llama at ~100M (make reproduce-megalodon-vs-llama): the 32K Llama and the
+# 84M-layer Megalodon at both contexts (30-40 s for two CPU steps each).
+HEAVY |= {"llama/pg19_32k", "megalodon/pg19_100m", "megalodon/pg19_100m_32k"}
 
 # LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
 # 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.

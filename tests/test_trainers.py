@@ -18,7 +18,12 @@ def test_trainer_config_composes(compose_cfg, name: str) -> None:
     assert cfg.trainer._target_ == "lightning.pytorch.trainer.Trainer"
     if "strategy" in cfg.trainer:
         strategy = hydra.utils.instantiate(cfg.trainer.strategy)
-        assert type(strategy).__name__ in ("DDPStrategy", "FSDPStrategy", "ChunkParallelStrategy")
+        assert type(strategy).__name__ in (
+            "DDPStrategy",
+            "FSDPStrategy",
+            "ChunkParallelStrategy",
+            "BlockShardedStrategy",
+        )
 
 
 def test_fsdp_wraps_each_large_layer(compose_cfg) -> None:

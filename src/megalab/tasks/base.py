@@ -202,6 +202,20 @@ class SequenceTask(TaskBase):
             # torch.compile's stub returns a Callable; for a Module it returns an OptimizedModule.
             self.backbone = torch.compile(self.backbone)  # type: ignore[assignment]
 
+    def configure_model(self) -> None:
+        """Under Lightning's `ModelParallelStrategy` (`trainer=model_parallel`): FSDP2 with one
+        unit per backbone block (`megalab.parallel.fsdp2`). Lightning may call it again (fit,
+        then test): the first call shards."""
+        mesh = self.device_mesh
+        if mesh is None or getattr(self, "_megalab_sharded", False):
+            return
+        from megalab.parallel.fsdp2 import shard_blocks
+
+        options = getattr(self.trainer.strategy, "megalab_shard_options", {})
+        steps = ("training_step", "validation_step", "test_step", "predict_step")
+        shard_blocks(self, mesh, forward_methods=steps, **options)
+        self._megalab_sharded = True
+
     def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> BackboneOutput:
         """Embed and run the backbone: (B, L[, C]) -> features (B, L, D), state and aux."""
         max_len = self.backbone.max_len
