@@ -255,6 +255,12 @@ class TransformerXL(Backbone):
             return cfg.eval_mem_len
         return cfg.mem_len
 
+    @property
+    def ext_len(self) -> int:
+        """Positions at the end of each segment kept out of the memory: the next segment
+        re-reads them as extended context (`data.ext_len`, which must be equal)."""
+        return self.config.ext_len
+
     def initial_state(self, batch_size: int, like: Tensor) -> XLMemory | None:
         """An empty memory (None without memory: mem_len 0, the Transformer+RPE baseline)."""
         if self.mem_len == 0:
