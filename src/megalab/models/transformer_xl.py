@@ -21,10 +21,10 @@ state a segment is processed alone. With `mem_len` = 0 there is no memory at all
 
 Options as in the code: `clamp_len` > 0 caps relative distances; `same_length` makes every
 query see `mem_len` keys; `ext_len` keeps the last `ext_len` positions of a segment out of the
-memory (the data then re-feeds them as extended context); `pre_lnorm` normalises before each
-sub-layer instead of after. `eval_mem_len` is the memory length in evaluation (the code's
-evaluation rebuilds the model with another `mem_len`; LaMemo's Fig. 5 evaluates a model trained
-with 150 at 64 … 640).
+memory (the data re-feeds them as extended context: `data.ext_len`); `pre_lnorm` normalises
+before each sub-layer instead of after. `eval_mem_len` is the memory length in evaluation (the
+code's evaluation rebuilds the model with another `mem_len`; LaMemo's Fig. 5 evaluates a model
+trained with 150 at 64 … 640).
 
 Initialisation is the code's `weights_init`: linears N(0, 0.02) with zero biases, LayerNorm
 weights N(1, 0.02) with zero biases, u and v N(0, 0.02). What XL shares with LaMemo (options,
