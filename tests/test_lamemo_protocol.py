@@ -209,3 +209,19 @@ def test_ext_len_must_match_between_data_and_model() -> None:
     check_ext_len(lamemo, SimpleNamespace(ext_len=0))
     with pytest.raises(ValueError, match="only Transformer-XL supports"):
         check_ext_len(lamemo, SimpleNamespace(ext_len=2))
+
+
+def test_decoding_paths_refuse_a_memory_that_leaves_out_ext_len() -> None:
+    """Generation and long-context scoring feed contiguous segments without extended context:
+    an XL whose memory leaves out the last ext_len positions would lose them, so both stop
+    and say how to run the same weights (ext_len 0)."""
+    from megalab.generate import IncrementalDecoder
+    from megalab.long_context import score_stream
+
+    task = xl_task(2, 4)
+    with pytest.raises(ValueError, match=r"model\.backbone\.ext_len=0"):
+        IncrementalDecoder(task, 1)
+    with pytest.raises(ValueError, match="long-context scoring"):
+        score_stream(task, np.arange(20) % VOCAB, segment_len=5, first_bucket=5)
+    decoder = IncrementalDecoder(xl_task(0, 4), 1)  # the same model without ext_len decodes
+    assert decoder.feed(torch.tensor([[1, 2, 3]])).shape == (1, VOCAB)

@@ -108,6 +108,20 @@ def check_ext_len(backbone: nn.Module, datamodule: Any) -> None:
         )
 
 
+def check_no_extended_context(backbone: nn.Module, what: str) -> None:
+    """Fail early when `what` (generation, long-context scoring: contiguous segments without
+    extended context) would run a backbone that leaves `ext_len` positions of every segment
+    out of its memory: those tokens would be lost from the context."""
+    ext = int(getattr(backbone, "ext_len", 0) or 0)
+    if ext:
+        raise ValueError(
+            f"{what} feeds the stream without extended context, but this "
+            f"{type(backbone).__name__} keeps the last ext_len={ext} positions of every segment "
+            "out of its memory: they would be lost. Run it with model.backbone.ext_len=0 (the "
+            "same weights; the memory then keeps every token)"
+        )
+
+
 class LanguageModelingTask(SequenceTask):
     """Next-token prediction; logs loss (nats), perplexity, bits per token and word perplexity."""
 
