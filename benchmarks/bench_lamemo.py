@@ -1,6 +1,7 @@
 """LaMemo against Transformer-XL: layer speed and memory, look-ahead overhead, FLOPs, decoding.
 
     python benchmarks/bench_lamemo.py [--device cpu|cuda] [--mems 150 300 600] [--batch 4]
+        [--rounds 7] [--warmup 2] [--decode-tokens 32] [--sections layer flops decode]
 
 All ratios come from one process: every case is warmed up, then the cases run in rotated
 rounds (each round times every case once, in a shifted order) and we report the median
@@ -152,8 +153,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run"
+    )
     args = parser.parse_args()
-    dev, B = args.device, args.batch
+    dev = args.device
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
         f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
@@ -163,7 +167,12 @@ def main() -> None:
         f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}; {args.rounds} rotated rounds "
         f"after {args.warmup} warm-up runs; median (min-max)"
     )
+    for section in args.sections:
+        SECTIONS[section](args)
 
+
+def bench_layers(args: argparse.Namespace) -> None:
+    dev, B = args.device, args.batch
     print("\n## One layer, forward + backward (segment 150, batch", B, ")\n")
     cuda = " | peak XL | peak LaMemo | ratio" if dev == "cuda" else ""
     print("| memory M | XL tokens/s | LaMemo tokens/s | LaMemo / XL time | saved for backward "
@@ -189,6 +198,9 @@ def main() -> None:
             f"{mem['lamemo'] / mem['xl']:.2f}x |{peaks}"
         )
 
+
+def bench_flops(args: argparse.Namespace) -> None:
+    dev = args.device
     print("\n## FLOPs per predicted token, 16-layer backbones, forward, memory = segment = 150\n")
     flops = {}
     for kind in ("xl", "lamemo"):
@@ -203,6 +215,9 @@ def main() -> None:
           f"{flops['lamemo'] / flops['xl']:.3f} (paper: 157M, 191M, 1.217; ours count the "
           "backbone's matrix products, without the embedding and softmax)")  # fmt: skip
 
+
+def bench_decode(args: argparse.Namespace) -> None:
+    dev, B = args.device, args.batch
     print(f"\n## Decoding one token at a time, 16 layers, memory 150, batch {B}\n")
     cases = {}
     for kind in ("xl", "lamemo"):
@@ -224,6 +239,8 @@ def main() -> None:
     print("| | XL tokens/s | LaMemo tokens/s | LaMemo / XL time |\n|---|---:|---:|---:|")
     print(f"| decode | {fmt(t['xl'], n)} | {fmt(t['lamemo'], n)} | {ratio(t)} |")
 
+
+SECTIONS = {"layer": bench_layers, "flops": bench_flops, "decode": bench_decode}
 
 if __name__ == "__main__":
     main()
