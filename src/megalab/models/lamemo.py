@@ -39,7 +39,8 @@ casts them to the activation dtype, fp16 under its apex O2 training, against its
 
 Initialisation is the code's: linears N(0, 0.02), zero biases, LayerNorm weights N(1, 0.02),
 u and v₊ N(0, 0.02), and v₋ Xavier-uniform (the trainer's `weights_init` does not reach it).
-Padding and `eval_mem_len` as for Transformer-XL.
+Padding and `eval_mem_len` as for Transformer-XL; what both share (options, sub-layers, segment
+set-up, output, initialisation) is `megalab.nn.relative_memory`.
 """
 
 from __future__ import annotations
