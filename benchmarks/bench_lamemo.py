@@ -126,9 +126,14 @@ def time_rounds(cases: dict, rounds: int, warmup: int, device: str) -> dict[str,
     return times
 
 
+def rate(x: float) -> str:
+    """Tokens/s with at least 3 significant digits (decoding on a CPU is a few tokens/s)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def fmt(ts: list[float], tokens: int) -> str:
     med = statistics.median(ts)
-    return f"{tokens / med:,.0f} ({tokens / max(ts):,.0f}-{tokens / min(ts):,.0f})"
+    return f"{rate(tokens / med)} ({rate(tokens / max(ts))}-{rate(tokens / min(ts))})"
 
 
 def ratio(times: dict[str, list[float]]) -> str:
