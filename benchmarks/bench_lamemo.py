@@ -1,11 +1,14 @@
 """LaMemo against Transformer-XL: layer speed and memory, look-ahead overhead, FLOPs, decoding.
 
     python benchmarks/bench_lamemo.py [--device cpu|cuda] [--mems 150 300 600] [--batch 4]
+        [--rounds 7] [--warmup 2] [--decode-tokens 32] [--sections layer flops decode]
 
 All ratios come from one process: every case is warmed up, then the cases run in rotated
-rounds (each round times every case once, in a shifted order) and we report the median time
-with its min-max. At the WikiText-103 layer width of both papers (d 410, 10 heads of 41,
-FFN 2100), segment L = 150:
+rounds (each round times every case once, in a shifted order) and we report the median
+tokens/s with its min-max, and the LaMemo / XL time ratio as the median of the per-round
+ratios with their min-max. The process starts with the allocator and thread settings of
+training (`megalab.utils.runtime`), printed in the header with the machine's load. At the
+WikiText-103 layer width of both papers (d 410, 10 heads of 41, FFN 2100), segment L = 150:
 
 1. One layer, forward + backward with a memory of M rows (M = 150 is the paper's setting; a
    longer M is the Fig. 5 regime, where each memory row takes several look-ahead windows):
@@ -20,18 +23,27 @@ FFN 2100), segment L = 150:
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import time
+from megalab.utils.runtime import configure_runtime
 
-import torch
-from torch.utils.flop_counter import FlopCounterMode
+# The allocator and OpenMP settings of training must precede the first import of torch.
+RUNTIME = configure_runtime()
 
-from megalab.models.lamemo import LaMemo, LaMemoConfig, LaMemoLayer
-from megalab.models.transformer_xl import TransformerXL, TransformerXLConfig, XLLayer
-from megalab.nn.relative_attention import SinusoidPositions, causal_mask, relative_distances
+import argparse  # noqa: E402
+import os  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from megalab.models.lamemo import LaMemo, LaMemoConfig, LaMemoLayer  # noqa: E402
+from megalab.models.transformer_xl import TransformerXL, TransformerXLConfig, XLLayer  # noqa: E402
+from megalab.nn.relative_attention import (  # noqa: E402
+    SinusoidPositions,
+    causal_mask,
+    relative_distances,
+)
 
 D, H, DH, FFN, L = 410, 10, 41, 2100, 150
 
@@ -81,6 +93,18 @@ def saved_bytes(run) -> int:
     return sum(seen.values())
 
 
+def peak_bytes(run, device: str) -> int | None:
+    """CUDA: the peak allocation of one forward + backward above what was allocated before."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    run().sum().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
 def time_rounds(cases: dict, rounds: int, warmup: int, device: str) -> dict[str, list[float]]:
     def once(fn):
         if device == "cuda":
@@ -102,9 +126,21 @@ def time_rounds(cases: dict, rounds: int, warmup: int, device: str) -> dict[str,
     return times
 
 
+def rate(x: float) -> str:
+    """Tokens/s with at least 3 significant digits (decoding on a CPU is a few tokens/s)."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def fmt(ts: list[float], tokens: int) -> str:
     med = statistics.median(ts)
-    return f"{tokens / med:,.0f} ({tokens / max(ts):,.0f}-{tokens / min(ts):,.0f})"
+    return f"{rate(tokens / med)} ({rate(tokens / max(ts))}-{rate(tokens / min(ts))})"
+
+
+def ratio(times: dict[str, list[float]]) -> str:
+    """LaMemo / XL time: the median of the per-round ratios (both timed in the same round),
+    with their min-max."""
+    r = [a / b for a, b in zip(times["lamemo"], times["xl"])]
+    return f"{statistics.median(r):.2f}x ({min(r):.2f}-{max(r):.2f})"
 
 
 def backbone(kind: str, mem_len: int, device: str):
@@ -122,33 +158,54 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--decode-tokens", type=int, default=32)
-    args = parser.parse_args()
-    dev, B = args.device, args.batch
-    print(
-        f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, device {dev}, "
-        f"threads {torch.get_num_threads()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
-        f"allocator {os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}, float32, "
-        f"{args.rounds} rotated rounds after {args.warmup} warm-up runs; median (min-max)"
+    parser.add_argument(
+        "--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="what to run"
     )
+    args = parser.parse_args()
+    dev = args.device
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    print(
+        f"# torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs (load average {load}), device {dev}, float32; "
+        f"intra-op threads {torch.get_num_threads()} ({RUNTIME['threads']}), OMP_WAIT_POLICY "
+        f"{RUNTIME['omp_wait_policy']}, malloc {RUNTIME['malloc']}, CUDA allocator "
+        f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')}; {args.rounds} rotated rounds "
+        f"after {args.warmup} warm-up runs; median (min-max)"
+    )
+    for section in args.sections:
+        SECTIONS[section](args)
 
+
+def bench_layers(args: argparse.Namespace) -> None:
+    dev, B = args.device, args.batch
     print("\n## One layer, forward + backward (segment 150, batch", B, ")\n")
+    cuda = " | peak XL | peak LaMemo | ratio" if dev == "cuda" else ""
     print("| memory M | XL tokens/s | LaMemo tokens/s | LaMemo / XL time | saved for backward "
-          "XL | LaMemo | ratio |")  # fmt: skip
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+          f"XL | LaMemo | ratio{cuda} |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (3 if cuda else 0))
     for M in args.mems:
         cases = {}
         for kind in ("xl", "lamemo"):
             run = layer_case(kind, M, B, dev)
             cases[kind] = lambda run=run: run().sum().backward()
         mem = {k: saved_bytes(layer_case(k, M, B, dev)) for k in ("xl", "lamemo")}
+        peak = {k: peak_bytes(layer_case(k, M, B, dev), dev) for k in ("xl", "lamemo")}
         t = time_rounds(cases, args.rounds, args.warmup, dev)
-        ratio = statistics.median(t["lamemo"]) / statistics.median(t["xl"])
+        peaks = ""
+        if peak["xl"] is not None and peak["lamemo"] is not None:
+            peaks = (
+                f" {peak['xl'] / 2**20:.0f} MiB | {peak['lamemo'] / 2**20:.0f} MiB | "
+                f"{peak['lamemo'] / peak['xl']:.2f}x |"
+            )
         print(
-            f"| {M} | {fmt(t['xl'], B * L)} | {fmt(t['lamemo'], B * L)} | {ratio:.2f}x | "
+            f"| {M} | {fmt(t['xl'], B * L)} | {fmt(t['lamemo'], B * L)} | {ratio(t)} | "
             f"{mem['xl'] / 2**20:.0f} MiB | {mem['lamemo'] / 2**20:.0f} MiB | "
-            f"{mem['lamemo'] / mem['xl']:.2f}x |"
+            f"{mem['lamemo'] / mem['xl']:.2f}x |{peaks}"
         )
 
+
+def bench_flops(args: argparse.Namespace) -> None:
+    dev = args.device
     print("\n## FLOPs per predicted token, 16-layer backbones, forward, memory = segment = 150\n")
     flops = {}
     for kind in ("xl", "lamemo"):
@@ -163,6 +220,9 @@ def main() -> None:
           f"{flops['lamemo'] / flops['xl']:.3f} (paper: 157M, 191M, 1.217; ours count the "
           "backbone's matrix products, without the embedding and softmax)")  # fmt: skip
 
+
+def bench_decode(args: argparse.Namespace) -> None:
+    dev, B = args.device, args.batch
     print(f"\n## Decoding one token at a time, 16 layers, memory 150, batch {B}\n")
     cases = {}
     for kind in ("xl", "lamemo"):
@@ -179,12 +239,13 @@ def main() -> None:
                     state = model(tokens[:, i : i + 1], state=state).state
 
         cases[kind] = decode
-    t = time_rounds(cases, max(3, args.rounds // 2), 1, dev)
+    t = time_rounds(cases, args.rounds, args.warmup, dev)
     n = B * args.decode_tokens
-    ratio = statistics.median(t["lamemo"]) / statistics.median(t["xl"])
     print("| | XL tokens/s | LaMemo tokens/s | LaMemo / XL time |\n|---|---:|---:|---:|")
-    print(f"| decode | {fmt(t['xl'], n)} | {fmt(t['lamemo'], n)} | {ratio:.2f}x |")
+    print(f"| decode | {fmt(t['xl'], n)} | {fmt(t['lamemo'], n)} | {ratio(t)} |")
 
+
+SECTIONS = {"layer": bench_layers, "flops": bench_flops, "decode": bench_decode}
 
 if __name__ == "__main__":
     main()

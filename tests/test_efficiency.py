@@ -108,3 +108,18 @@ def test_table2_speed_and_memory_columns_are_ratios_to_the_transformer(tmp_path:
     # and the full report of megalab-tables carries it under the table
     report = tb.build_report(tb.collect_runs([tmp_path]), tb.load_tables(ROOT / "tables"))
     assert "#### Efficiency (Mega Table 2)" in report.markdown
+
+
+def test_runs_behind_several_columns_of_a_row_are_listed_once(tmp_path: Path) -> None:
+    """LaMemo Table 1 reads #Params, dev and test ppl from one run per model: one line each."""
+    for name, experiment in (("xl", "transformer_xl/wikitext103"), ("lm", "lamemo/wikitext103")):
+        run = tmp_path / name
+        run.mkdir()
+        metrics = {"val/ppl": 30.0, "test/ppl": 31.0, "eff/train_tokens_per_s": 100.0}
+        record = {"experiment": experiment, "seed": 1, "metrics": metrics}
+        (run / "metrics.json").write_text(json.dumps(record))
+    table = next(t for t in tb.load_tables(ROOT / "tables") if t.id == "lamemo/table1_wt103")
+    lines = render_efficiency(table, tb.collect_runs([tmp_path])).splitlines()
+    rows = [line for line in lines if "| transformer_xl/wikitext103 |" in line]
+    assert len(rows) == 1 and "| #Params (M), dev ppl, test ppl |" in rows[0]
+    assert sum("| lamemo/wikitext103 |" in line for line in lines) == 1

@@ -154,6 +154,11 @@ HEAVY |= {
 EXPERIMENT_OVERRIDES |= {
     "transformer_xl/wikitext103_base": ["model.encoder.cutoffs=[20000,40000,60000]"],
 }
+# Transformer-XL large (285M parameters, 245M in its 18 layers of width 1024): slow suite.
+HEAVY |= {"transformer_xl/wt103_large"}
+EXPERIMENT_OVERRIDES |= {
+    "transformer_xl/wt103_large": ["model.encoder.cutoffs=[20000,40000,60000]"],
+}
 
 
 def test_experiments_exist() -> None:

@@ -317,13 +317,21 @@ def render_efficiency(table: Any, runs: Sequence[Any]) -> str:
     from megalab.tables import BLANK, aggregate, matches
 
     rows = []
+    # Cells of one row that the same runs reproduce (several metrics of one experiment, as
+    # dev and test) are listed once, with their columns joined.
+    seen: dict[tuple[str, str, str], list[str]] = {}
     for cell in table.cells.values():
         if not cell.experiment:
+            continue
+        key = (cell.row, cell.experiment, repr(sorted(cell.params.items())))
+        if key in seen:
+            seen[key].append(cell.column)
             continue
         matched = [r for r in runs if matches(cell, r)]
         stats = [aggregate(matched, metric) for _, metric, _ in RAW_COLUMNS]
         if any(s is not None for s in stats):
-            rows.append((cell, stats))
+            seen[key] = [cell.column]
+            rows.append((cell, seen[key], stats))
     if not rows:
         return ""
     lines = [
@@ -336,13 +344,13 @@ def render_efficiency(table: Any, runs: Sequence[Any]) -> str:
         "| Model | Task | Experiment | " + " | ".join(c for c, _, _ in RAW_COLUMNS) + " | n |",
         "|---|---|---|" + "---:|" * (len(RAW_COLUMNS) + 1),
     ]
-    for cell, stats in rows:
+    for cell, columns, stats in rows:
         values = [
             BLANK if s is None else fmt.format(s.mean) for s, (_, _, fmt) in zip(stats, RAW_COLUMNS)
         ]
         n = max((s.n for s in stats if s is not None), default=0)
         lines.append(
-            f"| {cell.row} | {cell.column} | {cell.experiment} | "
+            f"| {cell.row} | {', '.join(columns)} | {cell.experiment} | "
             + " | ".join(values)
             + f" | {n} |"
         )

@@ -103,6 +103,9 @@ class IncrementalDecoder:
             raise ValueError(
                 f"{type(backbone).__name__} is bidirectional (causal=False): it cannot generate"
             )
+        from megalab.tasks.language_modeling import check_no_extended_context
+
+        check_no_extended_context(backbone, "generation")
         self.task = task
         like = next(task.parameters())
         self.state = backbone.initial_state(batch_size, like)

@@ -159,6 +159,9 @@ def score_stream(
         raise ValueError(f"{len(tokens)} tokens cannot make {rows} document(s) to score")
     task.eval()
     backbone = task.backbone
+    from megalab.tasks.language_modeling import check_no_extended_context
+
+    check_no_extended_context(backbone, "long-context scoring")
     edges = bucket_edges(first_bucket, length)
     buckets = [Bucket(a, b) for a, b in itertools.pairwise(edges)]
     like = next(task.parameters())

@@ -39,35 +39,31 @@ casts them to the activation dtype, fp16 under its apex O2 training, against its
 
 Initialisation is the code's: linears N(0, 0.02), zero biases, LayerNorm weights N(1, 0.02),
 u and v₊ N(0, 0.02), and v₋ Xavier-uniform (the trainer's `weights_init` does not reach it).
-Padding and `eval_mem_len` as for Transformer-XL.
+Padding and `eval_mem_len` as for Transformer-XL; what both share (options, sub-layers, segment
+set-up, output, initialisation) is `megalab.nn.relative_memory`.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import BackboneOutput
 from megalab.models.state import register_state
-from megalab.models.transformer_xl import (
-    check_stream_continues,
-    check_trailing_padding,
-    ended_after,
-    init_xl_parameters,
-)
-from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.relative_attention import (
-    RelativeMultiHeadAttention,
-    SinusoidPositions,
     at_least_float32,
-    causal_mask,
     look_ahead_mask,
     look_ahead_window,
-    relative_distances,
     update_memory,
+)
+from megalab.nn.relative_memory import (
+    RelativeMemoryBackbone,
+    RelativeMemoryConfig,
+    ended_after,
+    relative_sublayers,
 )
 
 RPES = ("disentangled", "xl")
@@ -91,50 +87,20 @@ class LaMemoState:
 
 
 @dataclass(frozen=True)
-class LaMemoConfig:
+class LaMemoConfig(RelativeMemoryConfig):
     """Every option of `LaMemo` (its keyword arguments; see its docstring)."""
 
-    d_model: int = 410
-    num_layers: int = 16
-    num_heads: int = 10
-    head_dim: int | None = None
-    ffn_dim: int = 2100
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    pre_lnorm: bool = False
-    mem_len: int = 150
-    eval_mem_len: int | None = None
-    same_length: bool = False
-    clamp_len: int = -1
+    model_name = "LaMemo"
+
     look_ahead: bool = True
     interpolation: bool = True
     rpe: str = "disentangled"
     eps: float = 1e-6
-    init_std: float = 0.02
-    causal: bool = field(default=True)
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.head_dim is None and self.d_model % self.num_heads:
-            raise ValueError(
-                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: set "
-                "head_dim explicitly"
-            )
-        if self.mem_len < 0 or (self.eval_mem_len is not None and self.eval_mem_len < 0):
-            raise ValueError("mem_len and eval_mem_len must be >= 0")
+        super().__post_init__()
         if self.rpe not in RPES:
             raise ValueError(f"unknown rpe {self.rpe!r}; choose one of {RPES}")
-        if self.same_length and min(self.mem_len, self.eval_mem_len or self.mem_len) < 1:
-            raise ValueError(
-                "same_length limits every query to mem_len keys: it needs mem_len >= 1"
-            )
-        if not self.causal:
-            raise ValueError("LaMemo is a causal language model: causal must be true")
-
-    @property
-    def d_head(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.d_model // self.num_heads
 
 
 def interpolation_weight(log_s_old: Tensor, log_s_new: Tensor, eps: float) -> Tensor:
@@ -156,23 +122,7 @@ class LaMemoLayer(nn.Module):
     def __init__(self, cfg: LaMemoConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.attn = RelativeMultiHeadAttention(
-            cfg.d_model,
-            cfg.num_heads,
-            cfg.d_head,
-            dropout=cfg.dropout,
-            attention_dropout=cfg.attention_dropout,
-            pre_lnorm=cfg.pre_lnorm,
-        )
-        self.ffn = NormalizedFFN(
-            cfg.d_model,
-            cfg.ffn_dim,
-            dropout=cfg.dropout,
-            hidden_dropout=cfg.dropout,
-            activation="relu",
-            norm_type="layernorm",
-            prenorm=cfg.pre_lnorm,
-        )
+        self.attn, self.ffn = relative_sublayers(cfg)
 
     def forward(
         self,
@@ -248,7 +198,7 @@ class LaMemoLayer(nn.Module):
         return y, mem_y, contexts, log_s
 
 
-class LaMemo(Backbone):
+class LaMemo(RelativeMemoryBackbone):
     """The LaMemo backbone (see the module docstring), (B, L, D) -> (B, L, D).
 
     Args:
@@ -263,19 +213,13 @@ class LaMemo(Backbone):
         eps: ε of the interpolation weight (the code's 1e-6).
     """
 
+    config: LaMemoConfig
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__()
         cfg = LaMemoConfig(*args, **kwargs)
-        self.config = cfg
-        self.d_model = cfg.d_model
-        self.causal = True
-        self.positions = SinusoidPositions(cfg.d_model)
-        self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(LaMemoLayer(cfg) for _ in range(cfg.num_layers))
-        # Global biases: content u, position v₊ (keys on the left) and v₋ (keys on the right;
-        # the code's r_w_bias, r_r_bias, r_r_bias_future). XL's encoding reuses v for both.
-        self.u = nn.Parameter(torch.empty(cfg.num_heads, cfg.d_head))
-        self.v = nn.Parameter(torch.empty(cfg.num_heads, cfg.d_head))
+        super().__init__(cfg, LaMemoLayer)
+        # Besides u and v₊ = v (the code's r_w_bias, r_r_bias): v₋ for keys on the right
+        # (r_r_bias_future); XL's encoding reuses v for both.
         self.v_future = (
             nn.Parameter(torch.empty(cfg.num_heads, cfg.d_head))
             if cfg.rpe == "disentangled"
@@ -295,22 +239,11 @@ class LaMemo(Backbone):
 
     def reset_parameters(self) -> None:
         """The code's initialisation; v₋ keeps its Xavier-uniform draw (see the docstring)."""
-        std = self.config.init_std
-        init_xl_parameters(self.layers, std)
-        nn.init.normal_(self.u, 0.0, std)
-        nn.init.normal_(self.v, 0.0, std)
+        super().reset_parameters()
         if self.v_future is not None:
             nn.init.xavier_uniform_(self.v_future)
 
     # -- memory -------------------------------------------------------------------------------
-    @property
-    def mem_len(self) -> int:
-        """The memory length in use: `eval_mem_len` in evaluation when set, else `mem_len`."""
-        cfg = self.config
-        if not self.training and cfg.eval_mem_len is not None:
-            return cfg.eval_mem_len
-        return cfg.mem_len
-
     def initial_state(self, batch_size: int, like: Tensor) -> LaMemoState | None:
         """An empty memory (None for mem_len 0: Transformer+RPE)."""
         if self.mem_len == 0:
@@ -340,14 +273,6 @@ class LaMemo(Backbone):
         """
         return self._forward(x, mask, state, None)
 
-    def forward_details(
-        self, x: Tensor, mask: Tensor | None = None, state: LaMemoState | None = None
-    ) -> tuple[BackboneOutput, list[dict[str, Tensor]]]:
-        """`forward` plus, per layer, the causal and look-ahead probabilities, α, and the
-        sub-layer outputs of the segment and the memory, for analysis and tests."""
-        details: list[dict[str, Tensor]] = [{} for _ in self.layers]
-        return self._forward(x, mask, state, details), details
-
     def _forward(
         self,
         x: Tensor,
@@ -355,30 +280,15 @@ class LaMemo(Backbone):
         state: LaMemoState | None,
         details: list[dict[str, Tensor]] | None,
     ) -> BackboneOutput:
-        _B, L, D = x.shape
-        if self.d_model != D:
-            raise ValueError(f"expected inputs of width d_model={self.d_model}, got {D}")
         cfg = self.config
-        padded = check_trailing_padding(mask, "LaMemo")
-        if state is not None:
-            if len(state.contexts) != len(self.layers):
-                raise ValueError(
-                    f"this memory has {len(state.contexts)} layers; the model has "
-                    f"{len(self.layers)}"
-                )
-            check_stream_continues(state.ended, padded, L, "LaMemo")
-        m = self.memory_length(state)
-        K = m + L
-        masked = causal_mask(L, m, cfg.same_length, self.mem_len, device=x.device)
-        distances = relative_distances(
-            K,
-            future=m,
-            future_sign=1 if cfg.rpe == "disentangled" else -1,
-            clamp_len=cfg.clamp_len,
-            device=x.device,
-            dtype=at_least_float32(x).dtype,
-        )
-        table = self.drop(self.positions(distances).to(x.dtype))
+        if state is not None and len(state.contexts) != len(self.layers):
+            raise ValueError(
+                f"this memory has {len(state.contexts)} layers; the model has {len(self.layers)}"
+            )
+        future_sign = 1 if cfg.rpe == "disentangled" else -1
+        ended = None if state is None else state.ended
+        padded, m, masked, table = self.segment(x, mask, state, ended, future_sign)
+        K = m + x.shape[1]
         v_future = self.v_future if self.v_future is not None else self.v
         memory = None if state is None or m == 0 else state.embeddings
         h = x
@@ -396,9 +306,7 @@ class LaMemo(Backbone):
                 alphas.append(layer_details["alpha"].detach().float().mean())
             contexts.append(ctx)
             log_normalizers.append(log_s)
-        y = self.drop(h)
-        if padded is not None:
-            y = y * padded.unsqueeze(-1).to(y.dtype)
+        y = self.output(h, padded)
         aux = {"alpha": torch.stack(alphas)} if alphas else {}
         new_state = None
         if state is not None:

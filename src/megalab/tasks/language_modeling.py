@@ -94,6 +94,34 @@ def check_causal(backbone: nn.Module) -> None:
         )
 
 
+def check_ext_len(backbone: nn.Module, datamodule: Any) -> None:
+    """Fail early when the data's extended context (`data.ext_len`) and the backbone's
+    (`model.backbone.ext_len`, Transformer-XL's) differ: the memory would then either repeat
+    the re-read tokens or skip the ones it leaves out."""
+    data_ext = int(getattr(datamodule, "ext_len", 0) or 0)
+    model_ext = int(getattr(backbone, "ext_len", 0) or 0)
+    if data_ext != model_ext:
+        raise ValueError(
+            f"data.ext_len={data_ext} but the {type(backbone).__name__} backbone keeps "
+            f"ext_len={model_ext} positions out of its memory: set model.backbone.ext_len to "
+            "data.ext_len (only Transformer-XL supports ext_len > 0)"
+        )
+
+
+def check_no_extended_context(backbone: nn.Module, what: str) -> None:
+    """Fail early when `what` (generation, long-context scoring: contiguous segments without
+    extended context) would run a backbone that leaves `ext_len` positions of every segment
+    out of its memory: those tokens would be lost from the context."""
+    ext = int(getattr(backbone, "ext_len", 0) or 0)
+    if ext:
+        raise ValueError(
+            f"{what} feeds the stream without extended context, but this "
+            f"{type(backbone).__name__} keeps the last ext_len={ext} positions of every segment "
+            "out of its memory: they would be lost. Run it with model.backbone.ext_len=0 (the "
+            "same weights; the memory then keeps every token)"
+        )
+
+
 class LanguageModelingTask(SequenceTask):
     """Next-token prediction; logs loss (nats), perplexity, bits per token and word perplexity."""
 
@@ -143,6 +171,12 @@ class LanguageModelingTask(SequenceTask):
         # Carried state per stage and stream group.
         self._state: dict[str, dict[int, Any]] = {s: {} for s in SPLITS}
         self._restored = False
+
+    def setup(self, stage: str) -> None:
+        trainer = self._trainer
+        if trainer is not None:
+            check_ext_len(self.backbone, getattr(trainer, "datamodule", None))
+        super().setup(stage)
 
     def forward(
         self, inputs: Tensor, mask: Tensor | None = None, state: Any = None

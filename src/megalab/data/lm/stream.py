@@ -12,10 +12,13 @@ resumed run continues exactly:
   stream by a seeded random offset (wrapping around), so the rows start at new places; with
   `roll="rows"` each row is instead rotated within itself by its own offset, as XL's
   `LMOrderedIterator.roll` does (every row keeps its part of the corpus; the pairs stay
-  adjacent tokens, where XL also scores the one wrap-around pair of each row).
+  adjacent tokens, where XL also scores the one wrap-around pair of each row). With
+  `ext_len` E > 0 every segment after the first of a row also carries the E tokens before it
+  as extended context (XL's `ext_len`: attended, not scored, `target_mask` False there).
 - `EvalBatches`: the predictions are cut into R rows that cover them all (lengths differ by at
   most one); segments run in order with carried state, the last one partial and padded, and
-  `target_mask` marks what is scored: every token is predicted exactly once. With a stride S,
+  `target_mask` marks what is scored: every token is predicted exactly once (`ext_len` as in
+  training: up to E unscored tokens of context before each later segment). With a stride S,
   `sliding windows` instead: each window holds up to L - S tokens of context before S new
   tokens, only the new ones are scored, and every window starts afresh (`reset` True).
 - `RandomWindowBatches` (training for stateless models): independent uniformly drawn windows,
@@ -267,11 +270,24 @@ def _batch(
     return batch
 
 
+def extended_offsets(a: int, width: int, ext_len: int) -> np.ndarray:
+    """Offsets (1, e + width) of a segment starting at row offset `a`: e = min(ext_len, a)
+    positions of extended context (negative offsets) before the segment's own `width`.
+
+    Transformer-XL's `LMOrderedIterator.get_batch` reads `data[max(0, i - ext_len) : i + L]`
+    and predicts only the last L targets; its memory then stops `ext_len` positions before the
+    end of each segment (`_update_mems`), exactly where the next segment's context begins.
+    """
+    return np.arange(-min(ext_len, a), width)[None, :]
+
+
 class StreamBatches(Dataset):
     """Training batches in Transformer-XL order: B contiguous rows read in segments of L.
 
     Items are addressed by `(epoch, i)`; batch i is segment `i // accumulate` of stream group
     `i % accumulate`. `roll` rotates the whole stream by a per-epoch random offset first.
+    `ext_len` prepends up to that many earlier tokens of the row to every later segment,
+    unscored (see `extended_offsets`).
     """
 
     def __init__(
@@ -282,9 +298,13 @@ class StreamBatches(Dataset):
         layout: Layout = Layout(),
         roll: bool | str = True,
         seed: int = 0,
+        ext_len: int = 0,
     ) -> None:
         if roll not in ROLLS:
             raise ValueError(f"unknown roll {roll!r}: true (the stream), false or 'rows'")
+        if ext_len < 0:
+            raise ValueError(f"ext_len must be >= 0, got {ext_len}")
+        self.ext_len = ext_len
         self.stream, self.seq_len, self.layout = stream, seq_len, layout
         self.rows = rows_per_device
         self.roll, self.seed = roll, seed
@@ -322,14 +342,13 @@ class StreamBatches(Dataset):
         a = segment * self.seq_len
         width = min(self.seq_len, self.row_len - a)
         rows = self.row_ids(group)
+        offs = extended_offsets(a, width, self.ext_len)
         if self.roll == "rows":
-            local = (self.row_shifts(epoch)[rows, None] + a + np.arange(width)[None, :]) % (
-                self.row_len
-            )
+            local = (self.row_shifts(epoch)[rows, None] + a + offs) % self.row_len
             positions = rows[:, None] * self.row_len + local
         else:
             starts = rows * self.row_len + a
-            positions = self.offset(epoch) + starts[:, None] + np.arange(width)[None, :]
+            positions = self.offset(epoch) + starts[:, None] + offs
         n = len(self.stream)
         valid = np.ones(positions.shape, dtype=bool)
         return _batch(
@@ -337,7 +356,7 @@ class StreamBatches(Dataset):
             positions % n,
             (positions + 1) % n,
             valid,
-            valid,
+            np.broadcast_to(offs >= 0, valid.shape),
             segment == 0,
             group,
             words=False,
@@ -349,8 +368,9 @@ class EvalBatches(Dataset):
 
     The N-1 predictions are split into `rows` contiguous rows (lengths differ by at most one)
     and this rank takes its share of them. Without `stride`: consecutive segments of length
-    `seq_len` with carried state (`reset` on the first). With `stride` S: windows of up to
-    `seq_len` tokens whose last S (new) tokens are scored, each with `reset`.
+    `seq_len` with carried state (`reset` on the first), each later one after up to `ext_len`
+    unscored tokens of extended context. With `stride` S: windows of up to `seq_len` tokens
+    whose last S (new) tokens are scored, each with `reset`.
     """
 
     def __init__(
@@ -361,6 +381,7 @@ class EvalBatches(Dataset):
         layout: Layout = Layout(),
         stride: int | None = None,
         words: bool = False,
+        ext_len: int = 0,
     ) -> None:
         n_pred = len(stream) - 1
         if n_pred < 1:
@@ -374,7 +395,15 @@ class EvalBatches(Dataset):
             )
         if stride is not None and not 0 < stride <= seq_len:
             raise ValueError(f"eval_stride={stride} must be in [1, eval segment length {seq_len}]")
+        if ext_len < 0:
+            raise ValueError(f"ext_len must be >= 0, got {ext_len}")
+        if ext_len and stride is not None:
+            raise ValueError(
+                "ext_len (extended context before carried-state segments) and eval_stride "
+                "(sliding windows, which have their own context) exclude each other: set one"
+            )
         self.stream, self.seq_len, self.stride, self.words = stream, seq_len, stride, words
+        self.ext_len = ext_len
         bounds = np.linspace(0, n_pred, rows + 1).round().astype(np.int64)
         lengths = np.diff(bounds)
         mine = np.array_split(np.arange(rows), layout.world_size)[layout.rank]
@@ -391,10 +420,12 @@ class EvalBatches(Dataset):
             a = t * self.seq_len
             width = min(self.seq_len, int(self.lengths.max()) - a) if len(self.lengths) else 0
             width = max(width, 1)
-            offs = np.arange(width)[None, :]
-            valid = a + offs < self.lengths[:, None]
+            offs = extended_offsets(a, width, self.ext_len)
+            # A row that has ended takes no context either (its carried stream is over).
+            valid = (a + offs < self.lengths[:, None]) & (self.lengths > a)[:, None]
             index = self.starts[:, None] + a + offs
-            return _batch(self.stream, index, index + 1, valid, valid, t == 0, 0, self.words)
+            scored = valid & (offs >= 0)
+            return _batch(self.stream, index, index + 1, valid, scored, t == 0, 0, self.words)
         S, context = self.stride, self.seq_len - self.stride
         new_start = self.starts + t * S  # absolute input positions of the new tokens
         new_len = np.clip(self.lengths - t * S, 0, S)
@@ -526,6 +557,7 @@ class LMStreamDataModule(SequenceDataModule):
         eval_stride: int | None = None,
         train_len_multiples: list[int] | tuple[int, int] | None = None,
         train_len_unit: int | None = None,
+        ext_len: int = 0,
     ) -> None:
         if d_input is not None or num_classes is not None:
             raise ValueError(
@@ -540,6 +572,13 @@ class LMStreamDataModule(SequenceDataModule):
             raise ValueError("train_len_multiples (variable-length windows) needs sampler=random")
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
+        if ext_len < 0:
+            raise ValueError(f"ext_len must be >= 0, got {ext_len}")
+        if ext_len and sampler != "stream":
+            raise ValueError(
+                "ext_len extends carried-state segments with the tokens before them: it needs "
+                "sampler=stream (random windows have no preceding segment)"
+            )
         super().__init__(
             data_dir,
             max_len,
@@ -560,6 +599,7 @@ class LMStreamDataModule(SequenceDataModule):
             None if train_len_multiples is None else tuple(int(m) for m in train_len_multiples)
         )
         self.train_len_unit = train_len_unit
+        self.ext_len = ext_len
 
     # -- hooks for subclasses -------------------------------------------------------------------
     def load_streams(self) -> dict[str, TokenStream]:
@@ -615,6 +655,7 @@ class LMStreamDataModule(SequenceDataModule):
                 layout,
                 self.eval_stride,
                 words=self.word_level and stream.has_words,
+                ext_len=self.ext_len,
             )
         parts = layout.world_size * layout.accumulate
         if self.batch_size % parts:
@@ -634,7 +675,7 @@ class LMStreamDataModule(SequenceDataModule):
                 self.train_len_multiples,
                 self.train_len_unit,
             )
-        return StreamBatches(stream, rows, self.max_len, layout, self.roll, self.seed)
+        return StreamBatches(stream, rows, self.max_len, layout, self.roll, self.seed, self.ext_len)
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         dataset = self.batches(split)
