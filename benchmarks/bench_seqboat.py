@@ -20,9 +20,18 @@ Timing: all variants of one L are built in one process, warmed up once, then tim
 `--rounds` rounds, each running every variant once in a rotated order (round r starts at
 variant r), so that load changes on a shared machine hit every variant alike. We report the
 median and min-max of the rounds, and ratios of medians against `mega_full` (and the
-pack/scatter share of its SeqBoat step). Peak memory: each variant once in a fresh process
-(CPU: growth of the peak resident set, VmHWM reset before the pass, over one forward +
-backward; CUDA: `max_memory_allocated` above the allocation before it).
+pack/scatter share of its SeqBoat step). The timing process applies the training entry
+points' start-up settings (`megalab.utils.runtime.configure_runtime`: glibc malloc without mmap
+or trimming, passive OpenMP waits) and prints them with the thread count and load average.
+
+Peak memory: each variant once in a fresh process. CUDA: `max_memory_allocated` above the
+allocation before the pass. CPU: growth of the peak resident set over one forward + backward
+(VmHWM reset before the pass), with glibc's mmap threshold fixed at 64 KB
+(`MALLOC_MMAP_THRESHOLD_=65536`, which also turns off its dynamic threshold): every tensor of
+64 KB or more is its own mapping, returned on free, so the resident set follows the live tensors
+instead of the heap that set-up left behind. Mega at full length uses the fused attention kernel
+(`attention_recompute=None`: weights recomputed in the backward for spans over 512 keys), so
+its memory grows linearly and the 16K row runs.
 """
 
 from __future__ import annotations
@@ -37,9 +46,14 @@ import subprocess
 import sys
 import time
 
-import torch
+from megalab.utils.runtime import configure_runtime
+
+RUNTIME = configure_runtime()  # before torch: OpenMP reads its environment when loaded
+
+import torch  # noqa: E402
 
 D_MODEL, Z_DIM, V_DIM, EMA_DIM, WINDOW = 128, 64, 256, 16, 128
+MMAP_THRESHOLD = 1 << 16  # bytes, for the CPU memory processes (see the module docstring)
 
 
 def build(kind: str, L: int, B: int, device: str):
@@ -115,7 +129,8 @@ def memory_isolated(args, kind: str, L: int, B: int) -> float:
     spec = json.dumps({"kind": kind, "L": L, "B": B})
     cmd = [sys.executable, __file__, "--device", args.device, "--threads", str(args.threads),
            "--memory-case", spec]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         return math.nan
     return float(out.stdout.strip().splitlines()[-1])
@@ -148,7 +163,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 16384])
     ap.add_argument("--rates", type=float, nargs="+", default=[0.1, 0.5, 1.0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens per batch (B = tokens // L)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="intra-op threads (CPU default 1)")
     ap.add_argument("--no-full", action="store_true", help="skip mega_full (slow at 16K on CPU)")
     ap.add_argument("--json", help="also write all rows to this file")
@@ -162,11 +177,24 @@ def main() -> None:
         print(peak_memory(c["kind"], c["L"], c["B"], args.device))
         return
 
-    alloc = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default") if args.device != "cpu" else (
-        "glibc malloc")  # fmt: skip
+    alloc = (
+        f"CUDA caching allocator ({os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'default')})"
+        if args.device != "cpu"
+        else f"glibc malloc {RUNTIME['malloc']}; memory processes MALLOC_MMAP_THRESHOLD_="
+        f"{MMAP_THRESHOLD}"
+    )
+    settings = {
+        "device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "omp_wait_policy": RUNTIME["omp_wait_policy"], "allocator": alloc,
+        "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "tokens_per_batch": args.tokens, "rounds": args.rounds,
+        "load_average_start": os.getloadavg()[0],
+    }  # fmt: skip
     print(f"# SeqBoat benchmark: device={args.device}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} intra-op threads, allocator {alloc}, "
-          f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, d={D_MODEL}, "
+          f"{settings['threads']} intra-op threads (OMP_NUM_THREADS={settings['omp_num_threads']}, "
+          f"OMP_WAIT_POLICY {settings['omp_wait_policy']}), allocator {alloc}, "
+          f"{settings['cpu']}, {os.cpu_count()} CPUs, d={D_MODEL}, "
           f"W={WINDOW}, tokens/batch={args.tokens}, {args.rounds} rotated rounds after warm-up, "
           f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(
@@ -202,9 +230,11 @@ def main() -> None:
                   f"{row['speed_vs_full']:.2f} | {row['speed_vs_chunk']:.2f} | "
                   f"{mem[k]:,.0f} | {row['memory_vs_full']:.2f} | {share} |",
                   flush=True)  # fmt: skip
+    settings["load_average_end"] = os.getloadavg()[0]
+    print(f"\n# load average at the end {settings['load_average_end']:.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"settings": settings, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -290,3 +290,16 @@ def test_offline_sweep_runs_a_two_point_smoke_grid_and_plots(tmp_path: Path) -> 
     assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out / "table.md").read_text()
     assert "mega/lra_listops model.backbone.chunk_size=16" in text
+
+
+def test_cpu_smoke_skips_seqboat_full_on_pathx_but_runs_seqboat(tmp_path: Path) -> None:
+    """SeqBoat-full attends over every activated pixel of Path-X whatever its chunk_size (the
+    window of SeqBoat): quadratic in 16K on a CPU, so the smoke skips it; SeqBoat's window of
+    256 runs."""
+    s = sw.load_sweep(ROOT / "sweeps" / "seqboat_lra_pathx.yaml")
+    plan = sw.plan_sweep(
+        s, tmp_path / "out", seeds=[1], smoke_overrides=sw.SMOKE_OVERRIDES, smoke=True
+    )
+    skipped = {p.params["experiment"]: p.skip for p in plan.skipped}
+    assert "on a CPU" in skipped["seqboat_full/lra_pathx"]
+    assert "seqboat/lra_pathx" not in skipped

@@ -369,6 +369,8 @@ def check_points(points: list[Point], smoke: bool) -> None:
                     length = int(OmegaConf.select(cfg, "data.max_len", default=0) or 0)
                     chunk = int(OmegaConf.select(cfg, "model.backbone.chunk_size", default=-1))
                     span = min(length, chunk) if chunk > 0 else length
+                    if OmegaConf.select(cfg, "model.backbone.attention", default=None) == "full":
+                        span = length  # SeqBoat-full: every activated token, whatever chunk_size
                     if length * span > SMOKE_MAX_CPU_ATTENTION:
                         point.skip = (
                             f"attention over {length:,} x {span:,} positions per example takes "

@@ -945,11 +945,13 @@ def render_table(
         lines.append(
             "**Smoke runs** (2 training steps on fixture data): ours only checks the pipeline."
         )
-    relative = [c.label for c in shown if c.relative_to]
+    relative = [c for c in shown if c.relative_to]
     if relative:
+        inverse = [c.label for c in relative if c.inverse]
         lines.append(
-            f"Ratios ({', '.join(relative)}): ours is the ratio of our mean to the reference "
-            "row's in the same column (a speed-up: its step time over ours)."
+            f"Ratios ({', '.join(c.label for c in relative)}): ours is the ratio of our mean to "
+            "the reference row's in the same column"
+            + (f" ({', '.join(inverse)}: a speed-up, its step time over ours)." if inverse else ".")
         )
     lines.append("")
     lines.append("| Model | | " + " | ".join(c.label for c in shown) + " |")

@@ -359,3 +359,40 @@ def test_parameter_count_enwik8() -> None:
     assert n == 38_946_362
     assert round((n + 204 * 616) / 1e6, 2) == 39.07
     assert math.isclose((n + 256 * 616) / 1e6, 39.10, abs_tol=0.005)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"attention": "full", "max_positions": 10},
+        {"attention": "full", "causal": True, "attention_activation": "relu2"},
+        {"attention": "full", "causal": True, "rel_pos_bias": "rotary"},
+    ],
+    ids=["bidirectional_softmax", "causal_relu2", "causal_rotary"],
+)
+def test_full_attention_in_query_blocks_equals_one_block(monkeypatch, kw: dict) -> None:
+    """SeqBoat-full runs its queries in recomputed blocks when (B, L', L') is large (Path-X):
+    outputs, gradients and the span statistic equal the one-block pass. (A stream's steps are
+    one block each; the contract suite checks streaming.)"""
+    import megalab.nn.sma as sma
+
+    layer = make_layer(seed=8, **kw)
+    layer.act_bias = -0.4
+    x, mask = data()
+
+    def run(elements: int):
+        monkeypatch.setattr(sma, "DENSE_BLOCK_ELEMENTS", elements)
+        xi = x.clone().requires_grad_(True)
+        y, _, rep = layer(xi, mask, details=True)
+        grads = torch.autograd.grad(
+            (y * mask.unsqueeze(-1)).square().sum(), [xi, *layer.parameters()]
+        )
+        return y.detach(), rep, grads
+
+    y1, r1, g1 = run(1 << 24)
+    y2, r2, g2 = run(3 * 23 * 2)  # 2 queries per block: 12 blocks
+    assert 0 < r1.details["active"].sum() < mask.sum()
+    torch.testing.assert_close(y2, y1, rtol=1e-12, atol=1e-12)
+    for a, b in zip(g2, g1):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(r2.span, r1.span, rtol=1e-6, atol=0)

@@ -9,6 +9,11 @@ state dict for the matching megalab module (load it with `load_state_dict(..., s
     convert_lm_model   the slag LM decoder (enwik8)           -> LanguageModelingTask(encoder,
                                                                  SeqBoat, head)
 
+The golden cases (tests/models/test_seqboat_golden.py) check `convert_unit` and
+`convert_lra_model` against the authors' tensors. No reference tensors exist for the LM decoder:
+`convert_lm_model` follows the module names of the authors' decoder (`seqboat_lm.py`,
+`seqboat_layer.py`) and is tested by a round trip of a state dict built in those names.
+
 Renames: the EMA `move.*` becomes `ssm.*` with Mega's renames (`delta`/`alpha` are the paper's
 α/δ, `gamma` is η; see `megalab.convert.mega.convert_ema`); the unit's `gamma`/`beta` (the Q/K
 scale and offset) become `kappa`/`mu`; `q_router.temp` (log τ) becomes `router.log_tau`;
@@ -156,16 +161,25 @@ def convert_lm_model(
     sd: Mapping[str, Tensor],
     encoder_prefix: str = "encoder.embed.",
     backbone_prefix: str = "backbone.",
+    head_prefix: str = "head.",
 ) -> dict[str, Tensor]:
     """The slag LM decoder (`slag_lm_enwik8_base_v2`) -> `LanguageModelingTask` state dict.
 
-    Expected names: `decoder.embed_tokens.weight` (the tied input/output table),
-    `decoder.layers.{i}.slag_layer.*` (the unit, as `convert_unit`), `decoder.layers.{i}.nffn.*`
-    when an FFN is present, and `decoder.final_norm.norm.*` when the final norm is affine. The
-    target is `LanguageModelingTask(SequenceEncoder(vocab_size=V, token_scale=True), SeqBoat(
-    causal=True, ...), LinearLMHead, tie_weights=True)` (configs/experiment/seqboat/enwik8),
-    whose tied head needs no entry. No reference tensors cover this mapping (the layer names
-    are the unit's, which the golden tests cover); an unexpected name raises.
+    The authors' `SeqBoatLanguageModel` (fairseq/models/seqboat_lm.py) holds
+    `SeqBoatDecoderNoCrossAttn` as `decoder`: `decoder.embed_tokens.weight` (the input table),
+    `decoder.layers.{i}.slag_layer.*` (each `SeqBoatDecoderLayer`'s unit, as `convert_unit`;
+    no `rel_pos_bias` entry under RoPE), `decoder.layers.{i}.nffn.*` when an FFN is present
+    (`--decoder-ffn-embed-dim` > 0), `decoder.final_norm.norm.*` when the final norm is affine
+    (none with `--no-affine-final-norm`), `decoder.output_projection.weight` (with
+    `--share-decoder-input-output-embed` the same tensor as the input table) and the buffer
+    `decoder.version`. The target is `LanguageModelingTask(SequenceEncoder(vocab_size=V,
+    token_scale=True), SeqBoat(causal=True, ...), LinearLMHead, tie_weights=True)`
+    (configs/experiment/seqboat/enwik8): the output projection becomes `head.proj.weight`, which
+    `load_state_dict(strict=True)` asks for even when tied.
+
+    No reference tensors exist for the LM (the golden cases cover the unit, whose names the
+    layers reuse, and the LRA encoder): tests/models/test_seqboat_convert.py checks the round
+    trip of a state dict written in the authors' names. An unexpected name raises.
     """
     dec = "decoder."
     out = _convert_layers(sd, dec, "slag_layer", backbone_prefix)
@@ -176,8 +190,10 @@ def convert_lm_model(
             out[encoder_prefix + "embedding.weight"] = t
         elif name.startswith(dec + "final_norm.norm."):
             out[backbone_prefix + name[len(dec) :]] = t
-        elif name in (dec + "output_projection.weight", dec + "version"):
-            continue  # the tied projection (same tensor as the embedding), a version marker
+        elif name == dec + "output_projection.weight":
+            out[head_prefix + "proj.weight"] = t  # tied: the embedding table itself
+        elif name == dec + "version":
+            continue  # fairseq's version marker
         else:
             raise _unknown("SeqBoat LM decoder", name)
     return out

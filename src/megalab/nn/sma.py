@@ -51,11 +51,14 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from megalab.models.state import register_state
 from megalab.nn.rope import apply_rope, rope_inv_freq
 
 MASK_VALUE = -5e4  # the code's local-attention mask value
+# Elements of one (B, queries, keys) tensor in full attention: 2^24 (64 MB in float32).
+DENSE_BLOCK_ELEMENTS = 1 << 24
 ATTENTION_MODES = ("local", "chunk", "full")
 ATTENTION_FUNCTIONS = ("softmax", "relu2")
 REL_POS_BIASES = ("simple", "rotary", "none")
@@ -646,7 +649,14 @@ class CompressedAttention(nn.Module):
         memory: WorkingMemory | None,
         return_memory: bool,
     ) -> tuple[Tensor, WorkingMemory | None, tuple[Tensor, Tensor]]:
-        """Full attention (and chunk mode on a stream): every query against [memory, packed]."""
+        """Full attention (and chunk mode on a stream): every query against [memory, packed].
+
+        Queries run in blocks of about `DENSE_BLOCK_ELEMENTS` / (B · keys) rows, so no
+        (B, L', L') tensor (mask, offsets, bias, weights) exists at once; with several blocks
+        under autograd each block is recomputed in the backward (`torch.utils.checkpoint`,
+        the RNG state kept for dropout), so memory stays linear in L' (SeqBoat-full on Path-X:
+        16K packed tokens). One block, as at LRA lengths or below, is the plain computation.
+        """
         B, Lq = q.shape[:2]
         mem = memory if memory is not None else self.empty_memory(B, k, v.shape[-1])
         M = mem.key.shape[1]
@@ -656,7 +666,49 @@ class CompressedAttention(nn.Module):
         n0 = mem.count.unsqueeze(1)
         kidx = n0 + torch.arange(-M, Lq, device=q.device)
         qidx = n0 + torch.arange(Lq, device=q.device)
-        allowed = KV.unsqueeze(1).expand(B, Lq, M + Lq)
+        block = max(1, min(Lq, DENSE_BLOCK_ELEMENTS // max(1, B * (M + Lq))))
+        recompute = block < Lq and torch.is_grad_enabled()
+        outs, spans = [], []
+        for s in range(0, Lq, block):
+            args = (q[:, s : s + block], K, V, KP, KV, kidx, qidx[:, s : s + block])
+            args += (pos[:, s : s + block], valid[:, s : s + block])
+            if recompute:
+                o, span = checkpoint(self._dense_block, *args, use_reentrant=False)
+            else:
+                o, span = self._dense_block(*args)
+            outs.append(o)
+            spans.append(span)
+        if len(outs) > 1:
+            o = torch.cat(outs, dim=1)
+            span = (sum(t[0] for t in spans), sum(t[1] for t in spans))  # type: ignore[assignment]
+        new_memory = None
+        if return_memory:
+            r_new = valid.sum(dim=1)
+            keep = self.memory_size
+            if keep is None:  # full attention remembers every activated token
+                keep = M + Lq
+            idx = (M + r_new - keep).unsqueeze(1) + torch.arange(keep, device=q.device)
+            inside = idx >= 0
+            idx = idx.clamp(min=0)
+            K_, V_, KP_, KV_ = (_gather_time(t, idx) for t in (K, V, KP, KV))
+            new_memory = WorkingMemory(K_, V_, KP_, KV_ & inside, mem.count + r_new)
+        return o, new_memory, span
+
+    def _dense_block(
+        self,
+        q: Tensor,
+        K: Tensor,
+        V: Tensor,
+        KP: Tensor,
+        KV: Tensor,
+        kidx: Tensor,
+        qidx: Tensor,
+        pos: Tensor,
+        valid: Tensor,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """One block of queries of `_dense` against every key: (O, span statistics)."""
+        B, Lq = q.shape[:2]
+        allowed = KV.unsqueeze(1).expand(B, Lq, K.shape[1])
         if self.causal:
             allowed = allowed & (kidx.unsqueeze(1) <= qidx.unsqueeze(2))
         if self.mode == "chunk":
@@ -670,19 +722,7 @@ class CompressedAttention(nn.Module):
             bias = self.rel_pos_bias(offset)
         relu_scale = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
         o = self._attend(q, K, V, allowed, bias, relu_scale)
-        span = _mask_span(rel, allowed, valid)
-        new_memory = None
-        if return_memory:
-            r_new = valid.sum(dim=1)
-            keep = self.memory_size
-            if keep is None:  # full attention remembers every activated token
-                keep = M + Lq
-            idx = (M + r_new - keep).unsqueeze(1) + torch.arange(keep, device=q.device)
-            inside = idx >= 0
-            idx = idx.clamp(min=0)
-            K_, V_, KP_, KV_ = (_gather_time(t, idx) for t in (K, V, KP, KV))
-            new_memory = WorkingMemory(K_, V_, KP_, KV_ & inside, mem.count + r_new)
-        return o, new_memory, span
+        return o, _mask_span(rel, allowed, valid)
 
 
 def _pad_time(t: Tensor, pad: int) -> Tensor:
