@@ -23,6 +23,13 @@ CASES = [
     ("mega", "causal_relu2_full_scalenorm", 24),
     # Llama: its key/value cache is the state (grouped-query attention).
     ("llama", "causal_gqa_maxlen", 32),
+    # Megalodon (c = 8): each block's CEMA state h (complex) and timestep-norm statistics, and
+    # the final norm's statistics cross; slices of 16 start on chunk boundaries (as the
+    # authors' chunk parallelism requires), slices of 14 also carry the open chunk's keys and
+    # values, and full attention its whole key/value prefix.
+    ("megalodon", "chunked_swiglu_two_heads", 32),
+    ("megalodon", "chunked_swiglu_two_heads", 28),
+    ("megalodon", "full_attention", 24),
 ]
 
 

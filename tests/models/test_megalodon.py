@@ -157,3 +157,26 @@ def test_bad_configurations_fail_early() -> None:
         Megalodon(d_model=16, z_dim=8, v_dim=8, ffn_dim=8, norm_groups=5)
     with pytest.raises(ValueError, match="multiples of num_heads"):
         Megalodon(d_model=16, z_dim=8, v_dim=9, ffn_dim=8, norm_groups=4, num_heads=2)
+
+
+def test_imagenet_experiment_parameter_count(compose_cfg) -> None:
+    """experiment=megalodon/imagenet: Mega's ImageNet widths (Megalodon's are not published)
+    give 82,892,008 parameters, not the paper's "about 90M" (Table 4), which is Mega's count
+    (90,734,140, tests/models/test_mega_vision.py): a Megalodon block at these widths has
+    6,794,240 weights against Mega's 7,385,991 (no update gate or reset projection), and no
+    position table or output projection."""
+    cfg = compose_cfg("experiment=megalodon/imagenet", "data.num_classes=1000", fast=False)
+    b = cfg.model.backbone
+    assert (b.num_layers, cfg.model.d_model, b.z_dim, b.v_dim, b.ffn_dim, b.cema_dim) == (
+        12, 768, 256, 1536, 1536, 16,
+    )  # fmt: skip
+    assert b.norm_type == "group" and not b.causal
+    with torch.device("meta"):
+        task = hydra.utils.instantiate(cfg.task)
+    D, S, E, F, N = 768, 256, 1536, 1536, 16
+    cema = 2 * D * N * 2 + 2 * D + 2 * D * N * 2 + D  # α, δ, θ, η (complex) both ways; ω
+    attn = 2 * D + cema + D + (D * S + S) + 2 * (D * E + E) + (D * D + D) + E * D + 4 * S
+    block = attn + 2 * D + 2 * D * F
+    assert block == 6_794_240
+    other = 2 * D + (16 * 16 * 3 * D + D) + (D * 1000 + 1000)  # final norm, patches, head
+    assert sum(p.numel() for p in task.parameters()) == 12 * block + other == 82_892_008

@@ -30,8 +30,11 @@ CEMA state h (B, D, N) and the keys/values of the open attention chunk, and the 
 statistics; feeding any segmentation of a sequence (segments of any length, chunk boundaries
 inside them or not) gives the outputs of one pass, which the authors' code allows only for
 segments shorter than the chunk or multiples of it. Lengths that are not a multiple of the
-chunk are padded inside attention. The stream's statistics are never truncated (the code's
-long-document evaluation re-estimates them over the last 6 chunks; we do not).
+chunk are padded inside attention. The stream's statistics are never truncated by the model;
+the code's long-document evaluation re-estimates them over the last 6 chunks every 8 chunks,
+which `megalab.long_context` offers as an option (`norm_refresh_after`, off by default) through
+`refresh_norm_state`. Chunk parallelism passes each block's state and the final norm's
+statistics (and their gradients) between ranks (`carried_modules`).
 
 The classifier variant (`causal=False`, the paper's LRA, Speech Commands and ImageNet models;
 no code was released for it) replaces every TimestepNorm by a group norm over the whole sequence
@@ -319,6 +322,42 @@ class Megalodon(Backbone):
             ],
             self.final_norm.initial_state(batch_size, like),
         )
+
+    def carried_modules(self) -> list[nn.Module]:
+        """The sub-modules that carry state along time, in order (chunk parallelism hook,
+        `megalab.parallel.chunk`): the blocks (each `m(x, mask, state) -> (y, state)` with its
+        timestep-norm statistics, CEMA state h and open-chunk keys/values) and the final
+        timestep norm (its statistics). What crosses a rank boundary is exactly what the
+        authors' chunk parallelism sends (the CEMA h and the norm statistics), plus the keys and
+        values of a chunk left open at the boundary when a slice does not end on one."""
+        self.initial_state(1, next(self.parameters()))  # raises for a bidirectional model
+        return [*self.layers, self.final_norm]
+
+    def refresh_norm_state(self, state: MegalodonState, fresh: MegalodonState) -> MegalodonState:
+        """`state` with every timestep-norm statistic (each layer's and the final norm's)
+        replaced by `fresh`'s; CEMA states and key/value caches are kept.
+
+        The authors' long-document evaluation (`inference.py`, TRUNCATE_CHUNKS = 8: once the
+        statistics cover 8 chunks they are re-estimated by a pass over the last 6 chunks from a
+        fresh state and swapped into every layer's cache and the final norm; not in the paper,
+        reference/megalodon-code.md §4.10). `megalab.long_context.score_stream` runs the fresh
+        pass (`norm_refresh_after`, `norm_refresh_window`; off by default) and calls this.
+        """
+        if not isinstance(state, MegalodonState) or not isinstance(fresh, MegalodonState):
+            raise TypeError(
+                "refresh_norm_state takes two MegalodonState (the carried state and the state "
+                f"of a fresh pass), got {type(state).__name__} and {type(fresh).__name__}"
+            )
+        if len(state.layers) != len(fresh.layers):
+            raise ValueError(
+                f"the fresh state has {len(fresh.layers)} layers, the carried one "
+                f"{len(state.layers)}: both must come from this model"
+            )
+        layers = [
+            MegalodonLayerState(new.norm, old.cema, old.kv)
+            for old, new in zip(state.layers, fresh.layers, strict=True)
+        ]
+        return MegalodonState(layers, fresh.final_norm)
 
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: MegalodonState | None = None

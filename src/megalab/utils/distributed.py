@@ -33,9 +33,10 @@ def block_classes() -> set[type]:
     `activation_checkpointing_policy` take a set of classes)."""
     from megalab.models.llama import LlamaBlock
     from megalab.models.mega import MegaBlock
+    from megalab.models.megalodon import MegalodonBlock
     from megalab.models.transformer import TransformerLayer
 
-    return {LlamaBlock, MegaBlock, TransformerLayer}
+    return {LlamaBlock, MegaBlock, MegalodonBlock, TransformerLayer}
 
 
 def gather_from_ranks(obj: Any) -> list[Any]:
