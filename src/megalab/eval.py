@@ -23,6 +23,7 @@ import yaml  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
+from megalab.memory import lightning_trainer_config  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR  # noqa: E402
 
@@ -72,7 +73,9 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
+    trainer = hydra.utils.instantiate(
+        lightning_trainer_config(cfg.trainer), logger=loggers or False, callbacks=[]
+    )
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record: dict[str, Any] = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}

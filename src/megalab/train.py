@@ -23,6 +23,7 @@ import lightning as L  # noqa: E402
 from omegaconf import DictConfig, open_dict  # noqa: E402
 
 from megalab.efficiency import efficiency_metrics  # noqa: E402
+from megalab.memory import lightning_trainer_config, plan_memory  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 
@@ -49,9 +50,12 @@ def build(cfg: DictConfig) -> dict[str, Any]:
         L.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
+    plan_memory(cfg, task)  # may raise trainer.accumulate_grad_batches, or fail early
     callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
-    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    trainer = hydra.utils.instantiate(
+        lightning_trainer_config(cfg.trainer), callbacks=callbacks, logger=loggers or False
+    )
     return {"datamodule": datamodule, "task": task, "trainer": trainer, "loggers": loggers}
 
 
