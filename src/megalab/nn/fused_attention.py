@@ -43,9 +43,11 @@ BIAS_KINDS = ("dense", "toeplitz", "lowrank")
 BLOCK_ELEMENTS = 1 << 24
 
 
-def query_block(n: int, cq: int, ck: int, block_elements: int = BLOCK_ELEMENTS) -> int:
-    """Queries per block so that one (n, block, ck) tensor holds about `block_elements`."""
-    return max(1, min(cq, block_elements // max(1, n * ck)))
+def query_block(n: int, cq: int, ck: int, block_elements: int | None = None) -> int:
+    """Queries per block so that one (n, block, ck) tensor holds about `block_elements`
+    (default `BLOCK_ELEMENTS`)."""
+    elements = BLOCK_ELEMENTS if block_elements is None else block_elements
+    return max(1, min(cq, elements // max(1, n * ck)))
 
 
 class _Spec:
