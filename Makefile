@@ -8,6 +8,9 @@ BIN := $(VENV)/bin
 # Pin torch for the install step (CI uses TORCH=torch==2.13.0, a local CPU wheel). Empty:
 # install torch only if it is not importable yet.
 TORCH ?=
+# The tested versions of every dependency (constraints.txt) for the install step; torch follows
+# TORCH, or stays as installed. Empty: install the newest versions pyproject.toml allows.
+CONSTRAINTS ?= constraints.txt
 PYTEST_ARGS ?=
 ARGS ?=
 
@@ -22,13 +25,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-install: $(BIN)/python ## Create .venv and install megalab with its dev tools
+install: $(BIN)/python ## Create .venv and install megalab with its dev tools (versions of constraints.txt)
 	@if [ -n "$(TORCH)" ]; then \
 		$(BIN)/python -m pip install --quiet "$(TORCH)"; \
 	elif ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		$(BIN)/python -m pip install --quiet torch; \
+		$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c "$(CONSTRAINTS)") torch; \
 	fi
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(if $(CONSTRAINTS),grep -v '^torch==' "$(CONSTRAINTS)" > $(VENV)/constraints-but-torch.txt)
+	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(VENV)/constraints-but-torch.txt) -e ".[dev]"
 
 train: install ## Quick start: a small Transformer on short ListOps (CPU, a few minutes)
 	$(BIN)/python -m megalab.train experiment=quickstart $(ARGS)
@@ -39,16 +43,17 @@ test: install ## Run the default test suite (excludes tests marked slow)
 test-full: install ## Run every test, including the slow ones
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: install ## Check style with ruff
+lint: install ## Check style with ruff and types with mypy (basic mode, src/)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy src
 
 format: install ## Format the code with ruff
 	$(BIN)/ruff check --fix src tests benchmarks
 	$(BIN)/ruff format src tests benchmarks
 
 clean: ## Remove caches and build artefacts (keeps .venv, data/ and logs/)
-	rm -rf build dist .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf build dist .pytest_cache .ruff_cache .mypy_cache src/*.egg-info
 	find . -name __pycache__ -type d -not -path "./$(VENV)/*" -prune -exec rm -rf {} +
 
 # --- Reproducing the papers' tables ---------------------------------------------------------
@@ -73,11 +78,11 @@ REPRO_PY = $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 MEGA_ABLATIONS := $(addprefix sweeps/mega_lra_,text_chunk_size.yaml image_chunk_size.yaml \
 	text_ema_dim.yaml image_ema_dim.yaml text_attention.yaml image_attention.yaml)
 
-# $(call reproduce,<sweep files>,<paper tables to render>)
+# $(call reproduce,<sweep files>,<paper tables to render>[,<overrides for every run>])
 define reproduce
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
 	$(REPRO_PY) -m megalab.sweep $(1) --out "$$dir" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) \
-		$(foreach o,$(ONLY),--only $(o)) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS); \
+		$(foreach o,$(ONLY),--only $(o)) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) $(3); \
 	status=$$?; \
 	$(REPRO_PY) -m megalab.tables "$$dir" $(foreach t,$(2),--table $(t)) || status=1; \
 	echo "Runs, table.md and plots: $$dir"; \
@@ -86,11 +91,161 @@ endef
 
 .PHONY: reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc
 
-reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega and Mega-chunk on the 6 LRA tasks x SEEDS (SMOKE=1, TRAINER=)
-	$(call reproduce,sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,mega/table2_lra)
+reproduce-mega-lra: $(REPRO_INSTALL) ## Mega Table 2: Mega, Mega-chunk and the Transformer (XFM‡) on the 6 LRA tasks x SEEDS (SMOKE=1, TRAINER=)
+	$(call reproduce,sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml sweeps/transformer_lra.yaml,mega/table2_lra)
 
 reproduce-mega-ablations: $(REPRO_INSTALL) ## Mega Fig. 4 + Table 3: chunk size, EMA dim, attention fn on LRA Text/Image
 	$(call reproduce,$(MEGA_ABLATIONS),mega/fig4_chunk_size mega/fig4_ema_dim mega/table3_attention)
 
-reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big on raw Speech Commands SC10 x SEEDS
-	$(call reproduce,sweeps/mega_sc10.yaml,mega/table4_sc)
+reproduce-mega-sc: $(REPRO_INSTALL) ## Mega Table 4: Mega-chunk base and big (and the XFM row's Transformer) on raw Speech Commands SC10 x SEEDS
+	$(call reproduce,sweeps/mega_sc10.yaml sweeps/transformer_sc10.yaml,mega/table4_sc)
+
+# --- Mega: translation, language modelling, ImageNet, and the summary (Tables 1, 5, 6, 7) ----
+# SMOKE=1 settings where the paper's do not fit the fixture datasets (the tests' overrides,
+# tests/test_experiments.py): a small padded dictionary and short beams for the WMT fixture,
+# short LM segments, the ImageNet fixture's 3 classes (and, without timm, a plain transform).
+# `++` for keys of one task only: a multirun composes the base config (no experiment) first.
+MT_SMOKE = data.vocab_size=512 ++task.generation.max_len_b=30 ++task.val_generation.max_len_b=30
+IMAGENET_SMOKE = data.num_classes=3 $(shell $(REPRO_PY) -c "import timm.data" 2>/dev/null \
+	|| echo ++data.augment=basic ++data.mixup=0 ++data.cutmix=0)
+LM_SMOKE = data.max_len=64 data.eval_max_len=64 data.train_len_unit=10
+WT103_SMOKE = $(LM_SMOKE) data.vocab_size=61056
+ENWIK8_SMOKE = $(LM_SMOKE) data.sha256=null data.valid_size=3000 data.test_size=3000
+# Table 5 tests with longer attention chunks than training: WikiText-103 2048 in segments of 2
+# chunks, enwik8 4096 in segments of 3 (--test-chunk-size 2048/4096 --chunk-nums 2/3).
+WT103_TEST = $(if $(SMOKE),model.backbone.chunk_size=32 data.eval_max_len=64,model.backbone.chunk_size=2048 data.eval_max_len=4096)
+ENWIK8_TEST = $(if $(SMOKE),model.backbone.chunk_size=32 data.eval_max_len=64,model.backbone.chunk_size=4096 data.eval_max_len=12288)
+EVAL_SMOKE = trainer=cpu trainer.limit_test_batches=1 data.num_workers=0
+MEGA_TARGETS := reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc reproduce-mega-lm \
+	reproduce-mega-mt reproduce-mega-imagenet
+
+# $(call reproduce_lm,<experiment>,<folder>,<smoke overrides>,<test overrides>): train, then test
+# every run again with the paper's test chunk (megalab.eval_runs -> <run>/eval_metrics.json).
+define reproduce_lm
+	$(REPRO_PY) -m megalab.sweep sweeps/mega_lm.yaml --only experiment=$(1) --out "$$dir/$(2)" \
+		--seeds "$(SEEDS)" $(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) \
+		$(if $(SMOKE),$(3)) || status=1; \
+	$(REPRO_PY) -m megalab.eval_runs "$$dir/$(2)" --experiment $(1) --name paper_test_chunk \
+		$(4) $(if $(TRAINER),trainer=$(TRAINER)) $(if $(SMOKE),$(EVAL_SMOKE) \
+		paths.data_dir="$$dir/$(2)/smoke_data") || status=1;
+endef
+
+.PHONY: reproduce-mega-mt reproduce-mega-lm reproduce-mega-imagenet reproduce-mega
+
+reproduce-mega-mt: $(REPRO_INSTALL) ## Mega Table 6: Mega-softmax/laplace and Transformer-base on WMT'16 En<->De x SEEDS
+	$(call reproduce,sweeps/mega_mt.yaml,mega/table6_wmt,$(if $(SMOKE),$(MT_SMOKE)))
+
+reproduce-mega-lm: $(REPRO_INSTALL) ## Mega Table 5: WikiText-103 and enwik8, tested with the paper's longer chunks
+	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
+	$(call reproduce_lm,mega/wikitext103,wikitext103,$(WT103_SMOKE),$(WT103_TEST)) \
+	$(call reproduce_lm,mega/enwik8,enwik8,$(ENWIK8_SMOKE),$(ENWIK8_TEST)) \
+	$(REPRO_PY) -m megalab.tables "$$dir" --table mega/table5_lm || status=1; \
+	echo "Runs, table.md and plots: $$dir"; \
+	exit $$status
+
+reproduce-mega-imagenet: $(REPRO_INSTALL) ## Mega Table 7: Mega-base and DeiT-B on ImageNet-1k
+	$(call reproduce,sweeps/mega_imagenet.yaml,mega/table7_imagenet,$(if $(SMOKE),$(IMAGENET_SMOKE)))
+
+reproduce-mega: $(REPRO_INSTALL) ## Every Mega table (1-7, Fig. 4): all the targets above, then Table 1 over their runs
+	@status=0; \
+	for t in $(MEGA_TARGETS); do \
+		$(MAKE) --no-print-directory $$t REPRO_TIME=$(REPRO_TIME) REPRO_INSTALL= || status=1; \
+	done; \
+	dirs=$$(for t in $(MEGA_TARGETS); do echo "$(REPRO_ROOT)/$$t/$(REPRO_TIME)"; done); \
+	mkdir -p "$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
+	$(REPRO_PY) -m megalab.tables $$dirs --table mega/table1_summary \
+		--out "$(REPRO_ROOT)/$@/$(REPRO_TIME)" || status=1; \
+	exit $$status
+
+# --- Megalodon (Ma et al. 2024) ----------------------------------------------------------------
+# The Mega rows of these tables come from the same targets (Mega's sweeps, or Mega's experiments
+# inside the Megalodon sweep files).
+MEGALODON_ABLATIONS := $(addprefix sweeps/megalodon_lra_,chunk_size.yaml cema_dim.yaml \
+	norm_groups.yaml rope_base.yaml)
+
+.PHONY: reproduce-megalodon-lra reproduce-megalodon-sc reproduce-megalodon-wt103 \
+	reproduce-megalodon-pg19 reproduce-megalodon-imagenet reproduce-megalodon-ablations
+
+reproduce-megalodon-lra: $(REPRO_INSTALL) ## Megalodon Table 6: Megalodon(-chunk) and Mega(-chunk) on the 6 LRA tasks
+	$(call reproduce,sweeps/megalodon_lra.yaml sweeps/megalodon_lra_pathx.yaml sweeps/mega_lra.yaml sweeps/mega_lra_pathx.yaml,megalodon/table6_lra)
+
+reproduce-megalodon-sc: $(REPRO_INSTALL) ## Megalodon Table 7: Megalodon and Mega (base, big) on raw SC10
+	$(call reproduce,sweeps/megalodon_sc10.yaml sweeps/mega_sc10.yaml,megalodon/table7_sc)
+
+reproduce-megalodon-wt103: $(REPRO_INSTALL) ## Megalodon Table 8: Megalodon and Mega on WikiText-103
+	$(call reproduce,sweeps/megalodon_wt103.yaml,megalodon/table8_wt103)
+
+reproduce-megalodon-pg19: $(REPRO_INSTALL) ## Megalodon Table 5: Megalodon-1.3B on PG-19 (word-level perplexity)
+	$(call reproduce,sweeps/megalodon_pg19.yaml,megalodon/table5_pg19)
+
+reproduce-megalodon-imagenet: $(REPRO_INSTALL) ## Megalodon Table 4: Megalodon, Mega and DeiT-B on ImageNet-1k
+	$(call reproduce,sweeps/megalodon_imagenet.yaml,megalodon/table4_imagenet)
+
+reproduce-megalodon-ablations: $(REPRO_INSTALL) ## Megalodon chunk size, CEMA dim, norm groups, RoPE base on LRA Text/Image
+	$(call reproduce,$(MEGALODON_ABLATIONS),)
+
+# --- SeqBoat (Ren et al., NeurIPS 2023) ----------------------------------------------------
+SEQBOAT_TABLE6 := seqboat/table6_train_speed seqboat/table6_train_memory seqboat/table6_eval_speed
+
+.PHONY: reproduce-seqboat-lra reproduce-seqboat-ablations reproduce-seqboat-sc reproduce-seqboat-enwik8
+
+reproduce-seqboat-lra: $(REPRO_INSTALL) ## SeqBoat Table 1 (+ Table 6 efficiency): SeqBoat and SeqBoat-full on the 6 LRA tasks
+	$(call reproduce,sweeps/seqboat_lra.yaml sweeps/seqboat_lra_pathx.yaml,seqboat/table1_lra $(SEQBOAT_TABLE6))
+
+reproduce-seqboat-ablations: $(REPRO_INSTALL) ## SeqBoat Tables 7-8 + Fig. 5: ablations, working-memory size, router temperature
+	$(call reproduce,sweeps/seqboat_ablations.yaml sweeps/seqboat_memory_size.yaml sweeps/seqboat_temperature.yaml,seqboat/table7_ablations_full seqboat/table8_ablations)
+
+reproduce-seqboat-sc: $(REPRO_INSTALL) ## SeqBoat Table 2: SeqBoat and Mega-chunk on raw Speech Commands SC10 x SEEDS
+	$(call reproduce,sweeps/seqboat_sc10.yaml,seqboat/table2_sc)
+
+reproduce-seqboat-enwik8: $(REPRO_INSTALL) ## SeqBoat Table 3: SeqBoat and Mega on enwik8 (8 GPUs per run)
+	$(call reproduce,sweeps/seqboat_enwik8.yaml,seqboat/table3_lm)
+
+# --- LaMemo (Ji et al., NAACL 2022) and Transformer-XL ------------------------------------------
+# SMOKE=1 runs on the fixtures, whose WikiText-103 has 61,056 word types and whose enwik8/text8
+# zips are 30,000 bytes without official checksums: these overrides fit the data to them (`++`:
+# a multirun over experiments first composes without them, where the keys do not exist).
+LAMEMO_SMOKE_WT103 := ++data.vocab_size=61056 ++data.max_len=64 ++data.eval_max_len=64
+LAMEMO_SMOKE_CHAR := ++data.sha256=null ++data.valid_size=3000 ++data.test_size=3000 \
+	++data.max_len=64 ++data.eval_max_len=64
+# Checkpoints for the Fig. 5 extrapolation (empty: train both models first).
+LAMEMO_CKPT ?=
+XL_CKPT ?=
+# $(call best_ckpt,<runs folder>,<experiment>): the best checkpoint a run of <experiment> wrote.
+best_ckpt = $(REPRO_PY) -c "import json, pathlib, sys; \
+	runs = [json.loads(p.read_text()) for p in sorted(pathlib.Path(sys.argv[1]).rglob('metrics.json'))]; \
+	print(next(r['best_checkpoint'] for r in runs if r['experiment'] == sys.argv[2]))" "$(1)" "$(2)"
+
+.PHONY: reproduce-lamemo-wt103 reproduce-lamemo-char reproduce-lamemo-ablations \
+	reproduce-lamemo-extrapolation
+
+reproduce-lamemo-wt103: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_WT103))
+reproduce-lamemo-wt103: $(REPRO_INSTALL) ## LaMemo Table 1: Transformer+RPE, XL, LaMemo on WikiText-103 x SEEDS (SMOKE=1)
+	$(call reproduce,sweeps/lamemo_wt103.yaml,lamemo/table1_wt103)
+
+reproduce-lamemo-char: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_CHAR))
+reproduce-lamemo-char: $(REPRO_INSTALL) ## LaMemo Table 2: the three models on text8 and enwik8 x SEEDS
+	$(call reproduce,sweeps/lamemo_char.yaml,lamemo/table2_char)
+
+reproduce-lamemo-ablations: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_WT103))
+reproduce-lamemo-ablations: $(REPRO_INSTALL) ## LaMemo Table 3: interpolation, look-ahead and RPE ablations
+	$(call reproduce,sweeps/lamemo_ablations.yaml,lamemo/table3_ablation)
+
+reproduce-lamemo-extrapolation: ARGS += $(if $(SMOKE),$(LAMEMO_SMOKE_WT103))
+reproduce-lamemo-extrapolation: $(REPRO_INSTALL) ## LaMemo Fig. 5: test memory 64..640 (LAMEMO_CKPT=, XL_CKPT=; else trains both)
+	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
+	lamemo="$(LAMEMO_CKPT)"; xl="$(XL_CKPT)"; \
+	if [ -z "$$lamemo" ] || [ -z "$$xl" ]; then \
+		$(REPRO_PY) -m megalab.sweep sweeps/lamemo_wt103.yaml --out "$$dir/train" --seeds 1 \
+			$(if $(SMOKE),--smoke) --only experiment=lamemo/wikitext103,transformer_xl/wikitext103 \
+			$(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) || exit 1; \
+		lamemo=$${lamemo:-$$($(call best_ckpt,$$dir/train,lamemo/wikitext103))}; \
+		xl=$${xl:-$$($(call best_ckpt,$$dir/train,transformer_xl/wikitext103))}; \
+	fi; \
+	$(REPRO_PY) -m megalab.sweep sweeps/lamemo_extrapolation.yaml --out "$$dir" --seeds 1 \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$lamemo" || status=1; \
+	$(REPRO_PY) -m megalab.sweep sweeps/lamemo_extrapolation_xl.yaml --out "$$dir" --seeds 1 \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$xl" || status=1; \
+	$(REPRO_PY) -m megalab.tables "$$dir" --table lamemo/fig5_extrapolation || status=1; \
+	echo "Runs, table.md and the plot: $$dir"; \
+	exit $$status

@@ -64,6 +64,8 @@ FIXTURE_OVERRIDES["pg19"] = [*_LM_SHORT, "data.vocab_size=400", "data.tokenizer_
 # Mega on WikiText-103 has 252M parameters (~200M in its 16 layers whatever the vocabulary), the
 # PG-19 Transformer 110M (85M in its layers: GPT-2 small's shape, like DeiT-B above).
 HEAVY |= {"mega/wikitext103", "transformer/pg19"}
+# The ~100M Llama on PG-19 (85M in its 12 layers, like the PG-19 Transformer).
+HEAVY |= {"llama/pg19"}
 
 # LRA (tests/fixtures/lra_*.py): the Text and Retrieval fixtures hold one document longer than
 # 4000 bytes (to test truncation); 512 tokens keep full attention over a fixture batch cheap.
@@ -74,7 +76,81 @@ FIXTURE_OVERRIDES["lra_retrieval"] = ["data.max_len=512"]
 # (a Transformer fixture step at batch 4 went past 20 GB and was killed): these train in the
 # slow suite on a CUDA machine only (`GPU_ONLY`), and are instantiated everywhere.
 GPU_ONLY: set[str] = {"transformer/lra_pathx", "mega/lra_pathx", "mega_chunk/lra_pathx"}
+# SeqBoat on Path-X: 6 layers over 16,384 pixels (look-around blocks of 3 x 256 keys, or full
+# attention over the activated half for SeqBoat-full) do not fit a CPU fixture step either.
+GPU_ONLY |= {"seqboat/lra_pathx", "seqboat_full/lra_pathx"}
 HEAVY |= GPU_ONLY
+# The 30 SeqBoat ablations (Tables 7-8) change one to three backbone keys of seqboat/lra_image,
+# lra_listops and lra_pathfinder, which train in the default suite; each variant's code path
+# trains in tests/models/test_seqboat.py. They compose in the default suite and train in the slow
+# one, which keeps the default suite within its time budget.
+HEAVY |= {n for n in EXPERIMENTS if n.startswith("seqboat_ablation/")}
+# SeqBoat on enwik8 (Table 5: 14 layers at D = 616, 39M parameters over 8,192-token blocks):
+# about 2 minutes for two CPU steps.
+HEAVY |= {"seqboat/enwik8"}
+
+# WMT'16 En-De (megalab/testing/wmt.py): 160 training pairs, whose BPE and dictionary cover a
+# few dozen subwords; the dictionary is padded to data.vocab_size, 512 here instead of 33,000.
+# Fixture sentences have at most 22 subwords: beam search stops at 30 output tokens instead of
+# fairseq's 200 (an untrained model never ends a sentence, and each step runs 6 decoder layers
+# of Mega-base). The variants of the two base experiments (Mega-laplace, German->English, the
+# big arch) train in the slow suite.
+FIXTURE_OVERRIDES["wmt16_en_de"] = [
+    "data.vocab_size=512",
+    "task.generation.max_len_b=30",
+    "task.val_generation.max_len_b=30",
+]
+HEAVY |= {
+    "mega/wmt16_en_de_laplace",
+    "mega/wmt16_de_en",
+    "mega/wmt16_de_en_laplace",
+    "mega/wmt16_en_de_big",
+    "transformer/wmt16_de_en",
+}
+
+
+# Megalodon (Ma et al. 2024): ImageNet (83M) and WikiText-103 (252M) train in the slow suite
+# like Mega's; Path-X (16,384 pixels) on a GPU only. The 1.3B PG-19 model and the 7B
+# pretraining recipe do not fit a 2-step CPU run (weights, gradients and Adam moments: 21 GB and
+# 118 GB): they train at a tiny width (`EXPERIMENT_OVERRIDES`, same recipe otherwise), and
+# their presets' parameter counts are checked on the meta device (tests/models/test_megalodon.py).
+HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
+GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
+HEAVY |= GPU_ONLY
+_MEGALODON_TINY = [
+    "model.d_model=64",
+    "model.backbone.num_layers=2",
+    "model.backbone.z_dim=32",
+    "model.backbone.v_dim=64",
+    "model.backbone.ffn_dim=96",
+    "model.backbone.norm_groups=4",
+    "model.backbone.chunk_size=16",
+]
+EXPERIMENT_OVERRIDES: dict[str, list[str]] = {
+    "megalodon/pg19": _MEGALODON_TINY,
+    "megalodon/pretrain_7b": _MEGALODON_TINY,
+}
+# Transformer-XL / LaMemo (151M on WikiText-103, 41M on characters, 16-26 s each for two steps
+# here): one per model family trains in the default suite, the others in the slow one.
+HEAVY |= {
+    "lamemo/wikitext103",
+    "lamemo/wikitext103_no_interpolation",
+    "lamemo/wikitext103_no_look_ahead",
+    "lamemo/wikitext103_xl_rpe",
+    "lamemo/text8",
+    "transformer_xl/wikitext103",
+    "transformer_xl/wikitext103_base",
+    "transformer_xl/enwik8",
+    "transformer_xl/enwik8_base",
+    "transformer_rpe/wikitext103",
+    "transformer_rpe/text8",
+}
+
+# Per experiment: sizes only the fixture forces. Transformer-XL's own WikiText-103 softmax
+# splits at 200,000 words, beyond the fixture's 61,056 types.
+EXPERIMENT_OVERRIDES |= {
+    "transformer_xl/wikitext103_base": ["model.encoder.cutoffs=[20000,40000,60000]"],
+}
 
 
 def test_experiments_exist() -> None:
@@ -87,7 +163,12 @@ def fixture_overrides(compose_cfg, name: str) -> list[str]:
     cfg = compose_cfg(f"experiment={name}")
     data = HydraConfig.get().runtime.choices["data"]
     batch = 4 * int(cfg.trainer.get("accumulate_grad_batches") or 1)
-    return [f"data.batch_size={batch}", "data.eval_batch_size=4", *FIXTURE_OVERRIDES.get(data, [])]
+    return [
+        f"data.batch_size={batch}",
+        "data.eval_batch_size=4",
+        *FIXTURE_OVERRIDES.get(data, []),
+        *EXPERIMENT_OVERRIDES.get(name, []),
+    ]
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:

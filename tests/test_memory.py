@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from megalab import memory
-from megalab.memory import MemoryPlanError, lightning_trainer_config, plan_memory, probe
+from megalab.memory import MemoryPlanError, plan_memory, probe
 from megalab.train import build
+from megalab.utils.run import instantiate_trainer, lightning_trainer_config
 
 GB = 2**30
 
@@ -31,11 +32,25 @@ def _cfg(compose_cfg, *overrides: str):
 
 
 def test_trainer_keys_of_megalab_are_not_passed_to_lightning(compose_cfg) -> None:
-    cfg = compose_cfg("trainer.max_tokens_per_step=1000")
+    cfg = compose_cfg("trainer.max_tokens_per_step=1000", "trainer.memory_check=false")
     assert "max_tokens_per_step" in cfg.trainer and "memory_check" in cfg.trainer
     clean = lightning_trainer_config(cfg.trainer)
     assert "max_tokens_per_step" not in clean and "memory_check" not in clean
     assert clean.max_steps == cfg.trainer.max_steps
+    assert cfg.trainer.max_tokens_per_step == 1000  # the run's config keeps them
+    trainer = instantiate_trainer(cfg.trainer, logger=False, callbacks=[])
+    assert trainer.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize(
+    "override", ["trainer.memory_check=maybe", "trainer.max_tokens_per_step=0"]
+)
+def test_the_config_schema_checks_the_memory_keys(compose_cfg, override: str) -> None:
+    from megalab.config_schema import ConfigError, validate
+
+    validate(compose_cfg("trainer.max_tokens_per_step=4096"))
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        validate(compose_cfg(override))
 
 
 def test_the_per_example_estimate_is_linear_in_the_batch(compose_cfg) -> None:
@@ -130,6 +145,6 @@ def test_probes_never_run_past_the_memory(compose_cfg, monkeypatch) -> None:
         return real_probe(task, data, examples, train, device, length)
 
     monkeypatch.setattr(memory, "probe", recording_probe)
-    with pytest.raises(MemoryPlanError, match="extrapolated from .* at length 512"):
+    with pytest.raises(MemoryPlanError, match=r"extrapolated from .* at length 512"):
         plan_memory(cfg, task)
     assert lengths == [512]

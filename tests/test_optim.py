@@ -13,6 +13,7 @@ from megalab.optim import (
     build_param_groups,
     constant_warmup,
     cosine_warmup,
+    inverse_sqrt,
     linear_warmup_decay,
 )
 
@@ -119,6 +120,15 @@ def test_cosine_and_constant_schedules() -> None:
         2.0,
         2.0,
     ]
+
+
+def test_inverse_sqrt_is_fairseqs() -> None:
+    peak, W, init = 5e-4, 8, 1e-7
+    lrs = _lrs(inverse_sqrt, 40, peak, total_steps=100, warmup_steps=W, init_lr=init)
+    assert lrs[0] == pytest.approx(init)
+    assert lrs[4] == pytest.approx(init + 4 * (peak - init) / W)
+    assert lrs[W] == pytest.approx(peak)
+    assert lrs[32] == pytest.approx(peak * math.sqrt(W) / math.sqrt(32))
 
 
 def test_schedules_need_a_finite_horizon() -> None:

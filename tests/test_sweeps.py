@@ -26,6 +26,11 @@ from megalab import sweep as sw
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
 SCHEMA = json.loads((ROOT / "sweeps" / "wandb_sweep.schema.json").read_text())
 ABLATIONS = [p for p in SWEEPS if p.stem.startswith(("mega_lra_text_", "mega_lra_image_"))]
+# Megalodon's ablations sweep an experiment list too (LRA Text and Image).
+ABLATIONS += [
+    p for p in SWEEPS if p.stem.startswith("megalodon_lra_") and not p.stem.endswith("pathx")
+]
+# Language-model sweeps optimise the validation loss (LanguageModelingTask logs val/loss).
 
 
 def _points() -> list[tuple[str, dict]]:
@@ -81,11 +86,21 @@ def test_sweep_runs_megalab_train_with_hydra_overrides(path: Path) -> None:
     assert command[-1] == "${args_no_hyphens}"  # key=value: Hydra overrides
     assert "logger=wandb" in command and "logger.wandb.offline=false" in command
     assert cfg["method"] == "grid"
-    # What the W&B logger sees: ClassificationTask logs val/acc_best after every validation.
-    assert cfg["metric"] == {"name": "val/acc_best", "goal": "maximize"}
+    # What the W&B logger sees after every validation: ClassificationTask logs val/acc_best,
+    # the language-model task val/loss (test/loss for test-only sweeps of a trained
+    # checkpoint), the seq2seq task val/bleu.
+    goals = {
+        "val/acc_best": "maximize",
+        "val/loss": "minimize",
+        "test/loss": "minimize",
+        "val/bleu": "maximize",
+    }
+    assert cfg["metric"]["goal"] == goals[cfg["metric"]["name"]]
     experiments = [c for c in command if c.startswith("experiment=")]
     assert experiments or "experiment" in cfg["parameters"]
-    assert sw.load_sweep(path).fixed == experiments  # offline: the logger is the config's own
+    fixed = sw.load_sweep(path).fixed
+    assert [c for c in fixed if c.startswith("experiment=")] == experiments
+    assert not any(c.startswith("logger") for c in fixed)  # offline: the config's own logger
 
 
 def test_classification_task_logs_the_sweep_metric() -> None:
@@ -124,9 +139,13 @@ def test_every_grid_point_composes(hydra_compose, name: str, point: dict) -> Non
     for key, value in point.items():
         got = cfg.experiment_name if key == "experiment" else OmegaConf.select(cfg, key)
         assert got == value, key
-    backbone = cfg.model.backbone
-    if backbone.get("chunk_size", 0) == -1:  # full attention: the bias table spans the input
+    backbone = cfg.model.get("backbone") or {}
+    if backbone.get("chunk_size", 0) == -1 and "max_positions" in backbone:
+        # full attention: the bias table spans the input
         assert backbone.max_positions >= cfg.data.max_len
+    seq2seq = cfg.model.get("encoder_decoder")  # translation: sentences up to data.max_len
+    if seq2seq is not None:
+        assert min(seq2seq.max_source_positions, seq2seq.max_target_positions) >= cfg.data.max_len
 
 
 @pytest.mark.parametrize("path", ABLATIONS, ids=lambda p: p.name)

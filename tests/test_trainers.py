@@ -18,7 +18,7 @@ def test_trainer_config_composes(compose_cfg, name: str) -> None:
     assert cfg.trainer._target_ == "lightning.pytorch.trainer.Trainer"
     if "strategy" in cfg.trainer:
         strategy = hydra.utils.instantiate(cfg.trainer.strategy)
-        assert type(strategy).__name__ in ("DDPStrategy", "FSDPStrategy")
+        assert type(strategy).__name__ in ("DDPStrategy", "FSDPStrategy", "ChunkParallelStrategy")
 
 
 def test_fsdp_wraps_each_large_layer(compose_cfg) -> None:
@@ -42,4 +42,26 @@ def test_gpu_trainers_run_two_steps(compose_cfg, trainer: str) -> None:
         "model=mega",
         "data.batch_size=4",
     )
+    assert train(cfg)["global_step"] == 2
+
+
+def test_fsdp_blocks_wraps_and_checkpoints_every_block(compose_cfg) -> None:
+    from megalab.models.llama import LlamaBlock
+    from megalab.models.mega import MegaBlock
+
+    cfg = compose_cfg("trainer=fsdp_blocks", "model=llama_7b", fast=False)
+    strategy = hydra.utils.instantiate(cfg.trainer.strategy)
+    assert {LlamaBlock, MegaBlock} <= hydra.utils.instantiate(cfg.trainer.strategy.auto_wrap_policy)
+    assert strategy._activation_checkpointing_kwargs  # a policy is set
+    assert cfg.trainer.precision == "bf16-mixed"
+
+
+@pytest.mark.gpu
+def test_fsdp_blocks_trains_a_llama_two_steps(compose_cfg) -> None:
+    """One GPU: every LlamaBlock an FSDP unit with activation checkpointing."""
+    cfg = compose_cfg(
+        "trainer=fsdp_blocks", "trainer.devices=1", "trainer.max_steps=2",
+        "trainer.limit_val_batches=1", "trainer.limit_test_batches=1", "model=llama",
+        "model.backbone.num_layers=2", "data.batch_size=4",
+    )  # fmt: skip
     assert train(cfg)["global_step"] == 2

@@ -25,6 +25,7 @@ class Batch(TypedDict, total=False):
         interleaves several).
     num_words: (B,) int, words covered by the scored tokens (word-level perplexity with a
         subword vocabulary).
+    index: (B,) int, the examples' positions in their split (seq2seq: raw references).
     """
 
     inputs: Tensor
@@ -36,3 +37,4 @@ class Batch(TypedDict, total=False):
     reset: bool | Tensor
     stream_group: int | Tensor
     num_words: Tensor
+    index: Tensor

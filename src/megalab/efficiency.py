@@ -275,7 +275,8 @@ class EfficiencyMonitor(Callback):
 
 def efficiency_metrics(trainer: L.Trainer) -> dict[str, float]:
     """The `eff/*` averages of the trainer's `EfficiencyMonitor`, if it has one."""
-    for callback in trainer.callbacks:
+    # `Trainer.callbacks` is a property set up by its callback connector (not in the stubs).
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, EfficiencyMonitor):
             return callback.summary()
     return {}

@@ -1,10 +1,19 @@
 """Test a checkpoint: `python -m megalab.eval ckpt_path=<run>/checkpoints/last.ckpt`.
 
+`mode=long_context` scores a whole split as one long document instead, in segments with the
+carried state and bounded memory, with perplexity per context-position bucket and its plot
+(`megalab.long_context`; settings under `long_context.*`).
+
 When the checkpoint lies in a megalab run directory, the run's own `data`, `model`, `task`,
 `optim` and `scheduler` configs are used, so no overrides need repeating; command-line
-overrides of those groups still apply on top. Writes `eval_metrics.json` into this evaluation's
-output directory and, for a checkpoint of a megalab run, into that run's directory, where
-`megalab-tables` takes its metrics over the ones the training run recorded.
+overrides of those groups still apply on top. A run folder is data (it may come from anyone):
+its config may name only megalab's classes and the library classes megalab's configs use
+(`megalab.utils.safe_config`), and its checkpoint is loaded with `weights_only=True` after its
+checksum is verified; anything else is refused before it is built.
+
+Writes `eval_metrics.json` into this evaluation's output directory and, for a checkpoint of a
+megalab run, into that run's directory, where `megalab-tables` takes its metrics over the ones
+the training run recorded.
 """
 
 from __future__ import annotations
@@ -23,9 +32,11 @@ import yaml  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
-from megalab.memory import lightning_trainer_config  # noqa: E402
+from megalab.config_schema import validate as validate_config  # noqa: E402
+from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR  # noqa: E402
+from megalab.utils.safe_config import check_targets  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +59,7 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         return cfg
     log.info("using the run config %s", run_cfg_path)
     run_cfg = OmegaConf.load(run_cfg_path)
+    assert isinstance(run_cfg, DictConfig), f"{run_cfg_path}: not a run config"
     with open_dict(cfg):
         for key in RUN_GROUPS:
             if key in run_cfg:
@@ -56,6 +68,11 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         for item in ours:
             key, _, value = item.lstrip("+").partition("=")
             OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
+    # The run folder is data: build nothing from it but megalab's classes (safe_config).
+    for key in RUN_GROUPS:
+        node = cfg.get(key)
+        if isinstance(node, DictConfig):
+            check_targets(node, f"{run_cfg_path} ({key})")
     return cfg
 
 
@@ -70,15 +87,26 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
+    validate_config(cfg)
+    mode = cfg.get("mode", "test")
+    if mode == "long_context":
+        from megalab.long_context import evaluate_long_context
+
+        record = evaluate_long_context(cfg)
+        record["metrics"] = {"long_context/loss": record["loss"], "long_context/ppl": record["ppl"]}
+        return record
+    if mode != "test":
+        raise ValueError(f"unknown eval mode {mode!r}; choose test or long_context")
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
-    trainer = hydra.utils.instantiate(
-        lightning_trainer_config(cfg.trainer), logger=loggers or False, callbacks=[]
-    )
+    trainer = run_utils.instantiate_trainer(cfg.trainer, logger=loggers or False, callbacks=[])
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
-    record: dict[str, Any] = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
+    record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
+    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
+    if callable(extras):
+        record.update(extras())
     out = Path(cfg.paths.output_dir) / "eval_metrics.json"
     run_utils.write_metrics(out, record)
     run_cfg_path = find_run_config(Path(cfg.ckpt_path))
@@ -94,15 +122,21 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     """Hydra entry point."""
     log_settings()
     overrides = list(HydraConfig.get().overrides.task)
-    cfg = merge_run_config(cfg, overrides)
-    record = evaluate(cfg)
+    with errors.reported():
+        cfg = merge_run_config(cfg, overrides)
+        record = evaluate(cfg)
     for key, val in sorted(record["metrics"].items()):
         if isinstance(val, float):
             print(f"{key} = {val:.4f}")
+
+
+def main() -> None:
+    """`megalab-eval`: the Hydra entry point, with the closest keys after a misspelled one."""
+    errors.run_entry_point(hydra_main, "eval")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
    forward without autograd with the peak of the live tensors it creates (its working set,
    which the backward also needs on top of the saved activations). Memory grows linearly in
    the batch, so the two sizes give the bytes per example and the fixed part. The probes run on
-   a copy of the task; an evaluation batch the line says does not fit is measured itself.
+   a copy of the task. When a step comes near the budget, the working set is also measured at a
+   larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds, not steps) and the
+   line is drawn through it: a blockwise attention's blocks stop growing with the batch.
 2. It estimates the peak of a step at micro-batch m (the parameters exist already):
        train(m) = parameters × (4 + 8 bytes: gradients, Adam's two moments) + saved(m) + work(m)
        eval(e)  = work(e)
@@ -23,9 +25,9 @@
    numbers and the settings that change them; likewise for the evaluation batch.
 
 `trainer.max_tokens_per_step` and `trainer.memory_check` (default true; false skips the probes)
-are megalab's keys in the `trainer` group: `lightning_trainer_config` removes them before the
-Lightning Trainer is built. BatchNorm models see their batch statistics per micro-batch when the
-plan accumulates: the log says so.
+are megalab's keys in the `trainer` group: `megalab.utils.run.instantiate_trainer`, which every
+entry point builds its trainer with, removes them before Lightning sees the config. BatchNorm
+models see their batch statistics per micro-batch when the plan accumulates: the log says so.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
 
-MEGALAB_TRAINER_KEYS = ("max_tokens_per_step", "memory_check")
 SAFETY = 0.85
+# The largest batch the plan measures, in tokens: beyond it the working set is extrapolated.
+PROBE_TOKENS = 16384
 # Bytes per parameter in training: fp32 weight, gradient and Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
 GB = 2**30
@@ -56,15 +59,6 @@ GB = 2**30
 
 class MemoryPlanError(RuntimeError):
     """The configuration cannot fit in the memory available, even one example at a time."""
-
-
-def lightning_trainer_config(trainer_cfg: DictConfig) -> DictConfig:
-    """The `trainer` group without megalab's own keys, as `lightning.Trainer` takes it."""
-    out = copy.deepcopy(trainer_cfg)
-    with open_dict(out):
-        for key in MEGALAB_TRAINER_KEYS:
-            out.pop(key, None)
-    return out
 
 
 # -- probing -----------------------------------------------------------------------------------
@@ -230,7 +224,7 @@ class MemoryPlan:
     measured_work: dict[int, float]  # working set measured at these batch sizes
 
     def work(self, m: int) -> float:
-        """Peak live bytes of a forward of m examples: measured, else the line through 1, 2."""
+        """Peak live bytes of a forward of m examples: measured, else the line (module docs)."""
         return self.measured_work.get(m, self.work_fixed + m * self.work_per_example)
 
     def train_peak(self, m: int) -> float:
@@ -364,38 +358,29 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
         measured_work={1: float(e1.peak), 2: float(e2.peak)},
     )
 
-    def measure(m: int, model: nn.Module = twin) -> None:
-        # The line through 1 and 2 examples misses what changes with the batch (a blockwise
-        # attention's blocks stop growing, other terms take over): measure the sizes that
-        # decide, but only those the line says fit (a probe must not run out of memory).
-        if m not in plan.measured_work:
-            plan.measured_work[m] = float(probe(model, data, m, False, device).peak)
+    if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
+        # Close enough to the budget for the line's error to matter. The line through 1 and 2
+        # examples misses what changes with the batch (a blockwise attention's blocks stop
+        # growing, other terms take over): measure the largest batch of at most PROBE_TOKENS
+        # tokens that the line puts at half the budget (a probe must not run out of memory,
+        # nor take longer than a few steps), and draw the line through it and 2 examples.
+        cap = max(2, PROBE_TOKENS // L)
+        size = max((e for e in range(3, cap + 1) if plan.eval_peak(e) <= budget / 2), default=2)
+        if size > 2:
+            plan.measured_work[size] = float(probe(twin, data, size, False, device).peak)
+            slope = (plan.measured_work[size] - plan.measured_work[2]) / (size - 2)
+            plan.work_per_example = max(0.0, slope)
+            plan.work_fixed = max(0.0, plan.measured_work[size] - size * plan.work_per_example)
 
     chosen = None
     for acc in range(max(1, accumulate), per_process + 1):
         m = per_process // acc
         if per_process % acc or (max_tokens and m > 1 and m * L > int(max_tokens)):
             continue
-        if plan.train_peak(m) > budget:
-            continue
-        if plan.train_peak(m) > budget / 2:
-            measure(m)  # close enough to the budget for the line's error to matter
         if plan.train_peak(m) <= budget:
             chosen = acc
             break
-    if plan.eval_peak(eval_batch) > budget / 2:
-        # Measure the largest batch the line puts at half the budget, and draw the line again
-        # through it: a working set that grows slower than at 1 and 2 examples shows there.
-        safe = max((e for e in range(2, eval_batch + 1) if plan.eval_peak(e) <= budget / 2),
-                   default=2)  # fmt: skip
-        if safe > 2:
-            measure(safe)
-            slope = (plan.measured_work[safe] - plan.measured_work[2]) / (safe - 2)
-            plan.work_per_example = max(0.0, slope)
-            plan.work_fixed = max(0.0, plan.measured_work[safe] - safe * plan.work_per_example)
-        if 0.75 * budget < plan.eval_peak(eval_batch) <= budget:
-            measure(eval_batch)  # close to the budget: confirm
-    del twin, measure
+    del twin
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if chosen is None:

@@ -169,6 +169,29 @@ def constant_warmup(
     return LambdaLR(optimizer, lambda t: min(1.0, t / warmup_steps) if warmup_steps > 0 else 1.0)
 
 
+def inverse_sqrt(
+    optimizer: torch.optim.Optimizer,
+    total_steps: int,
+    warmup_steps: int = 4000,
+    init_lr: float = 0.0,
+) -> LambdaLR:
+    """fairseq's `inverse_sqrt` (Vaswani et al. 2017): linear warmup from `init_lr` to each
+    group's lr over `warmup_steps`, then lr = peak · sqrt(W / t)."""
+    _check_steps(total_steps, warmup_steps)
+
+    def factor(peak: float) -> Callable[[int], float]:
+        def f(t: int) -> float:
+            if peak <= 0:
+                return 0.0
+            if warmup_steps > 0 and t < warmup_steps:
+                return (init_lr + t * (peak - init_lr) / warmup_steps) / peak
+            return math.sqrt(max(warmup_steps, 1) / max(t, 1))
+
+        return f
+
+    return LambdaLR(optimizer, [factor(g["lr"]) for g in optimizer.param_groups])
+
+
 def describe_groups(optimizer: torch.optim.Optimizer) -> Iterable[str]:
     """One line per parameter group (name, size, lr, weight decay) for the run log."""
     for g in optimizer.param_groups:

@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from megalab.utils.paths import CONFIG_DIR, project_root
+from megalab.utils.paths import CONFIG_DIR, project_root, resource_dir
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,8 @@ def sample_value(key: str, spec: dict[str, Any], rng: random.Random) -> Any:
         return rng.choice(list(spec["values"]))
     if "values" in spec and dist == "categorical_w_probabilities":
         return rng.choices(list(spec["values"]), weights=spec["probabilities"])[0]
-    lo, hi = spec.get("min"), spec.get("max")
+    lo: Any = spec.get("min")
+    hi: Any = spec.get("max")
     if dist == "int_uniform" or (dist is None and isinstance(lo, int) and isinstance(hi, int)):
         return rng.randint(int(lo), int(hi))
     if dist in (None, "uniform"):
@@ -525,6 +526,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def find_sweep_file(arg: str) -> Path:
+    """A sweep file by its path, else by its name (`sweeps/mega_lra.yaml`, `mega_lra`) among
+    the project's sweeps/ or, from an installed wheel, the sweep files it carries."""
+    path = Path(arg)
+    if path.is_file() or path.is_absolute():
+        return path
+    name = path.name if path.suffix in (".yaml", ".yml") else f"{path.name}.yaml"
+    known = resource_dir("sweeps") / name
+    return known if known.is_file() else path
+
+
 def split_args(args: Sequence[str]) -> tuple[list[Path], list[str]]:
     """Positional arguments -> (sweep files, Hydra overrides)."""
     files, overrides = [], []
@@ -532,10 +544,13 @@ def split_args(args: Sequence[str]) -> tuple[list[Path], list[str]]:
         if "=" in arg and not arg.endswith((".yaml", ".yml")):
             overrides.append(arg)
         else:
-            files.append(Path(arg))
+            files.append(find_sweep_file(arg))
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise SweepError(f"sweep file(s) not found: {', '.join(missing)}")
+        known = sorted(p.stem for p in resource_dir("sweeps").glob("*.yaml"))
+        raise SweepError(
+            f"sweep file(s) not found: {', '.join(missing)}; known sweeps: {', '.join(known)}"
+        )
     if not files:
         raise SweepError("name at least one sweep YAML (see sweeps/)")
     return files, overrides

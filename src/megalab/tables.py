@@ -28,15 +28,16 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
-from megalab.utils.paths import project_root
+from megalab.utils.paths import resource_dir
 
 log = logging.getLogger(__name__)
 
-TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(project_root() / "tables")))
+# tables/ of the project, or the copy an installed wheel carries
+TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(resource_dir("tables"))))
 
 MISSING = "missing"  # a reproducible cell without runs yet
 BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)
@@ -58,6 +59,9 @@ class Column:
     params: Mapping[str, Any] = field(default_factory=dict)
     mean_of: tuple[str, ...] = ()
     compare: bool = True
+    hidden: bool = False  # a component of a `mean_of` column: reproduced, not printed
+    relative_to: str | None = None  # ours as a ratio to this row's value in the same column
+    inverse: bool = False  # ratio = that row's / ours (a speed-up from step times)
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,9 @@ def _column(spec: Mapping[str, Any], defaults: Mapping[str, Any]) -> Column:
         params=_params(spec.get("params")),
         mean_of=tuple(spec.get("mean_of") or ()),
         compare=bool(spec.get("compare", True)),
+        hidden=bool(spec.get("hidden", False)),
+        relative_to=spec.get("relative_to", defaults.get("relative_to")),
+        inverse=bool(spec.get("inverse", defaults.get("inverse", False))),
     )
 
 
@@ -594,6 +601,30 @@ def summarize(table: PaperTable, runs: Sequence[Run]) -> dict[tuple[str, str], S
     for key, cell in table.cells.items():
         if cell.experiment:
             out[key] = aggregate([r for r in runs if matches(cell, r)], cell.metric, cell.scale)
+    return _relative(table, out)
+
+
+def _relative(
+    table: PaperTable, stats: dict[tuple[str, str], Stat | None]
+) -> dict[tuple[str, str], Stat | None]:
+    """Columns with `relative_to`: ours as the ratio of our means to that row's in the same
+    column (`inverse`: the row's over ours), like the papers' "relative to MEGA" columns."""
+    out = dict(stats)
+    for col in table.columns:
+        if not col.relative_to:
+            continue
+        base = stats.get((col.relative_to, col.id))
+        for row in table.rows:
+            stat = stats.get((row.id, col.id))
+            if stat is None:
+                continue
+            if base is None or base.mean == 0 or stat.mean == 0:
+                out[(row.id, col.id)] = None
+                continue
+            ratio = base.mean / stat.mean if col.inverse else stat.mean / base.mean
+            out[(row.id, col.id)] = Stat(
+                ratio, None, min(stat.n, base.n), stat.seeds, stat.smoke or base.smoke
+            )
     return out
 
 
@@ -692,7 +723,7 @@ def render_table(
     status = status or {}
     active = {k for k, v in stats.items() if v is not None} | set(status)
     skipped: dict[str, list[str]] = {}
-    shown = [c for c in table.columns if c.compare]
+    shown = [c for c in table.columns if c.compare and not c.hidden]
     hidden = [c.label for c in table.columns if not c.compare]
     lines = [f"### {table.paper} {table.table}: {table.title}".rstrip(": "), ""]
     lines.append(
@@ -703,14 +734,20 @@ def render_table(
         lines.append(
             "**Smoke runs** (2 training steps on fixture data): ours only checks the pipeline."
         )
+    relative = [c.label for c in shown if c.relative_to]
+    if relative:
+        lines.append(
+            f"Ratios ({', '.join(relative)}): ours is the ratio of our mean to the reference "
+            "row's in the same column (a speed-up: its step time over ours)."
+        )
     lines.append("")
     lines.append("| Model | | " + " | ".join(c.label for c in shown) + " |")
     lines.append("|---|---|" + "---:|" * len(shown))
     for row in table.rows:
         cells = [table.cell(row.id, c.id) for c in shown]
         reproducible = any(c is not None and c.experiment for c in cells)
-        if active:
-            reproducible = any((row.id, c.id) in active for c in shown)
+        if active:  # hidden columns count: their runs make the row's averages
+            reproducible = any((row.id, c.id) in active for c in table.columns)
         paper = [_paper_text(c, col.digits) for c, col in zip(cells, shown)]
         lines.append(f"| {row.label} | paper | " + " | ".join(paper) + " |")
         if not reproducible:
@@ -861,7 +898,7 @@ def plot_sweep(
     # Ordered numeric values (chunk size, EMA dimension) are joined by lines; categories
     # (attention functions) are not, and each series is shifted a little so they do not overlap.
     categorical = any(not isinstance(x, int | float) for s in series for x in s.x)
-    handles = []
+    handles: list[Any] = []  # matplotlib artists: error bar containers and lines
     notes: list[tuple[float, float, str, str]] = []  # paper labels: (x, y, text, color)
     for i, s in enumerate(series):
         color = colors[i % len(colors)]
@@ -892,7 +929,7 @@ def plot_sweep(
         if paper:
             (line,) = ax.plot(
                 [p for p, _ in paper],
-                [c.value for _, c in paper],
+                [cast(float, c.value) for _, c in paper],
                 linestyle="none",
                 marker="D",
                 markersize=9,
@@ -905,7 +942,12 @@ def plot_sweep(
             handles.append(line)
             for p, c in paper:
                 notes.append(
-                    (p, float(c.value), c.display if c.approx else _num(c.value, 2), color)
+                    (
+                        p,
+                        float(cast(float, c.value)),
+                        c.display if c.approx else _num(cast(float, c.value), 2),
+                        color,
+                    )
                 )
     # Paper values above their markers, stacked where points of several series coincide.
     ax.margins(y=0.14)
@@ -1001,15 +1043,22 @@ def build_report(
     if out is not None:
         keys = sorted({next(iter(r.swept)) for r in runs if len(r.swept) == 1})
         for key in keys:
-            table = next((t for t in tables if t.parameter == key), None)
+            swept_table = next((t for t in tables if t.parameter == key), None)
             m, s = metric, scale
-            if table is not None and table.reproducible:
-                m, s = table.reproducible[0].metric or metric, table.reproducible[0].scale
-            labels, series = sweep_series(key, runs, table, m, s)
+            if swept_table is not None and swept_table.reproducible:
+                m, s = (
+                    swept_table.reproducible[0].metric or metric,
+                    swept_table.reproducible[0].scale,
+                )
+            labels, series = sweep_series(key, runs, swept_table, m, s)
             if not series:
                 continue
             short = key.rsplit(".", 1)[-1]
-            title = f"{table.paper} {table.table}: {table.title}" if table else f"{m} vs {short}"
+            title = (
+                f"{swept_table.paper} {swept_table.table}: {swept_table.title}"
+                if swept_table
+                else f"{m} vs {short}"
+            )
             smoke = any(r.smoke for r in runs if r.swept and key in r.swept)
             plots.append(
                 plot_sweep(
@@ -1018,8 +1067,10 @@ def build_report(
                     labels,
                     series,
                     title=title,
-                    xlabel=(table.xlabel if table and table.xlabel else key),
-                    ylabel=(table.ylabel if table and table.ylabel else f"{m} × {s:g}"),
+                    xlabel=(swept_table.xlabel if swept_table and swept_table.xlabel else key),
+                    ylabel=(
+                        swept_table.ylabel if swept_table and swept_table.ylabel else f"{m} × {s:g}"
+                    ),
                     smoke=smoke,
                 )
             )

@@ -20,28 +20,27 @@ from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
 import lightning as L  # noqa: E402
-from omegaconf import DictConfig, open_dict  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
+from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
-from megalab.memory import lightning_trainer_config, plan_memory  # noqa: E402
+from megalab.memory import plan_memory  # noqa: E402
+from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
+from megalab.utils.checkpointing import RunInterrupted  # noqa: E402
+from megalab.utils.locking import unlock_run_folder  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
+from megalab.utils.run_folder import (  # noqa: E402
+    remember_wandb_run,
+    resolve_ckpt_path,
+    resume_command,
+    schedule_record,
+    start_run,
+)
 
 log = logging.getLogger(__name__)
 
 export_project_root()
-
-
-def reuse_wandb_run(cfg: DictConfig, output_dir: Path) -> None:
-    """On `ckpt_path=last`, log to the W&B run the interrupted run used (same id)."""
-    wandb_cfg = (cfg.get("logger") or {}).get("wandb")
-    if cfg.get("ckpt_path") != "last" or not wandb_cfg or wandb_cfg.get("id"):
-        return
-    runs = sorted((output_dir / "wandb").glob("*run-*"), key=lambda p: p.stat().st_mtime)
-    if runs:
-        with open_dict(cfg):
-            cfg.logger.wandb.id = runs[-1].name.rsplit("-", 1)[-1]
-        log.info("resuming W&B run %s", cfg.logger.wandb.id)
 
 
 def build(cfg: DictConfig) -> dict[str, Any]:
@@ -53,8 +52,8 @@ def build(cfg: DictConfig) -> dict[str, Any]:
     plan_memory(cfg, task)  # may raise trainer.accumulate_grad_batches, or fail early
     callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
-    trainer = hydra.utils.instantiate(
-        lightning_trainer_config(cfg.trainer), callbacks=callbacks, logger=loggers or False
+    trainer = run_utils.instantiate_trainer(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False
     )
     return {"datamodule": datamodule, "task": task, "trainer": trainer, "loggers": loggers}
 
@@ -67,17 +66,23 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """
     try:
         return _train(cfg)
+    except RunInterrupted as err:
+        err.message += f"\nResume it with:\n  {resume_command(cfg)}"
+        raise
     finally:
         run_utils.finish_wandb()
+        unlock_run_folder(cfg.paths.output_dir)
 
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
-    reuse_wandb_run(cfg, output_dir)
+    validate_config(cfg)
+    ckpt_path = start_run(cfg, output_dir)  # lock the folder, what to resume, the W&B run
     run_utils.save_config(cfg, output_dir / "config.yaml")
     objs = build(cfg)
     datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
     run_utils.log_hyperparameters(cfg, objs["loggers"], task)
+    remember_wandb_run(objs["loggers"], output_dir)
     params = run_utils.count_parameters(task)
     log.info(
         "model: %s parameters (%s trainable)", f"{params['total']:,}", f"{params['trainable']:,}"
@@ -86,7 +91,6 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     start = time.time()
     fit_metrics: dict[str, Any] = {}
     if cfg.get("train", True):
-        ckpt_path = run_utils.resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
         if ckpt_path:
             log.info("resuming from %s", ckpt_path)
         trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -97,6 +101,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("test", True):
         ckpt_cb = trainer.checkpoint_callback
         best_path = getattr(ckpt_cb, "best_model_path", "") or None
+        if best_path is None and not cfg.get("train", True) and cfg.get("ckpt_path"):
+            # Test only: the given checkpoint, with this config's overrides (e.g. a longer
+            # evaluation memory, LaMemo's Fig. 5).
+            best_path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
         if best_path is None:
             log.warning("no best checkpoint found: testing the current weights")
         results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
@@ -115,6 +123,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         "best_checkpoint": best_path,
         "global_step": trainer.global_step,
         "epochs": trainer.current_epoch,
+        **schedule_record(trainer),
         "params": params,
         "wall_time_s": round(time.time() - start, 3),
         "metrics": {**fit_metrics, **test_metrics},
@@ -124,21 +133,30 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     best = getattr(trainer.checkpoint_callback, "best_model_score", None)
     if best is not None and monitor:
         record["monitor_value"] = run_utils.to_number(best)
+    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
+    if callable(extras):
+        record.update(extras())
     run_utils.write_metrics(output_dir / "metrics.json", record)
     return record
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
     log_settings()
-    record = train(cfg)
+    with errors.reported():
+        record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
     for key, val in sorted(record["metrics"].items()):
         if key.startswith("test/") and isinstance(val, float):
             print(f"{key} = {val:.4f}")
     return float(value) if value is not None else None
+
+
+def main() -> None:
+    """`megalab-train`: the Hydra entry point, with the closest keys after a misspelled one."""
+    errors.run_entry_point(hydra_main, "train")
 
 
 if __name__ == "__main__":

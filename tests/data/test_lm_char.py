@@ -119,5 +119,7 @@ def test_cli_prepares_with_the_data_config(
     out = capsys.readouterr().out
     assert "text8 ready" in out and "train: 24,000 tokens" in out
     assert list((tmp_path / "text8" / "prepared" / "tokens").glob("*/meta.json"))
-    with pytest.raises(SystemExit, match=r"enwik8\.zip"):
-        main(["enwik8", "--root", str(tmp_path)])
+    assert main(["enwik8", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "enwik8.zip" in err and "--root" in err and "paths.data_dir" not in err
+    assert "Traceback" not in err

@@ -212,6 +212,15 @@ def test_datamodule_loaders_batches_and_spec() -> None:
     assert all(bool(b["reset"]) for b in random.train_dataloader())
 
 
+@pytest.mark.parametrize(
+    ("sampler", "kind"), [("stream", StreamBatches), ("random", RandomWindowBatches)]
+)
+def test_sampler_key_picks_the_training_batches_without_shadowing_the_method(sampler, kind) -> None:
+    dm = ArrayLM({"train": 400, "val": 51, "test": 60}, max_len=8, batch_size=4, sampler=sampler)
+    assert dm.train_sampling == sampler and isinstance(dm.batches("train"), kind)
+    assert callable(dm.sampler), "the config key must not replace SequenceDataModule.sampler()"
+
+
 def test_clear_errors_for_bad_settings_and_data() -> None:
     with pytest.raises(ValueError, match=r"token id 59.*data.vocab_size=50"):
         ArrayLM({"train": 60, "val": 10, "test": 10}, max_len=4, vocab_size=50).setup()

@@ -34,7 +34,8 @@ def _checkpoint_safe_globals() -> list[Any]:
     in its training state. Nothing else is allowed to be rebuilt.
     """
     allowed: list[Any] = [argparse.Namespace, np.dtype]
-    multiarray = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray
+    # numpy 2's stubs no longer declare np.core (the numpy 1 name): hence the ignore.
+    multiarray = getattr(getattr(np, "_core", None), "multiarray", None) or np.core.multiarray  # type: ignore[attr-defined]
     allowed.append(multiarray.scalar)
     allowed += [type(np.dtype(t)) for t in ("float64", "float32", "int64", "int32", "bool")]
     return allowed

@@ -8,6 +8,9 @@ state dict for the matching megalab module (load it with `load_state_dict(..., s
     convert_encoder_layer  MegaSentenceEncoderLayer     -> models.mega.MegaBlock
     convert_lra_model      LRAModel (Mega LRA)          -> ClassificationTask(encoder, Mega, head)
     convert_vision_mega    VisionMEGA (mega-image repo) -> ClassificationTask(encoder, Mega, head)
+    convert_gated_cross_attention  GatedCrossAttention  -> nn.cross_attention.GatedCrossAttention
+    convert_decoder_layer  MegaDecoderLayer (MT)        -> models.mega_translation.MegaDecoderLayer
+    convert_mega_translation  MegaModel (MT)            -> MegaEncoderDecoder (mega_translation)
 
 Renames: EMA `delta`/`alpha` are the paper's α/δ (the code swaps the names) and become our
 `alpha`/`delta`; EMA `gamma` (η) becomes `eta`; the (D', h, 1) EMA tensors lose their last axis;
@@ -35,6 +38,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from megalab.convert.common import (
@@ -50,13 +54,16 @@ __all__ = [
     "convert_ema",
     "convert_encoder_layer",
     "convert_ffn",
+    "convert_gated_cross_attention",
     "convert_lra_model",
     "convert_maga",
+    "convert_mega_translation",
     "convert_vision_mega",
     "load_fairseq_checkpoint",
     "maga_config_from_reference",
     "mask_from_padding_mask",
     "mega_kwargs_from_fairseq",
+    "mega_translation_kwargs_from_fairseq",
     "to_batch_first",
 ]
 
@@ -335,3 +342,136 @@ def maga_config_from_reference(kwargs: Mapping[str, Any]) -> MegaConfig:
         out["ffn_dim"] = k["ffn_hidden_dim"]
         out["activation_dropout"] = k["hidden_dropout"]
     return MegaConfig(**out)
+
+
+# -- machine translation (MegaModel, archs mega_wmt_en_de / mega_wmt_en_de_big) ---------------
+_CROSS_LINEARS = ("k_proj.", "v_proj.", "q_proj.", "h_proj.")
+
+
+def convert_gated_cross_attention(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`GatedCrossAttention` entries under `prefix` -> our `GatedCrossAttention` state dict.
+
+    The four linears and the norm keep their names; the relative position bias becomes
+    `rel_pos_bias.weight` ('simple') or `rel_pos_bias.a` / `.b` ('rotary'), as in MAGA.
+    """
+    out: dict[str, Tensor] = {}
+    for name, t in _sub(sd, prefix).items():
+        if name.startswith(_CROSS_LINEARS) or name.startswith("norm.norm."):
+            out[name] = t
+        elif name == "rel_pos_bias.rel_pos_bias":
+            out["rel_pos_bias.weight"] = t
+        elif name == "rel_pos_bias.alpha":
+            out["rel_pos_bias.a"] = t.reshape(-1)
+        elif name == "rel_pos_bias.beta":
+            out["rel_pos_bias.b"] = t.reshape(-1)
+        elif name == "rel_pos_bias._float_tensor":
+            continue
+        else:
+            raise _unknown("GatedCrossAttention", name)
+    return out
+
+
+def convert_decoder_layer(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`MegaDecoderLayer` under `prefix` -> our `MegaDecoderLayer` (maga, cross_attn, ffn)."""
+    sub = _sub(sd, prefix)
+    for name in sub:
+        if not name.startswith(("mega_layer.", "cross_attn.", "nffn.")):
+            raise _unknown("MegaDecoderLayer", name)
+    out = {"maga." + k: v for k, v in convert_maga(sub, "mega_layer.").items()}
+    out.update(
+        {"cross_attn." + k: v for k, v in convert_gated_cross_attention(sub, "cross_attn.").items()}
+    )
+    out.update({"ffn." + k: v for k, v in convert_ffn(sub, "nffn.").items()})
+    return out
+
+
+def _layer_ids(sd: Mapping[str, Tensor], prefix: str) -> list[int]:
+    pattern = re.escape(prefix) + r"(\d+)\."
+    return sorted({int(m.group(1)) for k in sd if (m := re.match(pattern, k))})
+
+
+def convert_mega_translation(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The authors' `MegaModel` state dict -> `MegaEncoderDecoder` state dict.
+
+    Mapping (i: layer index):
+
+        encoder.embed_tokens.weight           -> embed_src.embedding.weight
+        decoder.embed_tokens.weight           -> embed_tgt.embedding.weight
+        decoder.output_projection.weight      -> output_proj.weight (dropped when it is the
+                                                 shared embedding: our output is then tied)
+        encoder.layers.i.{mega_layer,nffn}.*  -> encoder.layers.i.{maga,ffn}.*
+        decoder.layers.i.{mega_layer,cross_attn,nffn}.* -> decoder_layers.i.{maga,cross_attn,ffn}.*
+        encoder.final_norm.norm.*             -> encoder.final_norm.norm.*  (pre-norm only)
+        decoder.final_norm.norm.*             -> decoder_final_norm.norm.*  (pre-norm only)
+
+    The `version` buffers carry no weights. With `--share-all-embeddings` the three tables are
+    one tensor; load the result into a model built with `share_all_embeddings=True`.
+    """
+    out: dict[str, Tensor] = {}
+    for i in _layer_ids(sd, "encoder.layers."):
+        layer = convert_encoder_layer(sd, f"encoder.layers.{i}.")
+        out.update({f"encoder.layers.{i}.{k}": v for k, v in layer.items()})
+    for i in _layer_ids(sd, "decoder.layers."):
+        layer = convert_decoder_layer(sd, f"decoder.layers.{i}.")
+        out.update({f"decoder_layers.{i}.{k}": v for k, v in layer.items()})
+    tgt_embed = sd.get("decoder.embed_tokens.weight")
+    for name, t in sd.items():
+        if re.match(r"(encoder|decoder)\.layers\.\d+\.", name):
+            continue
+        if name == "encoder.embed_tokens.weight":
+            out["embed_src.embedding.weight"] = t
+        elif name == "decoder.embed_tokens.weight":
+            out["embed_tgt.embedding.weight"] = t
+        elif name == "decoder.output_projection.weight":
+            tied = tgt_embed is not None and (t is tgt_embed or torch.equal(t, tgt_embed))
+            if not tied:
+                out["output_proj.weight"] = t
+        elif name.startswith("encoder.final_norm.norm."):
+            out[name] = t
+        elif name.startswith("decoder.final_norm.norm."):
+            out["decoder_final_norm." + name[len("decoder.final_norm.") :]] = t
+        elif name in ("encoder.version", "decoder.version"):
+            continue
+        elif name.startswith(("encoder.embed_norm.", "decoder.embed_norm.", "decoder.project_in")):
+            raise KeyError(f"{name!r}: --normalize-embedding and project_in_dim are not supported")
+        else:
+            raise _unknown("MegaModel", name)
+    return out
+
+
+def mega_translation_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
+    """`MegaEncoderDecoder(...)` keyword arguments (without vocab_size/pad_id) from the
+    arguments of a fairseq `mega` translation checkpoint (after its arch defaults).
+
+    A `truncation_length` of 0 (the WMT README) is read as no truncation (see
+    `megalab.models.mega_translation`). The code defaults `max_source_positions` and
+    `max_target_positions` to 1024 when they are unset.
+    """
+    a = args if isinstance(args, Mapping) else vars(args)
+    return {
+        "d_model": a["encoder_embed_dim"],
+        "encoder_layers": a["encoder_layers"],
+        "decoder_layers": a["decoder_layers"],
+        "z_dim": a["encoder_z_dim"],
+        "v_dim": a["encoder_hidden_dim"],
+        "ffn_dim": a["encoder_ffn_embed_dim"],
+        "ema_dim": a["encoder_n_dim"],
+        "encoder_chunk_size": a["encoder_chunk_size"],
+        "decoder_chunk_size": a.get("decoder_chunk_size", a["encoder_chunk_size"]),
+        "truncation": a.get("truncation_length") or None,
+        "attention_activation": a["attention_activation_fn"],
+        "rel_pos_bias": a.get("rel_pos_bias", "simple"),
+        "max_source_positions": a.get("max_source_positions") or 1024,
+        "max_target_positions": a.get("max_target_positions") or 1024,
+        "norm_type": a["normalization_type"],
+        "prenorm": bool(a.get("normalize_before", False)),
+        "dropout": a["dropout"],
+        "attention_dropout": a["attention_dropout"],
+        "hidden_dropout": a["hidden_dropout"],
+        "activation_dropout": a["activation_dropout"],
+        "activation": a["activation_fn"],
+        "share_all_embeddings": bool(a.get("share_all_embeddings", False)),
+        "share_decoder_input_output_embed": bool(
+            a.get("share_decoder_input_output_embed", False) or a.get("share_all_embeddings")
+        ),
+    }

@@ -8,7 +8,8 @@ length) that model configs interpolate from `${data.*}`; `setup` checks the data
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,8 @@ class TokenSequences(Dataset):
             raise ValueError("offsets must have one more entry than labels")
         self.tokens, self.offsets, self.labels = tokens, offsets, labels
         self.tokens2, self.offsets2 = tokens2, offsets2
+        # Sequences cut to the maximum length when they were read (0: none).
+        self.truncated = 0
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -64,8 +67,11 @@ class TokenSequences(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         a, b = self.offsets[i], self.offsets[i + 1]
-        item = {"inputs": torch.from_numpy(np.asarray(self.tokens[a:b], dtype=np.int64))}
+        item: dict[str, Any] = {
+            "inputs": torch.from_numpy(np.asarray(self.tokens[a:b], dtype=np.int64))
+        }
         if self.tokens2 is not None:
+            assert self.offsets2 is not None, "pairs need offsets2"
             a2, b2 = self.offsets2[i], self.offsets2[i + 1]
             item["inputs2"] = torch.from_numpy(np.asarray(self.tokens2[a2:b2], dtype=np.int64))
         item["targets"] = int(self.labels[i])
@@ -77,12 +83,19 @@ def cached_sequences(
     name: str,
     params: dict[str, Any],
     build: Callable[[], TokenSequences],
+    *,
+    sources: Sequence[str | Path] = (),
+    vocab_size: int | None = None,
+    num_classes: int | None = None,
 ) -> TokenSequences:
     """Load prepared token sequences from a cache keyed by `params`, or build and store them.
 
     The arrays are saved as .npy files and memory-mapped on load, so a 100K-document split is
-    tokenised once and then opens instantly in every process.
+    tokenised once and then opens instantly in every process. The cache records checksums of
+    its files and of `sources` (`megalab.data.cache`); a load checks the headers, the offsets,
+    and that token ids are below `vocab_size` and labels below `num_classes`.
     """
+    from megalab.data.cache import check_npy, check_offsets, check_range, read_marker
     from megalab.data.download import cache_dir, mark_prepared, prepared
 
     path = cache_dir(cache_root, name, params)
@@ -93,13 +106,50 @@ def cached_sequences(
             value = getattr(ds, key)
             if value is not None:
                 np.save(path / f"{key}.npy", np.asarray(value))
-        mark_prepared(path, {"sequences": len(ds)})
+        info = {"sequences": len(ds), "truncated": int(ds.truncated)}
+        mark_prepared(path, info, sources=sources)
         return ds
-    arrays = {
-        key: np.load(path / f"{key}.npy", mmap_mode="r") if (path / f"{key}.npy").exists() else None
-        for key in names
-    }
-    return TokenSequences(**arrays)
+    arrays: dict[str, Any] = {}
+    for key in names:
+        file = path / f"{key}.npy"
+        if file.exists():
+            check_npy(file, ndim=1, cache=path)
+            arrays[key] = np.load(file, mmap_mode="r")
+        else:
+            arrays[key] = None
+    for tokens, offsets in (("tokens", "offsets"), ("tokens2", "offsets2")):
+        if arrays[tokens] is not None:
+            check_offsets(arrays[offsets], len(arrays[tokens]), path / f"{offsets}.npy", path)
+            if vocab_size is not None:
+                check_range(arrays[tokens], 0, vocab_size, "token id", path / f"{tokens}.npy", path)
+    if num_classes is not None:
+        check_range(arrays["labels"], 0, num_classes, "label", path / "labels.npy", path)
+    ds = TokenSequences(**arrays)
+    ds.truncated = int(read_marker(path).get("truncated", 0))
+    return ds
+
+
+class TruncationError(ValueError):
+    """Inputs longer than `data.max_len` that the settings do not allow to cut."""
+
+
+def check_truncation(
+    dataset: str, truncated: dict[str, int], sizes: dict[str, int], max_len: int, allow: bool
+) -> None:
+    """Report sequences cut to `max_len`: a warning with `allow` (`data.truncate=true`), else
+    `TruncationError`, since a cut input can change its label (a ListOps expression loses
+    operands) and silently lowers the accuracy."""
+    total = sum(truncated.values())
+    if total == 0:
+        return
+    per_split = ", ".join(f"{n:,} of {sizes.get(s, 0):,} in {s}" for s, n in truncated.items() if n)
+    message = f"{dataset}: {per_split} are longer than data.max_len={max_len}"
+    if not allow:
+        raise TruncationError(
+            f"{message}. Raise data.max_len to fit them, or set data.truncate=true to cut them "
+            "to that length"
+        )
+    logging.getLogger(__name__).warning("%s: cut to that length (data.truncate=true)", message)
 
 
 def file_key(path: Path) -> dict[str, Any]:
@@ -258,7 +308,8 @@ class SequenceDataModule(L.LightningDataModule):
         self.seed = seed
         self.drop_last = drop_last
         self.sort_eval_by_length = sort_eval_by_length
-        self.datasets: dict[str, Dataset] = {}
+        # Map-style datasets (sized and indexable; torch's Dataset type declares neither).
+        self.datasets: dict[str, Any] = {}
 
     # -- spec shortcuts -------------------------------------------------------------------------
     @property
@@ -274,7 +325,7 @@ class SequenceDataModule(L.LightningDataModule):
         return self.spec.max_len
 
     # -- hooks for subclasses -------------------------------------------------------------------
-    def build_datasets(self) -> dict[str, Dataset]:
+    def build_datasets(self) -> Mapping[str, Any]:
         """Return the `train`/`val`/`test` datasets (called once, in `setup`)."""
         raise NotImplementedError
 
@@ -285,7 +336,7 @@ class SequenceDataModule(L.LightningDataModule):
     # -- Lightning ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if not self.datasets:
-            self.datasets = self.build_datasets()
+            self.datasets = dict(self.build_datasets())
             for split, ds in self.datasets.items():
                 if len(ds) == 0:
                     raise ValueError(
@@ -297,7 +348,7 @@ class SequenceDataModule(L.LightningDataModule):
         """Split a global batch over processes and gradient-accumulation steps."""
         world, accumulate = 1, 1
         if self.trainer is not None:
-            world = self.trainer.world_size
+            world = self.rank_and_world()[1]
             accumulate = self.trainer.accumulate_grad_batches
         parts = world * accumulate
         if batch_size % parts:
@@ -310,15 +361,23 @@ class SequenceDataModule(L.LightningDataModule):
     def resumed_batches(self) -> int:
         """Training batches of the current epoch consumed before a resume (0 otherwise)."""
         trainer = self.trainer
+        # Lightning internal (2 of 2, hence the `lightning<2.7` bound in pyproject.toml): the fit
+        # loop's `restarting` flag and batch progress counters. tests/test_lightning_internals.py
+        # fails when Lightning changes what they report on a mid-epoch resume.
         if trainer is None or not trainer.fit_loop.epoch_loop.restarting:
             return 0
         # `processed` counts a batch whose step finished even if the checkpoint was written in
         # on_train_batch_end, before Lightning marked it completed.
-        return trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # Lightning annotates `current` with the base tracker; a batch progress has `processed`.
+        return trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
     def rank_and_world(self) -> tuple[int, int]:
         if self.trainer is None:
             return 0, 1
+        # Chunk parallelism: the ranks of a group read the same rows (their data-parallel rank).
+        dp = getattr(self.trainer.strategy, "data_parallel_rank_and_size", None)
+        if dp is not None:
+            return dp
         return self.trainer.global_rank, self.trainer.world_size
 
     def sampler(self, split: str, batch_size: int) -> Sampler[int]:

@@ -8,6 +8,8 @@
     megalab-data imdb --out data/lra/imdb
     megalab-data cifar10 --out data/lra/cifar10
     megalab-data enwik8 --root data   (also text8, wikitext103, pg19 [data.key=value ...])
+    megalab-data wmt16 --root data    (WMT'16 En-De: fetch and prepare [data.key=value ...])
+    megalab-data verify --root data   (checksums of every prepared cache)
 
 Each subcommand is a thin wrapper around the dataset module's own function.
 """
@@ -71,8 +73,8 @@ def _lra(args: argparse.Namespace) -> None:
             sha256=args.sha256,
             keep_archive=not args.delete_archive,
         )
-    except DatasetMissingError as e:
-        raise SystemExit(str(e)) from None
+    except DatasetMissingError:
+        raise  # main() prints its message, with this command's flags
     for task, folder in folders.items():
         print(f"{task}: {folder}")
 
@@ -85,8 +87,8 @@ def _hub(args: argparse.Namespace) -> None:
     source = hub_dataset(args.out, args.hub_id)
     try:
         source.require(cache_dir=args.cache_dir)
-    except DatasetMissingError as e:
-        raise SystemExit(str(e)) from None
+    except DatasetMissingError:
+        raise  # main() prints its message, with this command's flags
     print(f"{args.hub_id} ({', '.join(source.splits)}) in {args.out}")
 
 
@@ -142,9 +144,41 @@ def _lm(args: argparse.Namespace) -> None:
     try:
         dm.prepare_data()
         dm.setup()
-    except DatasetMissingError as e:
-        raise SystemExit(str(e)) from None
+    except DatasetMissingError:
+        raise  # main() prints its message, with this command's flags
     print(f"{args.command} ready in {dm.data_dir}: {dm.describe()}")
+
+
+def _wmt16(args: argparse.Namespace) -> None:
+    """Fetch WMT'16 En-De (and newstest2013/2014) and prepare it with its data config."""
+    args.command = "wmt16_en_de"
+    _lm(args)
+
+
+def _verify(args: argparse.Namespace) -> None:
+    """Verify every prepared cache below --root in full (checksums of caches and sources)."""
+    from megalab.data.cache import verify_all
+
+    checked, problems = verify_all(args.root)
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    print(f"{len(checked)} prepared cache(s) below {args.root}: {len(problems)} problem(s)")
+    if problems:
+        raise SystemExit(1)
+
+
+# Hints written for `megalab-train` name Hydra keys; here the same setting is a flag.
+_FLAG_FOR = (
+    ("`paths.data_dir=/your/data/root`", "`--root /your/data/root`"),
+    ("the `paths.data_dir` setting", "the --root flag"),
+    ("paths.data_dir", "--root"),
+)
+
+
+def _for_this_command(message: str) -> str:
+    for key, flag in _FLAG_FOR:
+        message = message.replace(key, flag)
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--cache-dir", default=None, help="cache folder for `datasets`")
         p.set_defaults(func=_hub)
 
+    p = sub.add_parser("verify", help="verify the checksums of every prepared cache below --root")
+    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    p.set_defaults(func=_verify)
+
     p = sub.add_parser("sc10", help="download and prepare Speech Commands SC10 (raw audio)")
     p.add_argument("--root", default="data", help="data root (paths.data_dir)")
     p.add_argument("--protocol", default="mega", choices=("mega", "official"))
@@ -232,13 +270,29 @@ def build_parser() -> argparse.ArgumentParser:
             "overrides", nargs="*", help="data config overrides, e.g. data.vocab_size=16000"
         )
         p.set_defaults(func=_lm)
+
+    p = sub.add_parser(
+        "wmt16", help="fetch WMT'16 En-De from the Hub and prepare it (Moses, BPE, dictionary)"
+    )
+    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    p.add_argument("overrides", nargs="*", help="data config overrides, e.g. data.workers=16")
+    p.set_defaults(func=_wmt16)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from megalab.utils.errors import actionable, full_errors, print_error
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except Exception as err:
+        found = None if full_errors() else actionable(err)
+        if found is None:
+            raise
+        print_error(_for_this_command(str(found)))
+        return 1
     return 0
 
 

@@ -288,6 +288,7 @@ def _transfer(
     shorter than announced.
     """
     offset = part.stat().st_size if part.exists() else 0
+    total: int | None
     scheme = urllib.parse.urlparse(url).scheme.lower()
     if scheme == "file":
         src, start, total = _open_file_url(url, offset)
@@ -666,11 +667,38 @@ def cache_dir(
 
 
 def prepared(path: str | os.PathLike[str]) -> bool:
-    """Whether :func:`mark_prepared` was called on ``path`` (the preparation finished)."""
-    return (Path(path) / _COMPLETE).is_file()
+    """Whether :func:`mark_prepared` was called on ``path`` (the preparation finished).
+
+    A finished cache is checked on the way (:func:`megalab.data.cache.check_cache`: sizes every
+    time, checksums once and after any change); a damaged one raises
+    :class:`megalab.data.cache.CacheError` saying how to rebuild it.
+    """
+    path = Path(path)
+    if not (path / _COMPLETE).is_file():
+        return False
+    from megalab.data.cache import check_cache
+
+    check_cache(path)
+    return True
 
 
-def mark_prepared(path: str | os.PathLike[str], info: Mapping[str, Any] | None = None) -> None:
-    """Write the completion marker of ``path``; call it last, after every file is written."""
-    body = json.dumps(dict(info or {}), sort_keys=True, default=_json_default) + "\n"
-    _write_atomic(Path(path) / _COMPLETE, body)
+def mark_prepared(
+    path: str | os.PathLike[str],
+    info: Mapping[str, Any] | None = None,
+    *,
+    sources: Iterable[str | os.PathLike[str]] = (),
+    checksums: bool = True,
+) -> None:
+    """Write the completion marker of ``path``; call it last, after every file is written.
+
+    With ``checksums`` the marker also records the size and SHA-256 of every file in ``path``
+    and of the ``sources`` it was prepared from (:mod:`megalab.data.cache`).
+    """
+    path = Path(path)
+    body = dict(info or {})
+    if checksums:
+        from megalab.data.cache import INTEGRITY_KEY, record_integrity, write_stamp
+
+        body[INTEGRITY_KEY] = record_integrity(path, sources)
+        write_stamp(path, body[INTEGRITY_KEY])
+    _write_atomic(path / _COMPLETE, json.dumps(body, sort_keys=True, default=_json_default) + "\n")

@@ -135,20 +135,24 @@ class HubDataset:
         The shards of each split in turn, or every file of a ``save_to_disk`` folder; paths are
         relative to ``local_dir`` (moving the folder keeps the key).
         """
-        if all(self.files(s) for s in self.splits):
-            files = [f for s in self.splits for f in self.files(s)]
-        elif self.local_dir.is_dir():
-            files = sorted(
-                p
-                for p in self.local_dir.rglob("*")
-                if p.is_file() and _source_file(p.relative_to(self.local_dir))
-            )
-        else:
-            files = []
+        files = self.source_files()
         return [
             [f.relative_to(self.local_dir).as_posix(), f.stat().st_size, f.stat().st_mtime_ns]
             for f in files
         ]
+
+    def source_files(self) -> list[Path]:
+        """Every local source file: the shards of each split in turn, or the files of a
+        ``save_to_disk`` folder (what prepared caches record the checksums of)."""
+        if all(self.files(s) for s in self.splits):
+            return [f for s in self.splits for f in self.files(s)]
+        if self.local_dir.is_dir():
+            return sorted(
+                p
+                for p in self.local_dir.rglob("*")
+                if p.is_file() and _source_file(p.relative_to(self.local_dir))
+            )
+        return []
 
     # -- fetching -------------------------------------------------------------------------------
     def fetch_path(self, split: str) -> Path:

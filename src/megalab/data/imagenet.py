@@ -318,7 +318,7 @@ class ImagePatches(Dataset):
         if self.labels is not None:
             img, label = load_image(self.images[i]), int(self.labels[i])
         else:
-            row = self.images[int(i)]
+            row: Any = self.images[int(i)]
             img, label = row["image"].convert("RGB"), int(row["label"])
         x = self.transform(img)
         return {"inputs": patchify(x, self.patch_size), "targets": label}

@@ -463,9 +463,15 @@ class SpeechCommandsDataModule(SequenceDataModule):
                 f"the prepared Speech Commands cache {cache} is missing or incomplete: call "
                 f"prepare_data() first, or run `megalab-data sc10 --root {self.data_dir.parent}`"
             )
+        from megalab.data.cache import check_npy, check_range
+
+        check_npy(cache / "waves.npy", np.int16, 2, cache)
+        check_npy(cache / "lengths.npy", np.int64, 1, cache)
+        check_npy(cache / "labels.npy", np.int64, 1, cache)
         waves = np.load(cache / "waves.npy", mmap_mode="r")
         lengths = np.load(cache / "lengths.npy")
         labels = np.load(cache / "labels.npy")
+        check_range(labels, 0, len(self.classes), "label", cache / "labels.npy", cache)
         files = [rel for rel, _ in clips]
         splits = self.split_rows(files, labels, lengths)
         mean, std = train_statistics(

@@ -72,6 +72,13 @@ class Backbone(nn.Module):
     causal: bool
 
     @property
+    def exact_streaming(self) -> bool:
+        """Whether streaming segment by segment gives the outputs of one pass over the stream
+        (while it fits the model's memory). LaMemo's look-ahead memory, refreshed by later
+        segments, is the exception."""
+        return True
+
+    @property
     def max_len(self) -> int | None:
         """Longest input the model takes (None: unbounded)."""
         return None

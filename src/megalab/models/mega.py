@@ -38,7 +38,7 @@ FFN it acts on the branch before its plain residual.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -247,6 +247,7 @@ class MegaBlock(nn.Module):
         equals `self.ffn(x)` exactly (tested).
         """
         ffn = self.ffn
+        assert ffn is not None and self.ffn_drop_path is not None, "only with an FFN and DropPath"
         residual = x
         if ffn.prenorm:
             x = ffn.norm(x)
@@ -335,7 +336,7 @@ class Mega(Backbone):
             else None
         )
         self.pos_embed: nn.Parameter | None = None
-        if cfg.positions == "learned":
+        if cfg.positions == "learned" and cfg.max_len:
             # timm's trunc_normal_(std=D^-1/2) as mega-image: cut at ±2 absolute (~55σ at D=768).
             self.pos_embed = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
             nn.init.trunc_normal_(self.pos_embed, mean=0.0, std=cfg.d_model**-0.5, a=-2.0, b=2.0)
@@ -357,8 +358,9 @@ class Mega(Backbone):
         The smaller of the 'simple' bias limit (full attention) and the position table.
         """
         limits = [] if self.pos_embed is None else [self.pos_embed.shape[0]]
-        if self.layers and self.layers[0].maga.attention.max_len is not None:
-            limits.append(self.layers[0].maga.attention.max_len)
+        first = cast(MegaBlock, self.layers[0]) if len(self.layers) else None
+        if first is not None and first.maga.attention.max_len is not None:
+            limits.append(first.maga.attention.max_len)
         return min(limits) if limits else None
 
     def state_length(self, state: MegaState) -> int:
@@ -379,7 +381,15 @@ class Mega(Backbone):
     def initial_state(self, batch_size: int, like: Tensor) -> MegaState:
         """An empty streaming state; passing it makes every segment use the exact recurrence."""
         self._check_causal()
-        return MegaState([blk.maga.initial_state(batch_size, like) for blk in self.layers])
+        blocks = cast(list[MegaBlock], list(self.layers))
+        return MegaState([blk.maga.initial_state(batch_size, like) for blk in blocks])
+
+    def carried_modules(self) -> list[nn.Module]:
+        """The sub-modules that carry state along time, in order (chunk parallelism hook,
+        `megalab.parallel.chunk`): the blocks, each called as `m(x, mask, state, ...)` and
+        returning `(y, new_state)` (EMA state and the open chunk's keys/values)."""
+        self._check_causal()
+        return list(self.layers)
 
     def _check_causal(self) -> None:
         if not self.causal:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -136,7 +136,7 @@ def unpack_state(packed: Any) -> Any:
     if not isinstance(fields, dict):
         raise ValueError(f"a saved {name} state has no fields")
     allowed = (
-        set(cls._fields)
+        set(cast(Any, cls)._fields)
         if _is_namedtuple_type(cls)
         else {f.name for f in dataclasses.fields(cls) if f.init}
     )

@@ -152,7 +152,9 @@ class Transformer(Backbone):
         self.positions = positions
         self.checkpoint_activations = checkpoint_activations
         self._max_len = max_len if positions == "learned" else None
-        self.pos_embedding = nn.Embedding(max_len, d_model) if positions == "learned" else None
+        self.pos_embedding = (
+            nn.Embedding(max_len, d_model) if positions == "learned" and max_len else None
+        )
         if self.pos_embedding is not None:
             nn.init.normal_(self.pos_embedding.weight, std=0.02)
         if share_layers and drop_path > 0:

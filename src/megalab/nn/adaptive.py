@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -91,19 +92,21 @@ class AdaptiveInput(nn.Module):
         self.pad_id = pad_id
         if pad_id is not None:
             with torch.no_grad():
-                self.embeddings[0].weight[pad_id].zero_()
+                cast(nn.Embedding, self.embeddings[0]).weight[pad_id].zero_()
         self.dropout = nn.Dropout(dropout)
 
     def band_weights(self, band: int) -> tuple[nn.Parameter, nn.Parameter]:
         """(embedding (size, dim), projection (d_model, dim)) of a band."""
-        return self.embeddings[band].weight, self.projections[band].weight
+        emb, proj = self.embeddings[band], self.projections[band]
+        # torch declares Embedding/Linear.weight as Tensor; they are Parameters.
+        return cast(nn.Embedding, emb).weight, cast(nn.Linear, proj).weight  # type: ignore[return-value]
 
     def forward(self, tokens: Tensor, mask: Tensor | None = None) -> Tensor:
         """(B, L) token ids -> (B, L, d_model); positions where `mask` is False are zero."""
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"AdaptiveInput expects integer token ids, got {tokens.dtype}")
         _check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
-        weight = self.projections[0].weight
+        weight = cast(nn.Linear, self.projections[0]).weight
         out = weight.new_zeros(*tokens.shape, self.d_model)
         prev = 0
         for emb, proj, cut in zip(self.embeddings, self.projections, self.cutoffs):
@@ -192,7 +195,7 @@ class AdaptiveSoftmax(nn.Module):
         # fairseq's tied head: the cluster logits are their own Xavier-initialised linear map.
         with torch.no_grad():
             nn.init.xavier_uniform_(self.head_clusters)
-        for i, tail in enumerate(self.tails):
+        for i, tail in enumerate(cast(list[_Tail], list(self.tails))):
             emb, proj = adaptive_input.band_weights(i + 1)
             if emb.shape != tail.out.shape:
                 raise ValueError(

@@ -303,6 +303,7 @@ class ChunkedAttention(nn.Module):
             )
         # laplace / relu2: τ = #non-padded keys (or i + 1 under a causal mask), no row sums.
         scores = q @ k.transpose(-1, -2)
+        n: Tensor | float
         if causal is not None:
             n = (torch.arange(Cq, device=q.device) + (q_offset + 1)).unsqueeze(1).to(scores.dtype)
         elif valid is not None:

@@ -165,7 +165,7 @@ class DampedEMA(nn.Module):
             params = (self.alpha, self.delta, self.beta, self.eta)
             versions = tuple((p._version, p.data_ptr()) for p in params)
             key = (K, n_fft, dtype, self.alpha.device, versions)
-            if key == self._cache_key:
+            if key == self._cache_key and self._cache_val is not None:
                 return self._cache_val
         k = self.kernel(K).to(dtype)
         if self.shift:
@@ -252,7 +252,7 @@ class DampedEMA(nn.Module):
         w_in, w_out, log_q = (t.to(x.dtype) for t in self.coefficients())
         return recurrent_step(x, h, w_in, w_out, log_q)
 
-    def step(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def step(self, x: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The naive recurrence for one token: x (B, D) → (X'_t (B, D), new state (B, D, h))."""
         out, new_state = self.forward(
             x.unsqueeze(1),

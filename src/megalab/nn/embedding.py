@@ -40,7 +40,8 @@ class TokenEmbedding(nn.Module):
 
     The authors' LRA encoders draw the table from N(0, d^-1/2) and do not scale the output;
     their language models scale by sqrt(d) (`scale=True`). `init="bert"` redraws the table as
-    fairseq's `init_bert_params` does: N(0, 0.02) with a zero padding row.
+    fairseq's `init_bert_params` does: N(0, 0.02) with a zero padding row. `init_truncation`
+    draws from the normal truncated at ±that many σ (Megalodon's code: 3).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class TokenEmbedding(nn.Module):
         scale: bool = False,
         dropout: float = 0.0,
         init: str = "default",
+        init_truncation: float | None = None,
     ) -> None:
         super().__init__()
         if init not in INITS:
@@ -68,7 +70,12 @@ class TokenEmbedding(nn.Module):
         self.pad_id = pad_id
         self.embed_scale = math.sqrt(d_model) if scale else 1.0
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=pad_id)
-        nn.init.normal_(self.embedding.weight, mean=0.0, std=init_std or d_model**-0.5)
+        std = init_std or d_model**-0.5
+        if init_truncation is None:
+            nn.init.normal_(self.embedding.weight, mean=0.0, std=std)
+        else:
+            cut = init_truncation * std
+            nn.init.trunc_normal_(self.embedding.weight, mean=0.0, std=std, a=-cut, b=cut)
         if init == "bert":
             init_bert_params(self.embedding)
         self.dropout = nn.Dropout(dropout)
@@ -153,6 +160,7 @@ class SequenceEncoder(nn.Module):
         d_input: int | None = None,
         pad_id: int | None = None,
         token_init_std: float | None = None,
+        token_init_truncation: float | None = None,
         token_scale: bool = False,
         feature_init: str = "default",
         dropout: float = 0.0,
@@ -175,11 +183,12 @@ class SequenceEncoder(nn.Module):
                 d_model,
                 pad_id,
                 init_std=token_init_std,
+                init_truncation=token_init_truncation,
                 scale=token_scale,
                 dropout=dropout,
                 init=init,
             )
-        else:
+        elif d_input is not None:
             self.embed = FeatureEmbedding(
                 d_input, d_model, init=feature_init, dropout=dropout, scale=feature_scale
             )

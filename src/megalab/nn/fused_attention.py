@@ -204,7 +204,9 @@ class _MegaAttention(torch.autograd.Function):
                 else:
                     p = keep[n_block]
                 dv.baddbmm_(p.transpose(1, 2), g)
+                assert delta is not None  # computed above for softmax
                 ds = dp.sub_(delta[:, i0:i1]).mul_(p)  # P ⊙ (dP − D)
+                assert spec.scale is not None, "softmax has its scale set at the start"
                 scale = spec.scale
             else:
                 s = keep[n_block] if keep else _logits(spec, q, kT, b1, b2, i0, i1, ck, valid)
@@ -238,6 +240,7 @@ def _logits(
     """S for rows i0:i1: QKᵀ·τ⁻¹ + b (softmax) or QKᵀ/n + b (laplace, relu2)."""
     bias = _bias_block(spec, b1, b2, i0, i1, ck).to(q.dtype)
     if spec.fn == "softmax":
+        assert spec.scale is not None, "softmax has its scale set at the start"
         return torch.baddbmm(bias, q[:, i0:i1], kT, alpha=spec.scale)
     scores = torch.bmm(q[:, i0:i1], kT)
     return scores.div_(_divisor(spec, valid, i0, i1, ck, q)).add_(bias)

@@ -88,18 +88,21 @@ class ClassificationHead(nn.Module):
 def combine_pair(a: Tensor, b: Tensor, mode: str) -> Tensor:
     """Combine two pooled documents for two-tower retrieval.
 
-    `concat` is [a, b] (Mega, SeqBoat); `nli` is [a, b, a - b, a * b] (LRA, S4).
+    `concat` is [a, b] (Mega); `nli` is [a, b, a - b, a * b] (LRA, S4); `nli_seqboat` is the
+    SeqBoat code's `--use-nli` order [b, a, a * b, a - b].
     """
     if mode == "concat":
         return torch.cat([a, b], dim=-1)
     if mode == "nli":
         return torch.cat([a, b, a - b, a * b], dim=-1)
-    raise ValueError(f"unknown pair combination {mode!r}; choose 'concat' or 'nli'")
+    if mode == "nli_seqboat":
+        return torch.cat([b, a, a * b, a - b], dim=-1)
+    raise ValueError(f"unknown pair combination {mode!r}; choose 'concat', 'nli' or 'nli_seqboat'")
 
 
 def pair_width(d_model: int, mode: str) -> int:
     """Width of `combine_pair`'s output."""
-    widths = {"concat": 2, "nli": 4}
+    widths = {"concat": 2, "nli": 4, "nli_seqboat": 4}
     if mode not in widths:
-        raise ValueError(f"unknown pair combination {mode!r}; choose 'concat' or 'nli'")
+        raise ValueError(f"unknown pair combination {mode!r}; choose one of {sorted(widths)}")
     return widths[mode] * d_model

@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -104,3 +105,39 @@ class SequenceNorm(nn.Module):
                 y = self.norm(xf.transpose(1, 2)).transpose(1, 2)
             return y.to(x.dtype)
         return self.norm(x)
+
+
+class PlusOneLayerNorm(nn.Module):
+    """LayerNorm with the "plus 1" scale: y = (x − μ)/√(σ² + ε) ⊙ (1 + γ) + β, γ = β = 0 at init.
+
+    Megalodon's parameterisation of every norm scale (Ma et al. 2024, App. B.2): weight decay
+    pulls γ towards 0, i.e. the scale towards 1. Statistics in at least float32.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(d_model))
+        self.bias = nn.Parameter(torch.zeros(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = (x.shape[-1],)
+        return F.layer_norm(x, shape, 1.0 + self.weight, self.bias, self.eps)
+
+
+class PlusOneRMSNorm(nn.Module):
+    """RMSNorm with the "plus 1" scale: y = x / √(mean(x²) + ε) ⊙ (1 + γ), γ = 0 at init.
+
+    The mean square is taken in at least float32 (as apex's RMSNorm that Megalodon's code uses),
+    and the result is cast back to the input dtype.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        y = xf * torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.to(y.dtype))).to(x.dtype)

@@ -1,21 +1,28 @@
-"""What every task shares: optimizer and schedule from config, throughput, loud failures."""
+"""What every task shares: optimizer and schedule from config, throughput, loud failures.
+
+`TaskBase` holds what any model needs; `SequenceTask` adds the encoder -> backbone path of the
+tasks built on the backbone contract (the seq2seq task drives an encoder-decoder instead).
+"""
 
 from __future__ import annotations
 
 import logging
 import random
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
+from torchmetrics import Metric
 
-from megalab.models.base import BackboneOutput, BackboneProtocol
+from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
 from megalab.optim import build_optimizer, describe_groups
+from megalab.utils.distributed import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +34,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def _numpy_state_to_tensors(state: tuple) -> tuple:
+def _numpy_state_to_tensors(state: Any) -> tuple:
     """numpy's RNG state with its key array as a tensor (loadable with `weights_only=True`)."""
     name, keys, pos, has_gauss, gauss = state
     return (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
@@ -42,13 +49,131 @@ class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite."""
 
 
-class SequenceTask(L.LightningModule):
-    """Base LightningModule: encoder -> backbone, with optimizer/scheduler from the config.
+class TaskBase(L.LightningModule):
+    """What every task shares, whatever its model: optimizer and schedule from config,
+    throughput, loud failures and exact resume.
 
     `optim` is the `optim` config group, instantiated: `optimizer` (a partial taking parameter
     groups) and `param_groups` (rules, see `megalab.optim`). `scheduler` is a partial taking
     `(optimizer, total_steps)`; total steps come from the trainer.
     """
+
+    def __init__(
+        self,
+        optim: Mapping[str, Any] | None = None,
+        scheduler: Callable[..., Any] | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        super().__init__()
+        self.optim_cfg = optim
+        self.scheduler_fn = scheduler
+        self.check_finite = check_finite
+        self._t_last: float | None = None
+        self._pending_metric_states: dict[str, Any] | None = None
+
+    # -- optimisation ---------------------------------------------------------------------------
+    def configure_optimizers(self) -> Any:
+        if self.optim_cfg is None:
+            raise ValueError("no optimizer configured: set the `optim` config group")
+        optim = dict(self.optim_cfg)
+        # Build from the trainer's (possibly FSDP-wrapped) module when there is one.
+        module = self.trainer.model if self._trainer is not None else self
+        assert module is not None, "the trainer has no model"
+        rules: Sequence[dict] = _plain(optim.get("param_groups")) or []
+        optimizer = build_optimizer(module, optim["optimizer"], rules)
+        for line in describe_groups(optimizer):
+            log.info(line)
+        if self.scheduler_fn is None:
+            return optimizer
+        total = self.trainer.estimated_stepping_batches if self._trainer is not None else None
+        if total is None:
+            raise ValueError("a scheduler needs the trainer's step count: fit through a Trainer")
+        scheduler = self.scheduler_fn(optimizer, total_steps=int(total))
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},
+        }
+
+    # -- training hooks -------------------------------------------------------------------------
+    def assert_finite(self, loss: Tensor) -> None:
+        if self.check_finite and not torch.isfinite(loss.detach()).all():
+            raise NonFiniteLossError(
+                f"training loss is {loss.item()} at step {self.global_step}: lower the learning "
+                "rate, enable gradient clipping (`trainer.gradient_clip_val`), use fp32/bf16 "
+                "instead of fp16, or check the inputs for NaN/inf"
+            )
+
+    def log_throughput(self, tokens: int | Tensor) -> None:
+        """Log real tokens per second between consecutive training steps."""
+        now = time.perf_counter()
+        if self._t_last is not None:
+            dt = now - self._t_last
+            if dt > 0:
+                n = float(tokens) * self.trainer.world_size
+                self.log("train/tokens_per_sec", n / dt, on_step=True, on_epoch=False)
+        self._t_last = now
+
+    def on_train_epoch_start(self) -> None:
+        self._t_last = None
+
+    # -- exact resume ---------------------------------------------------------------------------
+    # Every process saves its own random number generators (dropout masks, augmentation) and the
+    # accumulated state of its metrics (a resumed epoch reports the same accuracy, the best
+    # validation accuracy so far is kept); each process restores its own on resume.
+    def _own_resume_state(self) -> dict[str, Any]:
+        return {
+            "rng": {
+                "python": random.getstate(),
+                "numpy": _numpy_state_to_tensors(np.random.get_state()),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            },
+            "metrics": metric_states(self),
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["resume_states"] = {"ranks": gather_from_ranks(self._own_resume_state())}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._pending_metric_states = None
+        saved = checkpoint.get("resume_states")
+        if saved is None and checkpoint.get("rng_states"):  # checkpoints of earlier versions
+            saved = {"ranks": [{"rng": checkpoint["rng_states"], "metrics": {}}]}
+        if not saved:
+            return
+        ranks = saved["ranks"]
+        rank = self.global_rank if self._trainer is not None else 0
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if len(ranks) != world:
+            log.warning(
+                "the checkpoint comes from %d process(es), this run has %d: the random number "
+                "generators and metric accumulations cannot continue exactly",
+                len(ranks),
+                world,
+            )
+        mine = ranks[rank] if rank < len(ranks) else ranks[0]
+        states = mine["rng"]
+        random.setstate(states["python"])
+        np.random.set_state(_numpy_state_from_tensors(states["numpy"]))
+        torch.set_rng_state(states["torch"])
+        if states["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(states["cuda"])
+        self._pending_metric_states = mine.get("metrics") or None
+
+    def on_train_start(self) -> None:
+        # After the sanity check and the subclasses' resets: the restored accumulations win.
+        pending = getattr(self, "_pending_metric_states", None)
+        if pending:
+            load_metric_states(self, pending)
+        self._pending_metric_states = None
+
+
+class SequenceTask(TaskBase):
+    """Base of the tasks on a backbone: encoder -> backbone (optimisation as `TaskBase`)."""
+
+    # Any module that meets `BackboneProtocol` (checked in __init__), typed as the base class
+    # that spells the contract out (initial_state, max_len, causal and nn.Module's methods).
+    backbone: Backbone
 
     def __init__(
         self,
@@ -59,7 +184,7 @@ class SequenceTask(L.LightningModule):
         check_finite: bool = True,
         compile: bool = False,
     ) -> None:
-        super().__init__()
+        super().__init__(optim, scheduler, check_finite)
         if not isinstance(backbone, BackboneProtocol):
             raise TypeError(
                 f"{type(backbone).__name__} is not a megalab backbone: it needs d_model, causal, "
@@ -67,18 +192,15 @@ class SequenceTask(L.LightningModule):
                 "(derive from megalab.models.base.Backbone)"
             )
         self.encoder = encoder
-        self.backbone = backbone
-        self.optim_cfg = optim
-        self.scheduler_fn = scheduler
-        self.check_finite = check_finite
+        self.backbone = cast(Backbone, backbone)
         # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
         self.compile_backbone = compile
-        self._t_last: float | None = None
 
     # -- model ----------------------------------------------------------------------------------
     def setup(self, stage: str) -> None:
         if self.compile_backbone and stage == "fit":
-            self.backbone = torch.compile(self.backbone)
+            # torch.compile's stub returns a Callable; for a Module it returns an OptimizedModule.
+            self.backbone = torch.compile(self.backbone)  # type: ignore[assignment]
 
     def encode(self, inputs: Tensor, mask: Tensor | None, state: Any = None) -> BackboneOutput:
         """Embed and run the backbone: (B, L[, C]) -> features (B, L, D), state and aux."""
@@ -111,64 +233,41 @@ class SequenceTask(L.LightningModule):
             self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size)
         return loss
 
-    # -- optimisation ---------------------------------------------------------------------------
-    def configure_optimizers(self) -> Any:
-        if self.optim_cfg is None:
-            raise ValueError("no optimizer configured: set the `optim` config group")
-        optim = dict(self.optim_cfg)
-        # Build from the trainer's (possibly FSDP-wrapped) module when there is one.
-        module = self.trainer.model if self._trainer is not None else self
-        rules: Sequence[dict] = _plain(optim.get("param_groups")) or []
-        optimizer = build_optimizer(module, optim["optimizer"], rules)
-        for line in describe_groups(optimizer):
-            log.info(line)
-        if self.scheduler_fn is None:
-            return optimizer
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else None
-        scheduler = self.scheduler_fn(optimizer, total_steps=int(total))
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "lr"},
-        }
 
-    # -- training hooks -------------------------------------------------------------------------
-    def assert_finite(self, loss: Tensor) -> None:
-        if self.check_finite and not torch.isfinite(loss.detach()).all():
-            raise NonFiniteLossError(
-                f"training loss is {loss.item()} at step {self.global_step}: lower the learning "
-                "rate, enable gradient clipping (`trainer.gradient_clip_val`), use fp32/bf16 "
-                "instead of fp16, or check the inputs for NaN/inf"
-            )
+# Metrics that carry over a resume: training accumulations (a resumed epoch reports the whole
+# epoch) and best-so-far trackers. Evaluation metrics start every evaluation empty.
+_RESUMED_METRIC = re.compile(r"(^|[._])train([._]|$)|_best$")
 
-    def log_throughput(self, tokens: int | Tensor) -> None:
-        """Log real tokens per second between consecutive training steps."""
-        now = time.perf_counter()
-        if self._t_last is not None:
-            dt = now - self._t_last
-            if dt > 0:
-                n = float(tokens) * self.trainer.world_size
-                self.log("train/tokens_per_sec", n / dt, on_step=True, on_epoch=False)
-        self._t_last = now
 
-    def on_train_epoch_start(self) -> None:
-        self._t_last = None
+def metric_states(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """The accumulated state of the training and best-so-far metrics in `module` (cloned, CPU)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, metric in module.named_modules():
+        if not isinstance(metric, Metric) or not name or not _RESUMED_METRIC.search(name):
+            continue
+        state: dict[str, Any] = {}
+        for key, value in metric.metric_state.items():
+            if isinstance(value, Tensor):
+                state[key] = value.detach().clone().cpu()
+            else:
+                state[key] = [v.detach().clone().cpu() for v in value]
+        out[name] = {"update_count": int(metric._update_count), "state": state}
+    return out
 
-    # -- exact resume ---------------------------------------------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # Random number generators (dropout masks, data augmentation) continue where they were.
-        checkpoint["rng_states"] = {
-            "python": random.getstate(),
-            "numpy": _numpy_state_to_tensors(np.random.get_state()),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint.get("rng_states")
-        if not states:
-            return
-        random.setstate(states["python"])
-        np.random.set_state(_numpy_state_from_tensors(states["numpy"]))
-        torch.set_rng_state(states["torch"])
-        if states["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(states["cuda"])
+def load_metric_states(module: nn.Module, saved: Mapping[str, Mapping[str, Any]]) -> None:
+    """Put accumulated metric states (from `metric_states`) back into `module`'s metrics."""
+    metrics = {n: m for n, m in module.named_modules() if isinstance(m, Metric)}
+    for name, entry in saved.items():
+        metric = metrics.get(name)
+        if metric is None:
+            log.warning("the checkpoint has the state of a metric %r this task does not have", name)
+            continue
+        device = metric.device
+        for key, value in entry["state"].items():
+            if isinstance(value, Tensor):
+                setattr(metric, key, value.to(device))
+            else:
+                setattr(metric, key, [v.to(device) for v in value])
+        metric._update_count = int(entry["update_count"])
+        metric._computed = None

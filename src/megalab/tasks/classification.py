@@ -48,10 +48,11 @@ class ClassificationTask(SequenceTask):
         self.num_classes = num_classes
         self.label_smoothing = label_smoothing
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the suffixes.
-        self.losses = nn.ModuleDict(
+        # nn.ModuleDict's stub types its values as Module; these hold metrics only.
+        self.losses: Mapping[str, MeanMetric] = nn.ModuleDict(  # type: ignore[assignment]
             {f"{s}_loss": MeanMetric(nan_strategy="disable") for s in SPLITS}
         )
-        self.accs = nn.ModuleDict(
+        self.accs: Mapping[str, MulticlassAccuracy] = nn.ModuleDict(  # type: ignore[assignment]
             {f"{s}_acc": MulticlassAccuracy(num_classes, average="micro") for s in SPLITS}
         )
         self.val_acc_best = MaxMetric()
@@ -118,8 +119,10 @@ class ClassificationTask(SequenceTask):
         return loss
 
     def on_train_start(self) -> None:
-        # Sanity-check batches must not count towards the best validation accuracy.
+        # Sanity-check batches must not count towards the best validation accuracy; a resumed
+        # run then gets the best so far back from its checkpoint.
         self.val_acc_best.reset()
+        super().on_train_start()
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._step(batch, "val")

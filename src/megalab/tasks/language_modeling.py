@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,7 @@ from megalab.models.base import BackboneOutput
 from megalab.models.state import detach_state, pack_state, state_to, unpack_state
 from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
+from megalab.utils.distributed import gather_from_ranks
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,28 @@ _STATE_KEY = "lm_train_state"
 
 
 class LinearLMHead(nn.Module):
-    """Output projection to the vocabulary; optionally tied to the input embedding."""
+    """Output projection to the vocabulary; optionally tied to the input embedding.
 
-    def __init__(self, d_model: int, vocab_size: int, bias: bool = False) -> None:
+    The weight starts from N(0, `init_std`), d^-1/2 by default (Llama: 0.02, HF's init);
+    `init_truncation` cuts the normal at ±that many σ (Megalodon: 3).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        vocab_size: int,
+        bias: bool = False,
+        init_std: float | None = None,
+        init_truncation: float | None = None,
+    ) -> None:
         super().__init__()
         self.proj = nn.Linear(d_model, vocab_size, bias=bias)
-        nn.init.normal_(self.proj.weight, std=d_model**-0.5)
+        std = init_std or d_model**-0.5
+        if init_truncation is None:
+            nn.init.normal_(self.proj.weight, std=std)
+        else:
+            cut = init_truncation * std
+            nn.init.trunc_normal_(self.proj.weight, std=std, a=-cut, b=cut)
 
     def tie(self, embedding: nn.Embedding) -> None:
         """Share the weight matrix with the token embedding (Press & Wolf 2017)."""
@@ -62,15 +79,9 @@ class LinearLMHead(nn.Module):
         logits = self.proj(hidden).float()
         return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
 
-
-def _gather_from_ranks(obj: Any) -> list[Any]:
-    """`obj` from every process (a one-element list without distributed training)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """Log-distribution over the vocabulary (..., V) in float32 (for generation)."""
+        return F.log_softmax(self.proj(hidden).float(), dim=-1)
 
 
 def check_causal(backbone: nn.Module) -> None:
@@ -97,22 +108,32 @@ class LanguageModelingTask(SequenceTask):
         scheduler: Callable[..., Any] | None = None,
         check_finite: bool = True,
         compile: bool = False,
+        loss_scale: float = 1.0,
     ) -> None:
         super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
         check_causal(backbone)
-        self.head = head
+        # The optimised loss is loss_scale x the mean NLL (the logged train/loss is not scaled).
+        # 0.5 reproduces the LaMemo code's `(loss + mem_loss) / 2` with mem_loss = 0: half the
+        # gradient, so its clip norm acts as twice that norm on the NLL's gradient.
+        if loss_scale <= 0:
+            raise ValueError(f"loss_scale must be positive, got {loss_scale}")
+        self.loss_scale = loss_scale
+        self.head: Any = head  # an LM head: nll(hidden, targets), tie(embedding)
         if tie_weights:
-            if isinstance(head, AdaptiveSoftmax):
+            if hasattr(head, "tie_encoder"):  # heads that tie to a whole encoder (adaptive_xl)
+                cast(Any, head).tie_encoder(encoder)  # duck-typed (nn.Module.__getattr__ hides it)
+            elif isinstance(head, AdaptiveSoftmax):
                 head.tie(encoder)
             else:
                 embedding = getattr(getattr(encoder, "embed", encoder), "embedding", None)
                 if embedding is None:
                     raise ValueError("tie_weights needs a token embedding in the encoder")
-                head.tie(embedding)
+                cast(Any, head).tie(embedding)
         self.carry_state = carry_state
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the `_nll` style suffixes.
         # NaN is kept (torchmetrics would drop it by default) so that `epoch_metrics` reports it.
-        self.sums = nn.ModuleDict(
+        # nn.ModuleDict's stub types its values as Module; this one holds SumMetrics only.
+        self.sums: Mapping[str, SumMetric] = nn.ModuleDict(  # type: ignore[assignment]
             {
                 f"{s}_{k}": SumMetric(nan_strategy="disable").set_dtype(torch.float64)
                 for s in SPLITS
@@ -138,7 +159,43 @@ class LanguageModelingTask(SequenceTask):
         like = next(self.backbone.parameters())
         return self.backbone.initial_state(batch_size, like)
 
+    # -- chunk parallelism ----------------------------------------------------------------------
+    def use_chunk_parallel(self, chunk: Any) -> None:
+        """Run as one rank of a chunk-parallel group (`megalab.parallel`): take this rank's
+        slice of every batch, exchange the backbone's state with the neighbours, and scale the
+        loss so that data-parallel averaging gives the whole-sequence gradient."""
+        if self.carry_state:
+            raise ValueError(
+                "chunk parallelism trains on stateless batches: set task.carry_state=false "
+                "(and data.sampler=random)"
+            )
+        chunk.install(self.backbone)
+        self.chunk_parallel = chunk
+
+    def _slice_batch(self, batch: Batch) -> Batch:
+        """This rank's time slice; the length is padded (masked) to a multiple of the group."""
+        cp = self.chunk_parallel
+        out: dict[str, Any] = dict(batch)
+        B, L = batch["inputs"].shape[:2]
+        pad = (-L) % cp.size
+        mask = batch.get("mask")
+        if mask is None:
+            mask = torch.ones(B, L, dtype=torch.bool, device=batch["inputs"].device)
+        out["mask"] = mask
+        for key in ("inputs", "targets", "mask", "target_mask"):
+            if key in out:
+                t = out[key]
+                if pad:
+                    t = torch.cat([t, t.new_zeros(B, pad, *t.shape[2:])], 1)
+                out[key] = cp.slice(t)
+        if "num_words" in out and cp.index > 0:
+            out["num_words"] = torch.zeros_like(torch.as_tensor(out["num_words"]))
+        return out  # type: ignore[return-value]
+
     def _step(self, batch: Batch, split: str) -> Tensor:
+        cp = getattr(self, "chunk_parallel", None)
+        if cp is not None:
+            batch = self._slice_batch(batch)
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
         reset = batch.get("reset")
@@ -160,6 +217,14 @@ class LanguageModelingTask(SequenceTask):
         total = torch.where(scored, nll, torch.zeros_like(nll)).sum()
         count = scored.sum()
         loss = total / count.clamp_min(1).to(total.dtype)
+        group_loss = loss
+        if cp is not None:
+            # The group's tokens: each rank's loss is its share of the whole sequence's mean,
+            # times cp (DDP averages over the dp x cp processes).
+            sums = torch.stack([total.detach(), count.to(total.dtype)])
+            torch.distributed.all_reduce(sums, group=cp.group)
+            loss = total / sums[1].clamp_min(1) * cp.size
+            group_loss = sums[0] / sums[1].clamp_min(1)
         self.sums[f"{split}_nll"](total.detach().double())
         self.sums[f"{split}_tokens"](count.detach().double())
         if "num_words" in batch:
@@ -167,7 +232,7 @@ class LanguageModelingTask(SequenceTask):
         if split == "train":
             self.log(
                 "train/loss",
-                loss.detach(),
+                group_loss.detach(),
                 on_step=True,
                 on_epoch=True,
                 prog_bar=True,
@@ -176,6 +241,8 @@ class LanguageModelingTask(SequenceTask):
         aux_loss = self.aux_loss(out, split, int(count))
         if aux_loss is not None and split == "train":
             loss = loss + aux_loss
+        if split == "train" and self.loss_scale != 1.0:
+            loss = loss * self.loss_scale
         return loss
 
     def epoch_metrics(self, split: str) -> dict[str, Tensor]:
@@ -212,7 +279,8 @@ class LanguageModelingTask(SequenceTask):
         loss = self._step(batch, "train")
         self._restored = False
         self.assert_finite(loss)
-        self.log_throughput(batch["inputs"].numel())
+        cp = getattr(self, "chunk_parallel", None)
+        self.log_throughput(batch["inputs"].numel() // (cp.size if cp is not None else 1))
         return loss
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
@@ -247,7 +315,7 @@ class LanguageModelingTask(SequenceTask):
         super().on_save_checkpoint(checkpoint)
         if self.carry_state:
             packed = {"items": [[g, pack_state(s)] for g, s in self._state["train"].items()]}
-            checkpoint[_STATE_KEY] = {"ranks": _gather_from_ranks(packed)}
+            checkpoint[_STATE_KEY] = {"ranks": gather_from_ranks(packed)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
@@ -12,3 +13,40 @@ def size_wrap_policy(min_num_params: int = 100_000) -> Callable[..., bool]:
     """FSDP auto-wrap policy: every submodule with at least `min_num_params` parameters becomes
     its own shard unit (for the models here: each backbone layer)."""
     return functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
+
+
+def slurm_environment(auto_requeue: bool = True, requeue_signal: str = "SIGUSR1") -> Any:
+    """Lightning's SLURM cluster environment, with the requeue signal given by name."""
+    import signal
+
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+    sig = getattr(signal, requeue_signal, None)
+    if not isinstance(sig, signal.Signals):
+        raise ValueError(f"unknown signal {requeue_signal!r} (e.g. SIGUSR1)")
+    return SLURMEnvironment(auto_requeue=auto_requeue, requeue_signal=sig)
+
+
+def block_classes() -> set[type]:
+    """The block class of every megalab backbone: each block becomes its own FSDP unit and
+    activation-checkpointing region (Lightning's `auto_wrap_policy` /
+    `activation_checkpointing_policy` take a set of classes)."""
+    from megalab.models.llama import LlamaBlock
+    from megalab.models.mega import MegaBlock
+    from megalab.models.transformer import TransformerLayer
+
+    return {LlamaBlock, MegaBlock, TransformerLayer}
+
+
+def gather_from_ranks(obj: Any) -> list[Any]:
+    """`obj` from every process, in rank order (a one-element list without distributed training).
+
+    Collective: every process must call it (checkpoint hooks run on all of them).
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        out: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+    return [obj]

@@ -5,6 +5,9 @@
 - `project_root()`: the folder `data/`, `logs/`, `tables/` and `sweeps/` hang off:
   `MEGALAB_ROOT` if set, else the source checkout the package runs from, else the current
   directory (an installed package).
+- `resource_dir(name)`: the paper tables (`tables/`) and sweep files (`sweeps/`): the project's
+  own folder when it has one, else the copy an installed wheel carries (`megalab/resources/`,
+  written by the build hook in `setup.py`).
 """
 
 from __future__ import annotations
@@ -37,3 +40,12 @@ def export_project_root() -> Path:
     root = project_root()
     os.environ.setdefault("MEGALAB_ROOT", str(root))
     return root
+
+
+def resource_dir(name: str) -> Path:
+    """`tables` or `sweeps`: the project root's folder if it exists, else the wheel's copy."""
+    own = project_root() / name
+    packaged = PACKAGE_DIR / "resources" / name
+    if not own.is_dir() and packaged.is_dir():
+        return packaged
+    return own

@@ -1,8 +1,9 @@
 """Run plumbing shared by the entry points: building callbacks and loggers from config,
-resolving checkpoints, writing the run's `config.yaml` and `metrics.json`."""
+writing the run's `config.yaml` and `metrics.json` (checkpoints: `megalab.utils.run_folder`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -10,14 +11,14 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import torch
 from lightning import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -45,22 +46,24 @@ def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
     return instantiate_group(cfg)
 
 
-def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | Path) -> str | None:
-    """`last` means this run directory's `checkpoints/last.ckpt`; `best` its best checkpoint."""
-    if ckpt_path in (None, "", "none", "null"):
-        return None
-    ckpt_dir = Path(output_dir) / "checkpoints"
-    if ckpt_path == "last":
-        path = ckpt_dir / "last.ckpt"
-        if not path.exists():
-            raise FileNotFoundError(
-                f"ckpt_path=last but {path} does not exist. To resume a run, start it again in "
-                "its own output directory: `hydra.run.dir=<run dir> ckpt_path=last`"
-            )
-        return str(path)
-    if not Path(ckpt_path).exists():
-        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
-    return str(ckpt_path)
+# megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
+# (megalab.memory reads them before the trainer is built).
+MEGALAB_TRAINER_KEYS = ("max_tokens_per_step", "memory_check")
+
+
+def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
+    """The `trainer` group without megalab's own keys, as `lightning.Trainer` takes it."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key in MEGALAB_TRAINER_KEYS:
+            out.pop(key, None)
+    return out
+
+
+def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
+    """Build the Lightning Trainer of a `trainer` config group; every entry point builds its
+    trainer here, so megalab's own keys never reach Lightning."""
+    return hydra.utils.instantiate(lightning_trainer_config(cfg), **kwargs)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -71,6 +74,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -110,7 +115,7 @@ def log_hyperparameters(cfg: DictConfig, loggers: list[Logger], model: torch.nn.
     """Send the resolved config and parameter counts to every logger."""
     if not loggers:
         return
-    params = OmegaConf.to_container(cfg, resolve=True)
+    params = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     assert isinstance(params, dict)
     params.pop("hydra", None)
     params["params"] = count_parameters(model)

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from megalab.data.download import cache_dir, download, mark_prepared, prepared
+from megalab.data.lm.codec import AlphabetCodec, ByteCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -126,7 +127,7 @@ class CharLMDataModule(LMStreamDataModule):
             meta["splits"][split] = {"file": f"{split}.bin", "dtype": "uint8", **info}
             log.info("%s %s: %s tokens", self.name, split, f"{info['tokens']:,}")
         write_meta(cache, meta)
-        mark_prepared(cache, meta)
+        mark_prepared(cache, meta, sources=[self.archive])
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not self.archive.exists():
@@ -134,7 +135,7 @@ class CharLMDataModule(LMStreamDataModule):
         cache = cache_dir(self.cache_root, "tokens", self.params())
         if not prepared(cache):
             self.prepare_data()
-        return load_streams(cache)
+        return load_streams(cache, self.spec.vocab_size)
 
 
 class Enwik8DataModule(CharLMDataModule):
@@ -162,6 +163,10 @@ class Enwik8DataModule(CharLMDataModule):
     def encode(self, data: bytes, split: str) -> np.ndarray:
         tokens = np.frombuffer(data, dtype=np.uint8)
         return tokens[tokens != 10] if self.drop_newlines else tokens
+
+    def text_codec(self) -> ByteCodec:
+        """Prompts as UTF-8 bytes (without newlines when the data drops them)."""
+        return ByteCodec(drop_newlines=self.drop_newlines)
 
 
 class Text8DataModule(CharLMDataModule):
@@ -194,3 +199,7 @@ class Text8DataModule(CharLMDataModule):
                 "space): this is not the text8 corpus"
             )
         return tokens
+
+    def text_codec(self) -> AlphabetCodec:
+        """Prompts in text8's alphabet (lower-cased)."""
+        return AlphabetCodec(TEXT8_ALPHABET, name="text8")

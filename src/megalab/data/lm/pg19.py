@@ -39,6 +39,7 @@ from megalab.data.download import (
     prepared,
 )
 from megalab.data.hub import HubDataset
+from megalab.data.lm.codec import TokenizerCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -64,7 +65,7 @@ def train_tokenizer(
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
+        trainer: trainers.Trainer = trainers.BpeTrainer(
             vocab_size=vocab_size,
             special_tokens=[eos_token],
             min_frequency=2,
@@ -250,6 +251,7 @@ class PG19DataModule(LMStreamDataModule):
         if prepared(cache):
             return
         tok = self.tokenizer()
+        assert self.spec.vocab_size is not None  # a required data setting
         dtype = token_dtype(self.spec.vocab_size)
         meta: dict = {"dataset": "pg19", "vocab_size": tok.get_vocab_size(), "splits": {}}
         for split in ("train", "val", "test"):
@@ -280,12 +282,16 @@ class PG19DataModule(LMStreamDataModule):
             )
         (cache / "tokenizer.json").write_text(tok.to_str())
         write_meta(cache, meta)
-        mark_prepared(cache, meta)
+        mark_prepared(cache, meta, sources=self.source.source_files())
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not prepared(self.cache()):
             self.prepare_data()
-        return load_streams(self.cache())
+        return load_streams(self.cache(), self.spec.vocab_size)
+
+    def text_codec(self) -> TokenizerCodec:
+        """Prompts through the data's tokenizer; `<eos>` ends a book."""
+        return TokenizerCodec(self.tokenizer(), self.eos_token)
 
     def num_words(self, split: str) -> int:
         """Whitespace-separated words of a prepared evaluation split."""

@@ -9,7 +9,10 @@ resumed run continues exactly:
   contiguous rows (the remainder is dropped), R = global batch; consecutive batches are
   consecutive segments of length L of the same rows, so a model can carry its state from one
   batch to the next (`reset` is True on the first batch of every epoch). Each epoch rolls the
-  stream by a seeded random offset (wrapping around), so the rows start at new places.
+  stream by a seeded random offset (wrapping around), so the rows start at new places; with
+  `roll="rows"` each row is instead rotated within itself by its own offset, as XL's
+  `LMOrderedIterator.roll` does (every row keeps its part of the corpus; the pairs stay
+  adjacent tokens, where XL also scores the one wrap-around pair of each row).
 - `EvalBatches`: the predictions are cut into R rows that cover them all (lengths differ by at
   most one); segments run in order with carried state, the last one partial and padded, and
   `target_mask` marks what is scored: every token is predicted exactly once. With a stride S,
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 SAMPLERS = ("stream", "random")
+ROLLS = (True, False, "rows")
 
 
 # --------------------------------------------------------------------------- token streams
@@ -103,6 +107,7 @@ class TokenStream:
     @property
     def tokens(self) -> np.ndarray:
         if self._tokens is None:
+            assert self._path is not None, "a stream without tokens has a file"
             self._tokens = np.memmap(self._path, dtype=self.dtype, mode="r", shape=(self.length,))
         return self._tokens
 
@@ -179,19 +184,44 @@ def write_meta(cache: Path, meta: Mapping[str, Any]) -> None:
     os.replace(tmp, cache / "meta.json")
 
 
-def load_streams(cache: Path) -> dict[str, TokenStream]:
-    """The `TokenStream`s of a prepared directory (from its `meta.json`)."""
-    meta = json.loads((cache / "meta.json").read_text())
+def load_streams(cache: Path, vocab_size: int | None = None) -> dict[str, TokenStream]:
+    """The `TokenStream`s of a prepared directory (from its `meta.json`).
+
+    Cheap checks first (`megalab.data.cache`): each token file has the size its token count
+    and dtype give, and the largest id recorded at preparation is below `vocab_size`.
+    """
+    from megalab.data.cache import CacheError, rebuild_hint
+
+    try:
+        meta = json.loads((cache / "meta.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CacheError(
+            f"{cache / 'meta.json'} is unreadable ({err}). {rebuild_hint(cache)}"
+        ) from None
     streams = {}
     for split, info in meta["splits"].items():
+        path = cache / info["file"]
+        want = int(info["tokens"]) * np.dtype(info["dtype"]).itemsize
+        size = path.stat().st_size if path.exists() else -1
+        if size != want:
+            raise CacheError(
+                f"{path} has {size:,} bytes, {want:,} expected ({info['tokens']:,} "
+                f"{info['dtype']} tokens). {rebuild_hint(cache)}"
+            )
+        max_id = info.get("max_id")
+        if vocab_size is not None and max_id is not None and max_id >= vocab_size:
+            raise CacheError(
+                f"{path} holds token ids up to {max_id}, beyond the vocabulary of {vocab_size} "
+                f"(data.vocab_size). {rebuild_hint(cache)}"
+            )
         words = info.get("words_file")
         streams[split] = TokenStream(
-            cache / info["file"],
+            path,
             dtype=info["dtype"],
             length=info["tokens"],
             words=None if not words else cache / words,
             words_per_token=info.get("words_per_token", False),
-            max_id=info.get("max_id"),
+            max_id=max_id,
             name=split,
         )
     return streams
@@ -250,9 +280,11 @@ class StreamBatches(Dataset):
         rows_per_device: int,
         seq_len: int,
         layout: Layout = Layout(),
-        roll: bool = True,
+        roll: bool | str = True,
         seed: int = 0,
     ) -> None:
+        if roll not in ROLLS:
+            raise ValueError(f"unknown roll {roll!r}: true (the stream), false or 'rows'")
         self.stream, self.seq_len, self.layout = stream, seq_len, layout
         self.rows = rows_per_device
         self.roll, self.seed = roll, seed
@@ -269,8 +301,13 @@ class StreamBatches(Dataset):
     def __len__(self) -> int:
         return self.segments * self.layout.accumulate
 
+    def row_shifts(self, epoch: int) -> np.ndarray:
+        """Per global row, its rotation in this epoch (`roll="rows"`)."""
+        rng = np.random.default_rng([self.seed, 7919, epoch])
+        return rng.integers(self.row_len, size=self.total_rows)
+
     def offset(self, epoch: int) -> int:
-        if not self.roll:
+        if self.roll is not True:
             return 0
         return int(np.random.default_rng([self.seed, 104729, epoch]).integers(len(self.stream)))
 
@@ -284,8 +321,15 @@ class StreamBatches(Dataset):
         segment, group = divmod(i, self.layout.accumulate)
         a = segment * self.seq_len
         width = min(self.seq_len, self.row_len - a)
-        starts = self.row_ids(group) * self.row_len + a
-        positions = self.offset(epoch) + starts[:, None] + np.arange(width)[None, :]
+        rows = self.row_ids(group)
+        if self.roll == "rows":
+            local = (self.row_shifts(epoch)[rows, None] + a + np.arange(width)[None, :]) % (
+                self.row_len
+            )
+            positions = rows[:, None] * self.row_len + local
+        else:
+            starts = rows * self.row_len + a
+            positions = self.offset(epoch) + starts[:, None] + np.arange(width)[None, :]
         n = len(self.stream)
         valid = np.ones(positions.shape, dtype=bool)
         return _batch(
@@ -379,7 +423,7 @@ class RandomWindowBatches(Dataset):
         seq_len: int,
         layout: Layout = Layout(),
         seed: int = 0,
-        multiples: tuple[int, int] | None = None,
+        multiples: tuple[int, ...] | None = None,
         unit: int | None = None,
     ) -> None:
         self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
@@ -409,6 +453,7 @@ class RandomWindowBatches(Dataset):
         if self.multiples is None:
             return self.seq_len, rng
         m = int(rng.integers(self.multiples[0], self.multiples[1] + 1))
+        assert self.unit is not None, "variable-length windows have a unit"
         return m * self.unit, rng
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
@@ -448,8 +493,10 @@ class LMStreamDataModule(SequenceDataModule):
         eval_batch_size: global number of evaluation streams (independent of the number of
             processes, so results do not depend on it).
         sampler: `stream` (contiguous rows, Transformer-XL order, for models that carry
-            state) or `random` (independent random windows, for stateless models).
-        roll: rotate the training stream by a random offset each epoch (`stream` sampler).
+            state) or `random` (independent random windows, for stateless models); kept as
+            `train_sampling`.
+        roll: rotate the training stream by a random offset each epoch (`stream` sampler);
+            "rows": rotate each row within itself instead (Transformer-XL's `--roll`).
         eval_max_len: evaluation segment/window length (default: max_len).
         eval_stride: sliding-window evaluation: score this many new tokens per window of
             `eval_max_len` (None: consecutive segments with carried state).
@@ -474,7 +521,7 @@ class LMStreamDataModule(SequenceDataModule):
         num_classes: int | None = None,
         pad_id: int | None = None,
         sampler: str = "stream",
-        roll: bool = True,
+        roll: bool | str = True,
         eval_max_len: int | None = None,
         eval_stride: int | None = None,
         train_len_multiples: list[int] | tuple[int, int] | None = None,
@@ -504,7 +551,8 @@ class LMStreamDataModule(SequenceDataModule):
             vocab_size=vocab_size,
             pad_id=pad_id,
         )
-        self.sampler = sampler
+        # Not `self.sampler`: that would shadow SequenceDataModule.sampler(split, batch_size).
+        self.train_sampling = sampler
         self.roll = roll
         self.eval_max_len = eval_max_len or max_len
         self.eval_stride = eval_stride
@@ -518,8 +566,12 @@ class LMStreamDataModule(SequenceDataModule):
         """The prepared `train`/`val`/`test` streams (prepare first when needed)."""
         raise NotImplementedError
 
+    def text_codec(self) -> Any:
+        """Text <-> ids with this dataset's vocabulary (`megalab.data.lm.codec`), for prompts."""
+        raise NotImplementedError(f"{type(self).__name__} has no text codec")
+
     # -- setup ----------------------------------------------------------------------------------
-    def build_datasets(self) -> dict[str, Dataset]:
+    def build_datasets(self) -> dict[str, TokenStream]:
         streams = self.load_streams()
         missing = [s for s in SPLITS if s not in streams]
         if missing:
@@ -531,6 +583,7 @@ class LMStreamDataModule(SequenceDataModule):
                     f"{self.data_dir}: at least 2 are needed (check the files or split sizes)"
                 )
             top = stream.compute_max_id()
+            assert self.spec.vocab_size is not None  # checked in __init__
             if top >= self.spec.vocab_size:
                 raise ValueError(
                     f"{type(self).__name__}: the {split} split holds token id {top}, outside the "
@@ -544,7 +597,9 @@ class LMStreamDataModule(SequenceDataModule):
         accumulate = self.trainer.accumulate_grad_batches if (train and self.trainer) else 1
         return Layout(rank, world, accumulate)
 
-    def batches(self, split: str, layout: Layout | None = None) -> Dataset:
+    def batches(
+        self, split: str, layout: Layout | None = None
+    ) -> EvalBatches | RandomWindowBatches | StreamBatches:
         """The batch dataset of `split` for a process at `layout` (its rank, world, groups)."""
         if split not in self.datasets:
             self.setup()
@@ -569,7 +624,7 @@ class LMStreamDataModule(SequenceDataModule):
                 "a batch size that is"
             )
         rows = self.batch_size // parts
-        if self.sampler == "random":
+        if self.train_sampling == "random":
             return RandomWindowBatches(
                 stream,
                 rows,

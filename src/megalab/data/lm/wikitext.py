@@ -34,6 +34,7 @@ import numpy as np
 
 from megalab.data.download import cache_dir, mark_prepared, prepared
 from megalab.data.hub import HubDataset
+from megalab.data.lm.codec import WordCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,
     TokenStream,
@@ -133,6 +134,12 @@ class WikiText103DataModule(LMStreamDataModule):
         """The prepared vocabulary (id = position)."""
         return (self.cache() / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
 
+    def text_codec(self) -> WordCodec:
+        """Prompts as words of the training vocabulary, `<eos>` per line break."""
+        if not prepared(self.cache()):
+            self.prepare_data()
+        return WordCodec(self.vocabulary(), eos=EOS)
+
     def prepare_data(self) -> None:
         self.source.require()  # fetches missing splits first: the cache is keyed on the files
         cache = self.cache()
@@ -173,7 +180,7 @@ class WikiText103DataModule(LMStreamDataModule):
                 "WikiText-103 %s: %s tokens (with the leading <eos>)", split, f"{info['tokens']:,}"
             )
         write_meta(cache, meta)
-        mark_prepared(cache, meta)
+        mark_prepared(cache, meta, sources=self.source.source_files())
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not prepared(self.cache()):
@@ -186,4 +193,4 @@ class WikiText103DataModule(LMStreamDataModule):
                 f"data.vocab_size={self.spec.vocab_size:,}; set data.vocab_size="
                 f"{meta['vocab_size']} (the model's embedding and softmax are sized by it)"
             )
-        return load_streams(cache)
+        return load_streams(cache, self.spec.vocab_size)

@@ -27,7 +27,7 @@ import io
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -72,7 +72,10 @@ def random_split_indices(n: int, lengths: Sequence[int], seed: int) -> list[np.n
     if sum(lengths) != n:
         raise ValueError(f"split lengths {list(lengths)} do not add up to {n}")
     subsets = torch.utils.data.random_split(
-        range(n), list(lengths), generator=torch.Generator().manual_seed(seed)
+        # torch types the first argument as a Dataset; random_split needs only len().
+        cast(Any, range(n)),
+        list(lengths),
+        generator=torch.Generator().manual_seed(seed),
     )
     return [np.asarray(s.indices, dtype=np.int64) for s in subsets]
 
@@ -108,6 +111,28 @@ class PixelSequences(Dataset):
         x = torch.from_numpy(np.asarray(self.pixels[j], dtype=np.float32))
         x = (x / 255.0 - self.mean) / self.std
         return {"inputs": x.unsqueeze(-1), "targets": int(self.labels[j])}
+
+
+def load_pixels(
+    cache: Path, prefix: str, num_classes: int, side: int = SIDE
+) -> tuple[np.ndarray, np.ndarray]:
+    """``<prefix>.pixels.npy`` (memory-mapped) and ``<prefix>.labels.npy`` of a prepared cache,
+    after the cheap checks: headers, one label per image, labels below ``num_classes``."""
+    from megalab.data.cache import CacheError, check_npy, check_range, rebuild_hint
+
+    pixels_path = cache / f"{prefix}.pixels.npy" if prefix else cache / "pixels.npy"
+    labels_path = cache / f"{prefix}.labels.npy" if prefix else cache / "labels.npy"
+    check_npy(pixels_path, np.uint8, 2, cache)
+    check_npy(labels_path, np.int64, 1, cache)
+    pixels = np.load(pixels_path, mmap_mode="r")
+    labels = np.load(labels_path)
+    if pixels.shape[1] != side * side or len(pixels) != len(labels):
+        raise CacheError(
+            f"{pixels_path} holds {pixels.shape} pixels for {len(labels)} labels, not "
+            f"({len(labels)}, {side * side}). {rebuild_hint(cache)}"
+        )
+    check_range(labels, 0, num_classes, "label", labels_path, cache)
+    return pixels, labels
 
 
 def decode_gray(data: bytes, side: int, where: str) -> np.ndarray:
@@ -184,19 +209,18 @@ class CIFAR10DataModule(SequenceDataModule):
             np.save(cache / f"{split}.pixels.npy", pixels)
             np.save(cache / f"{split}.labels.npy", np.asarray(labels, dtype=np.int64))
             sizes[split] = len(labels)
-        mark_prepared(cache, {"sizes": sizes})
+        mark_prepared(cache, {"sizes": sizes}, sources=self.source.source_files())
         log.info("CIFAR-10 pixels prepared in %s (%s)", cache, sizes)
 
     def build_datasets(self) -> dict[str, PixelSequences]:
         if not prepared(self.cache_path()):
             self.prepare_data()  # may fetch the sources, which changes the cache key
         cache = self.cache_path()
-        load = lambda name: np.load(cache / name, mmap_mode="r")  # noqa: E731
-        train_px, train_y = load("train.pixels.npy"), load("train.labels.npy")
+        train_px, train_y = load_pixels(cache, "train", NUM_CLASSES)
         n = len(train_y)
         n_train = int(n * (1.0 - self.val_fraction))
         tr, va = random_split_indices(n, [n_train, n - n_train], self.split_seed)
-        test_px, test_y = load("test.pixels.npy"), load("test.labels.npy")
+        test_px, test_y = load_pixels(cache, "test", NUM_CLASSES)
         return {
             "train": PixelSequences(train_px, train_y, self.mean, self.std, tr),
             "val": PixelSequences(train_px, train_y, self.mean, self.std, va),

@@ -20,11 +20,18 @@ import random
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
-from megalab.data.base import SequenceDataModule, TokenSequences, cached_sequences, file_key
+from megalab.data.base import (
+    SequenceDataModule,
+    TokenSequences,
+    cached_sequences,
+    check_truncation,
+    file_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +78,7 @@ def _random_tree(rng: random.Random, depth: int, s: ListOpsSettings) -> tuple[ob
     return (rng.choice(OPERATORS), args), length
 
 
-def _value(tree: object) -> int:
+def _value(tree: Any) -> int:
     if isinstance(tree, int):
         return tree
     op, args = tree
@@ -85,7 +92,7 @@ def _value(tree: object) -> int:
     return sum(vals) % 10
 
 
-def _to_string(tree: object) -> str:
+def _to_string(tree: Any) -> str:
     """LRA's bracketing: ((op a1) a2) ... ]) with every pair wrapped in parentheses."""
     if isinstance(tree, int):
         return str(tree)
@@ -221,9 +228,15 @@ def encode_tokens(
 def read_listops(
     path: str | Path, max_len: int = 2001, append_eos: bool = True, prepend_cls: bool = False
 ) -> TokenSequences:
-    """Read one LRA ListOps TSV into token sequences; errors name the file, line and problem."""
+    """Read one LRA ListOps TSV into token sequences; errors name the file, line and problem.
+
+    Expressions longer than `max_len` are cut (see `encode_tokens`); the result's `truncated`
+    counts them, for the DataModule's `truncate` policy.
+    """
     path = Path(path)
     encode_tokens(np.zeros(0, np.int64), max_len, append_eos, prepend_cls)  # fail early
+    room = max_len - int(append_eos) - int(prepend_cls)
+    truncated = 0
     all_ids, offsets, labels = [], [0], []
     with path.open(newline="") as f:
         reader = csv.reader(f, delimiter="\t")
@@ -261,19 +274,24 @@ def read_listops(
                 raise ListOpsFormatError(
                     f"{path}:{lineno}: unknown token {bad!r}; ListOps uses {' '.join(SYMBOLS)}"
                 )
+            truncated += int(len(ids) > room)
             ids = encode_tokens(ids, max_len, append_eos, prepend_cls)
             all_ids.append(ids)
             offsets.append(offsets[-1] + len(ids))
             labels.append(label)
     tokens = np.concatenate(all_ids).astype(np.int16) if all_ids else np.zeros(0, np.int16)
-    return TokenSequences(tokens, np.asarray(offsets, dtype=np.int64), np.asarray(labels))
+    ds = TokenSequences(tokens, np.asarray(offsets, dtype=np.int64), np.asarray(labels))
+    ds.truncated = truncated
+    return ds
 
 
 class ListOpsDataModule(SequenceDataModule):
     """LRA ListOps: 10-way classification of nested list-operation expressions.
 
     `max_len` counts every token, EOS and (with `prepend_cls`) <CLS> included: 2001 for Mega,
-    2002 for the fairseq Transformer baseline, which pools the prepended <CLS>.
+    2002 for the fairseq Transformer baseline, which pools the prepended <CLS>. Longer
+    expressions fail the run unless `truncate=True` cuts them (with a warning and their count):
+    a cut expression has another value than its label.
     """
 
     def __init__(
@@ -291,6 +309,7 @@ class ListOpsDataModule(SequenceDataModule):
         generator_seed: int = 0,
         generator_workers: int = 2,
         prepend_cls: bool = False,
+        truncate: bool = False,
         **kwargs,
     ) -> None:
         kwargs.setdefault("vocab_size", len(VOCAB))
@@ -302,6 +321,7 @@ class ListOpsDataModule(SequenceDataModule):
         if self.spec.num_classes != NUM_CLASSES:
             raise ValueError(f"ListOps has {NUM_CLASSES} classes, config says {self.num_classes}")
         self.prepend_cls = prepend_cls
+        self.truncate = truncate
         encode_tokens(np.zeros(0, np.int64), self.max_len, True, prepend_cls)  # fail early
         self.generate_if_missing = generate_if_missing
         self.sizes = (num_train, num_val, num_test)
@@ -340,7 +360,7 @@ class ListOpsDataModule(SequenceDataModule):
                     f"{p} not found; run `megalab-data listops --out {self.data_dir}` or set "
                     "`data.data_dir` to the LRA release's listops-1000 folder"
                 )
-        return {
+        datasets = {
             split: cached_sequences(
                 self.cache_root,
                 f"listops_{split}",
@@ -352,6 +372,17 @@ class ListOpsDataModule(SequenceDataModule):
                     "vocab": VOCAB,
                 },
                 functools.partial(read_listops, path, self.max_len, prepend_cls=self.prepend_cls),
+                sources=[path],
+                vocab_size=len(VOCAB),
+                num_classes=NUM_CLASSES,
             )
             for split, path in self.files().items()
         }
+        check_truncation(
+            f"LRA ListOps ({self.data_dir})",
+            {split: ds.truncated for split, ds in datasets.items()},
+            {split: len(ds) for split, ds in datasets.items()},
+            self.max_len,
+            self.truncate,
+        )
+        return datasets

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from megalab.data.base import SequenceDataModule
 from megalab.data.download import cache_dir, mark_prepared, prepared, require_files
-from megalab.data.lra.image import PixelSequences, random_split_indices
+from megalab.data.lra.image import PixelSequences, load_pixels, random_split_indices
 from megalab.data.lra.release import RELEASE_PAGE, LRAFormatError, data_root_of, release_how
 from megalab.data.lra.text import fresh_cache
 
@@ -296,7 +296,7 @@ class PathfinderDataModule(SequenceDataModule):
         del pixels
         os.replace(tmp, cache / "pixels.npy")
         np.save(cache / "labels.npy", np.asarray([y for _, y in samples], dtype=np.int64))
-        mark_prepared(cache, {"samples": len(samples)})
+        mark_prepared(cache, {"samples": len(samples)}, sources=metadata_files(self.folder))
         log.info("Pathfinder pixels prepared in %s (%d images)", cache, len(samples))
 
     def split_sizes(self, n: int) -> list[int]:
@@ -310,8 +310,7 @@ class PathfinderDataModule(SequenceDataModule):
         cache = self.cache_path()
         if not prepared(cache):
             self.prepare_data()
-        pixels = np.load(cache / "pixels.npy", mmap_mode="r")
-        labels = np.load(cache / "labels.npy")
+        pixels, labels = load_pixels(cache, "", 2, self.resolution)
         parts = random_split_indices(len(labels), self.split_sizes(len(labels)), self.split_seed)
         return {
             split: PixelSequences(pixels, labels, self.mean, self.std, idx)

@@ -35,6 +35,7 @@ from megalab.data.lra.text import (
     encode_bytes,
     fresh_cache,
     load_token_split,
+    report_truncation,
     save_token_split,
 )
 
@@ -80,6 +81,7 @@ class AANDataModule(SequenceDataModule):
         max_len: int = 4001,
         append_eos: bool = True,
         prepend_cls: bool = False,
+        truncate: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("vocab_size", VOCAB_SIZE)
@@ -89,6 +91,7 @@ class AANDataModule(SequenceDataModule):
         super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
         _check_spec(self, "LRA Retrieval")
         self.append_eos, self.prepend_cls = append_eos, prepend_cls
+        self.truncate = truncate
         encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
     def files(self) -> dict[str, Path]:
@@ -121,13 +124,17 @@ class AANDataModule(SequenceDataModule):
         if prepared(cache):
             return
         fresh_cache(cache)
-        sizes = {}
+        sizes: dict[str, int] = {}
+        truncated: dict[str, int] = {}
+        room = self.max_len - int(self.append_eos) - int(self.prepend_cls)
         for split, path in self.files().items():
             labels: list[int] = []
+            cut = [0]
 
-            def docs(path: Path = path, labels: list[int] = labels):
+            def docs(path: Path = path, labels: list[int] = labels, cut: list[int] = cut):
                 for label, a, b in read_pairs(path):
                     labels.append(label)
+                    cut[0] += int(len(a) > room or len(b) > room)
                     yield (
                         encode_bytes(a, self.max_len, self.append_eos, self.prepend_cls),
                         encode_bytes(b, self.max_len, self.append_eos, self.prepend_cls),
@@ -136,11 +143,17 @@ class AANDataModule(SequenceDataModule):
             # `labels` fills up while the documents are written; it is saved after them.
             save_token_split(cache, split, docs(), labels, pairwise=True)
             sizes[split] = len(labels)
-        mark_prepared(cache, {"sizes": sizes})
+            truncated[split] = cut[0]
+        info = {"sizes": sizes, "truncated": truncated}
+        mark_prepared(cache, info, sources=list(self.files().values()))
         log.info("AAN tokens prepared in %s (%s)", cache, sizes)
 
     def build_datasets(self) -> dict[str, TokenSequences]:
         cache = self.cache_path()
         if not prepared(cache):
             self.prepare_data()
-        return {split: load_token_split(cache, split) for split in FILES}
+        datasets = {
+            split: load_token_split(cache, split, VOCAB_SIZE, NUM_CLASSES) for split in FILES
+        }
+        report_truncation(cache, "LRA Retrieval (AAN)", self.max_len, self.truncate)
+        return datasets

@@ -32,13 +32,13 @@ import logging
 import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, Subset
 
-from megalab.data.base import SequenceDataModule, TokenSequences
+from megalab.data.base import SequenceDataModule, TokenSequences, check_truncation
 from megalab.data.download import cache_dir, mark_prepared, prepared
 from megalab.data.hub import HubDataset
 from megalab.data.lra.release import LRAFormatError
@@ -141,15 +141,39 @@ def save_token_split(
     np.save(cache / f"{split}.labels.npy", np.asarray(labels, dtype=np.int64))
 
 
-def load_token_split(cache: Path, split: str) -> TokenSequences:
-    """A split written by :func:`save_token_split`, tokens memory-mapped."""
-    tokens = _load_tokens(cache / f"{split}.tokens.bin")
-    offsets = np.load(cache / f"{split}.offsets.npy")
-    labels = np.load(cache / f"{split}.labels.npy")
+def load_token_split(
+    cache: Path, split: str, vocab_size: int | None = None, num_classes: int | None = None
+) -> TokenSequences:
+    """A split written by :func:`save_token_split`, tokens memory-mapped.
+
+    The cheap invariants are checked on the way (:mod:`megalab.data.cache`): array headers,
+    offsets that index the token file, token ids below ``vocab_size``, labels below
+    ``num_classes``.
+    """
+    from megalab.data.cache import CacheError, check_npy, check_offsets, check_range, rebuild_hint
+
+    def tokens_and_offsets(name: str, offsets_name: str) -> tuple[np.ndarray, np.ndarray]:
+        path = cache / f"{split}.{name}.bin"
+        if path.stat().st_size % np.dtype(_TOKEN_DTYPE).itemsize:
+            raise CacheError(f"{path} is truncated mid-token. {rebuild_hint(cache)}")
+        tokens = _load_tokens(path)
+        offsets_path = cache / f"{split}.{offsets_name}.npy"
+        check_npy(offsets_path, np.int64, 1, cache)
+        offsets = np.load(offsets_path)
+        check_offsets(offsets, len(tokens), offsets_path, cache)
+        if vocab_size is not None:
+            check_range(tokens, 0, vocab_size, "token id", path, cache)
+        return tokens, offsets
+
+    tokens, offsets = tokens_and_offsets("tokens", "offsets")
+    labels_path = cache / f"{split}.labels.npy"
+    check_npy(labels_path, np.int64, 1, cache)
+    labels = np.load(labels_path)
+    if num_classes is not None:
+        check_range(labels, 0, num_classes, "label", labels_path, cache)
     tokens2 = offsets2 = None
     if (cache / f"{split}.tokens2.bin").exists():
-        tokens2 = _load_tokens(cache / f"{split}.tokens2.bin")
-        offsets2 = np.load(cache / f"{split}.offsets2.npy")
+        tokens2, offsets2 = tokens_and_offsets("tokens2", "offsets2")
     return TokenSequences(tokens, offsets, labels, tokens2, offsets2)
 
 
@@ -169,7 +193,10 @@ def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, S
     if k == 0 or k == n:
         raise ValueError(f"val_fraction={fraction} of {n} training examples leaves a split empty")
     a, b = torch.utils.data.random_split(
-        range(n), [n - k, k], generator=torch.Generator().manual_seed(seed)
+        # torch types the first argument as a Dataset; random_split needs only len().
+        cast(Any, range(n)),
+        [n - k, k],
+        generator=torch.Generator().manual_seed(seed),
     )
     return Subset(train, list(a.indices)), Subset(train, list(b.indices))
 
@@ -192,6 +219,7 @@ class IMDBDataModule(SequenceDataModule):
         hub_id: str = HUB_ID,
         download: bool = True,
         hf_cache_dir: str | None = None,
+        truncate: bool = True,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("vocab_size", VOCAB_SIZE)
@@ -204,6 +232,7 @@ class IMDBDataModule(SequenceDataModule):
         self.append_eos, self.prepend_cls = append_eos, prepend_cls
         self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
+        self.truncate = truncate
         self.source = hub_dataset(self.data_dir, hub_id)
         encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
@@ -223,7 +252,8 @@ class IMDBDataModule(SequenceDataModule):
         if prepared(cache):
             return
         fresh_cache(cache)
-        sizes = {}
+        sizes, truncated = {}, {}
+        room = self.max_len - int(self.append_eos) - int(self.prepend_cls)
         for split in self.source.splits:
             table = self.source.table(split)
             texts = table.column("text").to_pylist()
@@ -237,25 +267,37 @@ class IMDBDataModule(SequenceDataModule):
             for i, t in enumerate(texts):
                 if not isinstance(t, str):
                     raise LRAFormatError(f"{self.data_dir} ({split}): row {i} has no text ({t!r})")
+            encoded = [t.encode("utf-8") for t in texts]
             docs = (
-                encode_bytes(t.encode("utf-8"), self.max_len, self.append_eos, self.prepend_cls)
-                for t in texts
+                encode_bytes(t, self.max_len, self.append_eos, self.prepend_cls) for t in encoded
             )
             save_token_split(cache, split, docs, np.asarray(labels, dtype=np.int64))
             sizes[split] = len(texts)
-        mark_prepared(cache, {"sizes": sizes})
+            truncated[split] = sum(len(t) > room for t in encoded)
+        info = {"sizes": sizes, "truncated": truncated}
+        mark_prepared(cache, info, sources=self.source.source_files())
         log.info("IMDB tokens prepared in %s (%s)", cache, json.dumps(sizes))
 
     def build_datasets(self) -> dict[str, Dataset]:
         if not prepared(self.cache_path()):
             self.prepare_data()  # may fetch the sources, which changes the cache key
         cache = self.cache_path()
-        train = load_token_split(cache, "train")
-        test = load_token_split(cache, "test")
+        train = load_token_split(cache, "train", VOCAB_SIZE, NUM_CLASSES)
+        test = load_token_split(cache, "test", VOCAB_SIZE, NUM_CLASSES)
+        report_truncation(cache, "LRA Text (IMDB)", self.max_len, self.truncate)
         if self.val_source == "test":
             return {"train": train, "val": test, "test": test}
         tr, va = holdout_split(train, self.val_fraction, self.split_seed)
         return {"train": tr, "val": va, "test": test}
+
+
+def report_truncation(cache: Path, dataset: str, max_len: int, allow: bool) -> None:
+    """Apply the `truncate` policy to the documents a prepared cache cut (recorded in it)."""
+    from megalab.data.cache import read_marker
+
+    info = read_marker(cache)
+    truncated = {k: int(v) for k, v in (info.get("truncated") or {}).items()}
+    check_truncation(dataset, truncated, info.get("sizes") or {}, max_len, allow)
 
 
 def _check_spec(dm: SequenceDataModule, name: str) -> None:

@@ -1,0 +1,322 @@
+"""The types and ranges of the settings a run is made of, checked before anything is built.
+
+Hydra passes an override's value on as it was typed, so `trainer.max_steps=abc` or
+`data.batch_size=abc` used to fail minutes later inside Lightning or a DataLoader with a type
+error about neither. `validate` checks the composed config against the rules below (the top
+level, `trainer`, `data`, `optim`, `scheduler`, the model's sizes and the checkpoint schedule)
+and raises one `ConfigError` listing every bad key, what it expects, and what it got. A key that
+is absent is not required here (configs differ); a present one must have the right type.
+
+It also checks that the task fits the data: a classification task needs classes, language
+modelling needs a language-model dataset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """Settings with the wrong type or range; the message names each key."""
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key accepts: `check(value) -> bool` and how to say it."""
+
+    check: Callable[[Any], bool]
+    expects: str
+
+
+def integer(
+    lo: int | None = None, hi: int | None = None, null: bool = False, note: str = ""
+) -> Rule:
+    def check(v: Any) -> bool:
+        if v is None:
+            return null
+        return _is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+
+    bounds = f" >= {lo}" if lo is not None and hi is None else ""
+    if lo is not None and hi is not None:
+        bounds = f" in [{lo}, {hi}]"
+    return Rule(check, f"an integer{bounds}" + (" or null" if null else "") + note)
+
+
+def number(
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    null: bool = False,
+    note: str = "",
+) -> Rule:
+    def check(v: Any) -> bool:
+        if v is None:
+            return null
+        if not _is_number(v):
+            return False
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            return False
+        return not (hi is not None and (v >= hi if hi_open else v > hi))
+
+    if lo is not None and hi is not None:
+        bounds = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    elif lo is not None:
+        bounds = f" {'>' if lo_open else '>='} {lo:g}"
+    else:
+        bounds = ""
+    return Rule(check, f"a number{bounds}" + (" or null" if null else "") + note)
+
+
+def boolean(null: bool = False, also: tuple[Any, ...] = ()) -> Rule:
+    def check(v: Any) -> bool:
+        return isinstance(v, bool) or (v is None and null) or (v in also and not _is_number(v))
+
+    extra = "".join(f" or {a!r}" for a in also)
+    return Rule(check, "true or false" + extra + (" or null" if null else ""))
+
+
+def choice(*options: Any, null: bool = False) -> Rule:
+    def check(v: Any) -> bool:
+        return (v is None and null) or (isinstance(v, str | int) and v in options)
+
+    listed = ", ".join(str(o) for o in options)
+    return Rule(check, f"one of {listed}" + (" or null" if null else ""))
+
+
+def text(null: bool = False) -> Rule:
+    return Rule(
+        lambda v: isinstance(v, str) or (v is None and null),
+        "a string" + (" or null" if null else ""),
+    )
+
+
+def either(*rules: Rule) -> Rule:
+    return Rule(lambda v: any(r.check(v) for r in rules), " or ".join(r.expects for r in rules))
+
+
+def _str_list(v: Any) -> bool:
+    return isinstance(v, list | tuple) and all(isinstance(x, str) for x in v)
+
+
+_FRACTION_OR_COUNT = either(integer(0), number(0.0, 1.0))
+PRECISIONS = (
+    "64", "32", "16", "bf16", "transformer-engine", "transformer-engine-float16",
+    "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-true",
+    64, 32, 16,
+)  # fmt: skip
+
+RULES: dict[str, Rule] = {
+    # top level
+    "seed": integer(0, null=True),
+    "train": boolean(),
+    "test": boolean(),
+    "ckpt_path": text(null=True),
+    "task_name": text(),
+    "tags": Rule(_str_list, "a list of strings"),
+    "monitor": text(null=True),
+    "monitor_mode": choice("min", "max"),
+    # trainer
+    "trainer.max_steps": integer(-1, note=" (-1: no step limit)"),
+    "trainer.max_epochs": integer(-1, null=True, note=" (-1 or null: no epoch limit)"),
+    "trainer.min_steps": integer(0, null=True),
+    "trainer.min_epochs": integer(0, null=True),
+    "trainer.val_check_interval": either(
+        integer(1, note=" (every N training batches)"),
+        number(0.0, 1.0, lo_open=True, note=" (a fraction of an epoch)"),
+        Rule(lambda v: v is None, "null (once per epoch)"),
+    ),
+    "trainer.check_val_every_n_epoch": integer(1, null=True),
+    "trainer.limit_train_batches": either(_FRACTION_OR_COUNT, Rule(lambda v: v is None, "null")),
+    "trainer.limit_val_batches": either(_FRACTION_OR_COUNT, Rule(lambda v: v is None, "null")),
+    "trainer.limit_test_batches": either(_FRACTION_OR_COUNT, Rule(lambda v: v is None, "null")),
+    "trainer.overfit_batches": _FRACTION_OR_COUNT,
+    "trainer.accumulate_grad_batches": integer(1),
+    "trainer.gradient_clip_val": number(0.0, null=True),
+    "trainer.gradient_clip_algorithm": choice("norm", "value", null=True),
+    "trainer.log_every_n_steps": integer(1),
+    "trainer.num_sanity_val_steps": integer(-1, note=" (-1: the whole validation set)"),
+    "trainer.precision": choice(*PRECISIONS),
+    "trainer.devices": either(
+        integer(-1, note=" (-1: all)"),
+        text(),
+        Rule(
+            lambda v: isinstance(v, list | tuple) and all(_is_int(x) for x in v),
+            "a list of device ids",
+        ),
+    ),
+    "trainer.num_nodes": integer(1),
+    "trainer.accelerator": text(),
+    "trainer.deterministic": boolean(null=True, also=("warn",)),
+    "trainer.benchmark": boolean(null=True),
+    "trainer.fast_dev_run": either(boolean(), integer(0)),
+    "trainer.enable_model_summary": boolean(),
+    # megalab's own trainer keys (megalab.memory; removed before Lightning sees the config)
+    "trainer.memory_check": boolean(),
+    "trainer.max_tokens_per_step": integer(1, null=True, note=" (tokens per micro-batch)"),
+    # data
+    "data.batch_size": integer(1, note=" (the global batch per optimizer step)"),
+    "data.eval_batch_size": integer(1, null=True),
+    "data.num_workers": integer(0),
+    "data.max_len": integer(1),
+    "data.seed": integer(0, null=True),
+    "data.pin_memory": boolean(),
+    "data.truncate": boolean(),
+    "data.sort_eval_by_length": boolean(),
+    # optimizer and schedule
+    "optim.optimizer.lr": number(0.0, lo_open=True, note=" (the peak learning rate)"),
+    "optim.optimizer.weight_decay": number(0.0),
+    "optim.optimizer.eps": number(0.0, lo_open=True),
+    "optim.optimizer.momentum": number(0.0),
+    "optim.optimizer.betas": Rule(
+        lambda v: (
+            isinstance(v, list | tuple)
+            and len(v) == 2
+            and all(_is_number(b) and 0.0 <= b < 1.0 for b in v)
+        ),
+        "two numbers in [0, 1), e.g. [0.9, 0.98]",
+    ),
+    "scheduler.warmup_steps": integer(0),
+    "scheduler.init_lr": number(0.0),
+    "scheduler.end_lr": number(0.0),
+    "scheduler.min_lr_ratio": number(0.0, 1.0),
+    "scheduler.warmup_power": number(0.0, lo_open=True),
+    "scheduler.decay_steps": integer(1, null=True),
+    # model sizes
+    "model.d_model": integer(1),
+    "model.backbone.num_layers": integer(1),
+    "model.backbone.num_heads": integer(1),
+    # <= 0 removes the FFN (Mega's and SeqBoat's configs without one).
+    "model.backbone.ffn_dim": integer(note=" (<= 0: no FFN)"),
+    "model.backbone.z_dim": integer(1),
+    "model.backbone.v_dim": integer(1),
+    "model.backbone.ema_dim": integer(0, note=" (0 removes the EMA: the h = 0 ablation)"),
+    "model.backbone.chunk_size": Rule(
+        lambda v: _is_int(v) and (v == -1 or v >= 1), "an integer >= 1, or -1 (no chunking)"
+    ),
+    # checkpoints
+    "callbacks.last_checkpoint.every_n_train_steps": integer(1, null=True),
+    "callbacks.last_checkpoint.every_n_minutes": number(0.0, lo_open=True, null=True),
+}
+# Dropout rates anywhere in the model: probabilities.
+_DROPOUT = number(0.0, 1.0, hi_open=True)
+
+
+def _value(cfg: DictConfig, key: str) -> tuple[bool, Any]:
+    """(present?, resolved value) of a dotted key."""
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf not in node:
+        return False, None
+    value = OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+    if isinstance(value, DictConfig | list) or OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    return True, value
+
+
+def _dropouts(cfg: DictConfig) -> list[str]:
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig):
+        return []
+    keys = []
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        for k in node:
+            child = node._get_node(k)
+            full = f"{prefix}.{k!s}"
+            if isinstance(child, DictConfig):
+                walk(child, full)
+            elif str(k).endswith("dropout"):
+                keys.append(full)
+
+    walk(model, "model")
+    return keys
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """One line per key whose value does not fit its rule."""
+    out = []
+    checks = [*RULES.items(), *((k, _DROPOUT) for k in _dropouts(cfg))]
+    for key, rule in checks:
+        try:
+            present, value = _value(cfg, key)
+        except OmegaConfBaseException as err:
+            out.append(f"{key}: cannot be resolved ({str(err).splitlines()[0]})")
+            continue
+        if present and not rule.check(value):
+            out.append(f"{key}={value!r}: expected {rule.expects}")
+    return out
+
+
+def _group_choice(group: str) -> str | None:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return HydraConfig.get().runtime.choices.get(group)
+    except Exception:
+        return None
+
+
+def _experiments_for(data: str) -> list[str]:
+    from megalab.utils.paths import CONFIG_DIR
+
+    root = CONFIG_DIR / "experiment"
+    return sorted(
+        p.relative_to(root).with_suffix("").as_posix() for p in root.rglob(f"{data}.yaml")
+    )
+
+
+def task_data_problems(cfg: DictConfig) -> list[str]:
+    """A task that cannot work with the data (a classifier on a corpus, and the reverse)."""
+    task, data = cfg.get("task"), cfg.get("data")
+    if not isinstance(task, DictConfig) or not isinstance(data, DictConfig):
+        return []
+    target = str(task.get("_target_", ""))
+    data_name = _group_choice("data") or str(data.get("_target_", "the data")).rsplit(".", 1)[-1]
+    experiments = _experiments_for(data_name) if _group_choice("data") else []
+    suggestion = (
+        f" (or an experiment: {', '.join('experiment=' + e for e in experiments)})"
+        if experiments
+        else " (or an experiment= that sets it up)"
+    )
+    try:
+        classes = OmegaConf.select(data, "num_classes")
+    except OmegaConfBaseException:
+        classes = None
+    if target.endswith(("ClassificationTask", "RetrievalTask")) and classes is None:
+        return [
+            f"data={data_name} has no classes (data.num_classes is null): it is a language-"
+            f"modelling dataset, which needs task=language_modeling{suggestion}"
+        ]
+    if target.endswith("LanguageModelingTask") and classes is not None:
+        return [
+            f"data={data_name} is a classification dataset ({classes} classes): use "
+            f"task=classification (or task=retrieval for document pairs){suggestion}"
+        ]
+    return []
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise `ConfigError` listing every setting of the wrong type or range (see module doc)."""
+    found = problems(cfg) + task_data_problems(cfg)
+    if found:
+        lines = "\n".join(f"  {p}" for p in found)
+        raise ConfigError(
+            f"invalid setting{'s' if len(found) > 1 else ''}:\n{lines}\n"
+            "Fix the override(s) on the command line (key=value), or the config file that sets "
+            "them."
+        )

@@ -1,0 +1,239 @@
+"""Integrity of prepared-data caches: checksums, cheap invariants, one-time verification.
+
+A prepared cache (`<data_dir>/prepared/<name>/<hash>/`, see `megalab.data.download.cache_dir`)
+is trusted by training for months. Its completion marker (`.complete`) records, besides what
+the dataset module wrote there, the size and SHA-256 of every file of the cache and of the
+source files it was prepared from (`record_integrity`). Then:
+
+- Every load checks the cheap invariants: the files are there with their recorded sizes (a
+  truncated file would fail deep in `mmap`), `.npy` headers parse with the expected dtype, token
+  ids and labels are in range (`check_npy`, `check_range`, called by the dataset modules).
+- The first load verifies the full checksums of the cache and its sources, once: it records the
+  files' status (size, times, inode) in `.verified`, and verifies again only when a file's
+  status changes, which any write does (an in-place edit that restores the size and mtime still
+  changes the ctime). The log says when this one-time cost is paid.
+- `megalab-data verify --root <data root>` verifies every cache below a root in full.
+
+Problems raise `CacheError` with the file, what is wrong, and how to rebuild the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+MARKER = ".complete"
+STAMP = ".verified"
+_SKIP = {MARKER, STAMP, "params.json"}
+INTEGRITY_KEY = "integrity"
+
+
+class CacheError(RuntimeError):
+    """A prepared cache (or the source it came from) is damaged or changed."""
+
+
+def rebuild_hint(cache: Path) -> str:
+    return (
+        f"Delete {cache} and run again: it is rebuilt from the source files "
+        f"(`megalab-data verify --root <data root>` checks every cache)"
+    )
+
+
+def _files(cache: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in cache.rglob("*")
+        if p.is_file() and p.name not in _SKIP and not p.name.startswith(".")
+    )
+
+
+def _digest(path: Path) -> str:
+    from megalab.data.download import file_digest
+
+    return file_digest(path, "sha256")
+
+
+def _status(path: Path) -> list[int]:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def record_integrity(cache: Path, sources: Iterable[str | os.PathLike[str]] = ()) -> dict[str, Any]:
+    """Sizes and SHA-256 of the cache's files and its sources, for the completion marker."""
+    files = {
+        str(p.relative_to(cache)): {"size": p.stat().st_size, "sha256": _digest(p)}
+        for p in _files(cache)
+    }
+    srcs = {}
+    for s in sources:
+        p = Path(s).expanduser().absolute()
+        if p.is_file():
+            srcs[str(p)] = {"size": p.stat().st_size, "sha256": _digest(p)}
+    return {"files": files, "sources": srcs}
+
+
+def write_stamp(cache: Path, integrity: Mapping[str, Any]) -> None:
+    """Record the status of every checked file: later loads skip the full checksums."""
+    from megalab.data.download import _write_atomic
+
+    status = {}
+    for rel in integrity.get("files", {}):
+        status[rel] = _status(cache / rel)
+    for src in integrity.get("sources", {}):
+        if Path(src).exists():
+            status[src] = _status(Path(src))
+    _write_atomic(cache / STAMP, json.dumps(status, sort_keys=True) + "\n")
+
+
+def read_marker(cache: Path) -> dict[str, Any]:
+    try:
+        return json.loads((cache / MARKER).read_text() or "{}")
+    except (OSError, ValueError):
+        raise CacheError(
+            f"the completion marker {cache / MARKER} is unreadable. {rebuild_hint(cache)}"
+        ) from None
+
+
+def check_cache(cache: str | os.PathLike[str], full: bool = False) -> bool:
+    """Check a prepared cache (module doc); True when checksums were verified now.
+
+    `full` verifies every checksum whatever the stamp says (`megalab-data verify`).
+    """
+    cache = Path(cache)
+    integrity = read_marker(cache).get(INTEGRITY_KEY)
+    if not integrity:
+        return False  # prepared by an earlier version: nothing recorded to check against
+    files: dict[str, dict[str, Any]] = integrity.get("files", {})
+    sources: dict[str, dict[str, Any]] = integrity.get("sources", {})
+    for rel, want in files.items():
+        path = cache / rel
+        if not path.is_file():
+            raise CacheError(f"{path} is missing from the prepared cache. {rebuild_hint(cache)}")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise CacheError(
+                f"{path} has {size:,} bytes, {want['size']:,} when it was prepared (truncated "
+                f"or overwritten). {rebuild_hint(cache)}"
+            )
+    try:
+        stamp = json.loads((cache / STAMP).read_text())
+    except (OSError, ValueError):
+        stamp = {}
+    changed = [rel for rel in files if full or stamp.get(rel) != _status(cache / rel)]
+    changed_sources = [
+        s for s in sources if Path(s).exists() and (full or stamp.get(s) != _status(Path(s)))
+    ]
+    if not changed and not changed_sources:
+        return False
+    total = sum(files[r]["size"] for r in changed) + sum(
+        sources[s]["size"] for s in changed_sources
+    )
+    log.info(
+        "verifying the checksums of %s (%.1f MB; done once, and again only if its files change)",
+        cache,
+        total / 1e6,
+    )
+    for rel in changed:
+        got = _digest(cache / rel)
+        if got != files[rel]["sha256"]:
+            raise CacheError(
+                f"{cache / rel} is corrupt: its SHA-256 differs from the one recorded when the "
+                f"cache was prepared ({files[rel]['sha256'][:16]}... vs {got[:16]}...). "
+                f"{rebuild_hint(cache)}"
+            )
+    for src in changed_sources:
+        got = _digest(Path(src))
+        if got != sources[src]["sha256"]:
+            raise CacheError(
+                f"the source file {src} changed since the cache {cache} was prepared from it "
+                "(its SHA-256 differs): the cache holds the old content. If the new file is "
+                f"right, delete {cache} to rebuild the cache from it; otherwise restore the "
+                "original file"
+            )
+    write_stamp(cache, integrity)
+    return True
+
+
+def verify_all(root: str | os.PathLike[str]) -> tuple[list[Path], list[str]]:
+    """Fully verify every prepared cache below `root`: (caches checked, problems)."""
+    checked, problems = [], []
+    for marker in sorted(Path(root).rglob(MARKER)):
+        cache = marker.parent
+        if not (cache / "params.json").is_file():
+            continue  # not a prepared cache (e.g. a generated dataset's own marker)
+        try:
+            check_cache(cache, full=True)
+            check_arrays(cache)
+        except CacheError as err:
+            problems.append(str(err))
+        checked.append(cache)
+    return checked, problems
+
+
+# -- cheap invariants ----------------------------------------------------------------------------
+def check_npy(
+    path: Path, dtype: Any = None, ndim: int | None = None, cache: Path | None = None
+) -> None:
+    """The `.npy` header of `path` parses (with `dtype`/`ndim` when given) and fits its size."""
+    cache = cache or path.parent
+    try:
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, _, found = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, _, found = np.lib.format.read_array_header_2_0(f)
+            offset = f.tell()
+    except (OSError, ValueError) as err:
+        raise CacheError(
+            f"{path} does not start with a valid .npy header ({err}). {rebuild_hint(cache)}"
+        ) from None
+    if dtype is not None and np.dtype(found) != np.dtype(dtype):
+        raise CacheError(f"{path} holds {found}, not {np.dtype(dtype)}. {rebuild_hint(cache)}")
+    if ndim is not None and len(shape) != ndim:
+        raise CacheError(f"{path} has shape {shape}, not {ndim}-D. {rebuild_hint(cache)}")
+    need = offset + int(np.prod(shape, dtype=np.int64)) * np.dtype(found).itemsize
+    size = path.stat().st_size
+    if size < need:
+        raise CacheError(
+            f"{path} is truncated: its header announces {need:,} bytes, the file has {size:,}. "
+            f"{rebuild_hint(cache)}"
+        )
+
+
+def check_range(
+    values: np.ndarray, lo: int, hi: int, what: str, path: Path, cache: Path | None = None
+) -> None:
+    """Every value in [lo, hi): token ids below the vocabulary, labels below the classes."""
+    if values.size == 0:
+        return
+    vmin, vmax = int(values.min()), int(values.max())
+    if vmin < lo or vmax >= hi:
+        bad = vmin if vmin < lo else vmax
+        raise CacheError(
+            f"{path} holds {what} {bad}, outside [{lo}, {hi}): the file is corrupt or was "
+            f"prepared with other settings. {rebuild_hint(cache or path.parent)}"
+        )
+
+
+def check_offsets(offsets: np.ndarray, total: int, path: Path, cache: Path | None = None) -> None:
+    """Offsets start at 0, never decrease, and end at the token count."""
+    if len(offsets) == 0 or offsets[0] != 0 or offsets[-1] != total or (np.diff(offsets) < 0).any():
+        raise CacheError(
+            f"{path} does not index the {total:,} tokens beside it (offsets must rise from 0 to "
+            f"the token count). {rebuild_hint(cache or path.parent)}"
+        )
+
+
+def check_arrays(cache: Path) -> None:
+    """The `.npy` headers of every array in a cache parse and fit their files."""
+    for path in sorted(cache.glob("*.npy")):
+        check_npy(path, cache=cache)

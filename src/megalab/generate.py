@@ -1,0 +1,298 @@
+"""Generate text from a language-model checkpoint: `megalab-generate ckpt_path=<ckpt> prompt=...`.
+
+    megalab-generate ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt \\
+        prompt="It was a dark and stormy night" max_new_tokens=200 temperature=0.8 top_p=0.95
+
+The prompt (`prompt=` text, or `prompt_file=` a UTF-8 file) is encoded with the tokenizer of
+the run's data config (`text_codec()` of the LM DataModule: PG-19's subword tokenizer,
+WikiText-103's words, enwik8's bytes, text8's characters), the model reads it in one pass and
+then decodes one token at a time, printing the text as it grows (`stream=true`).
+
+Decoding is incremental for every causal backbone with a state (Mega, Megalodon, Llama,
+Transformer-XL/LaMemo: `initial_state`, then one token per call with the carried state): its
+cost per token is that of one step, constant for Mega and Megalodon, growing with the context
+for Llama's key/value cache. A stateless causal backbone (the Transformer decoder) re-reads the
+whole prefix for every token (its last `max_len` tokens when it has a limit).
+
+Sampling (applied in this order, as Hugging Face's `generate`): `temperature` (0: greedy,
+argmax), `top_k` (keep the k most likely tokens), `top_p` (nucleus: the smallest set of most
+likely tokens whose probability reaches p); `seed` makes it reproducible; `num_samples` draws
+that many continuations in one batch. Generation stops at `max_new_tokens` or, with
+`stop_at_eos`, when every sample has produced the data's end-of-document token.
+
+The checkpoint's run folder supplies the data, model and task configs (as `megalab-eval`);
+`generations.json` in this command's output folder records the prompt, the samples and the
+decoding speed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from torch import Tensor
+
+from megalab.convert.common import load_checkpoint
+from megalab.eval import merge_run_config
+from megalab.utils.paths import CONFIG_DIR
+
+if TYPE_CHECKING:
+    from megalab.tasks.language_modeling import LanguageModelingTask
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------- sampling
+def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Set to −inf every token outside the `top_k` most likely and outside the nucleus: the
+    smallest set of most likely tokens whose probability reaches `top_p` (the most likely token
+    is always kept). logits (..., V)."""
+    if top_k is not None and top_k > 0:
+        k = min(int(top_k), logits.shape[-1])
+        kth = logits.topk(k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        if top_p <= 0.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
+        sorted_logits = sorted_logits.masked_fill(before >= top_p, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def next_token(
+    log_probs: Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Draw one token per row of log_probs (B, V): greedy when temperature is 0."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if temperature == 0:
+        return log_probs.argmax(dim=-1)
+    logits = filter_logits(log_probs.float() / temperature, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class IncrementalDecoder:
+    """Feeds tokens to a language-model task and returns the next-token log-probabilities.
+
+    With a causal backbone that has a state, each call continues the stream (the prompt in one
+    pass, then one token per call); a stateless one re-reads the prefix (its last `max_len`
+    tokens) on every call.
+    """
+
+    def __init__(self, task: LanguageModelingTask, batch_size: int) -> None:
+        backbone = task.backbone
+        if not backbone.causal:
+            raise ValueError(
+                f"{type(backbone).__name__} is bidirectional (causal=False): it cannot generate"
+            )
+        self.task = task
+        like = next(task.parameters())
+        self.state = backbone.initial_state(batch_size, like)
+        self.stateful = self.state is not None
+        self.prefix: Tensor | None = None
+        self.max_len = backbone.max_len
+
+    def feed(self, tokens: Tensor) -> Tensor:
+        """tokens (B, n) -> log p(next | everything fed so far), (B, V) float32."""
+        if self.stateful:
+            out = self.task(tokens, None, self.state)
+            self.state = out.state
+        else:
+            self.prefix = tokens if self.prefix is None else torch.cat([self.prefix, tokens], 1)
+            window = self.prefix if self.max_len is None else self.prefix[:, -self.max_len :]
+            out = self.task(window, None, None)
+        return self.task.head.log_probs(out.y[:, -1:])[:, 0].float()
+
+
+@torch.inference_mode()
+def sample_tokens(
+    task: LanguageModelingTask,
+    prompt: Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eos_id: int | None = None,
+    on_tokens: Callable[[Tensor], None] | None = None,
+    return_log_probs: bool = False,
+) -> Any:
+    """Continue each row of `prompt` (B, P) by up to `max_new_tokens` tokens: (B, N) int64.
+
+    `on_tokens` receives each new column (B,) as soon as it is drawn (streaming output). With
+    `eos_id` generation stops once every row has produced it (rows that finished repeat it).
+    `return_log_probs` also returns the (B, N, V) distributions the tokens were drawn from.
+    """
+    if prompt.dim() != 2 or prompt.shape[1] == 0:
+        raise ValueError(
+            f"the prompt must be (batch, length >= 1) token ids, got {tuple(prompt.shape)}"
+        )
+    task.eval()
+    decoder = IncrementalDecoder(task, prompt.shape[0])
+    log_probs = decoder.feed(prompt)
+    tokens: list[Tensor] = []
+    dists: list[Tensor] = []
+    done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    for i in range(max_new_tokens):
+        if return_log_probs:
+            dists.append(log_probs)
+        tok = next_token(log_probs, temperature, top_k, top_p, generator)
+        if eos_id is not None:
+            tok = torch.where(done, torch.full_like(tok, eos_id), tok)
+            done = done | (tok == eos_id)
+        tokens.append(tok)
+        if on_tokens is not None:
+            on_tokens(tok)
+        if (eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
+            break
+        log_probs = decoder.feed(tok.unsqueeze(1))
+    out = torch.stack(tokens, 1) if tokens else prompt.new_zeros(prompt.shape[0], 0)
+    if return_log_probs:
+        return out, torch.stack(dists, 1) if dists else None
+    return out
+
+
+# ------------------------------------------------------------------------------- command line
+def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
+    """The run's task with the checkpoint's weights (read with `weights_only=True`)."""
+    ckpt_path = Path(cfg.ckpt_path)
+    if not ckpt_path.exists():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+    task = hydra.utils.instantiate(cfg.task)
+    checkpoint = load_checkpoint(ckpt_path)
+    if "state_dict" not in checkpoint:
+        raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
+    task.load_state_dict(checkpoint["state_dict"], strict=True)
+    if not hasattr(task, "head") or not hasattr(task.head, "log_probs"):
+        raise ValueError(
+            f"{type(task).__name__} is not a language model: megalab-generate needs "
+            "task=language_modeling"
+        )
+    return task.to(device=device, dtype=dtype).eval()
+
+
+def read_prompt(cfg: DictConfig) -> str:
+    if cfg.get("prompt_file"):
+        return Path(cfg.prompt_file).read_text(encoding="utf-8")
+    return str(cfg.get("prompt") or "")
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Generate from `cfg.ckpt_path` as configured (see the module docstring); return a record
+    of the prompt, the samples and the speed, also written to `generations.json`."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(DTYPES)}")
+    if cfg.max_new_tokens < 1 or cfg.num_samples < 1:
+        raise ValueError("max_new_tokens and num_samples must be >= 1")
+    device = pick_device(str(cfg.device))
+    datamodule = hydra.utils.instantiate(cfg.data)
+    codec = datamodule.text_codec()
+    task = load_task(cfg, device, DTYPES[cfg.dtype])
+    text = read_prompt(cfg)
+    ids = codec.encode(text)
+    if not ids:
+        if codec.eos_id is None:
+            raise ValueError(
+                "the prompt is empty and this data has no end-of-document token to start from: "
+                "give prompt=... or prompt_file=..."
+            )
+        ids = [codec.eos_id]
+    prompt = torch.tensor([ids] * int(cfg.num_samples), dtype=torch.long, device=device)
+    generator = torch.Generator(device=device).manual_seed(int(cfg.seed))
+    eos_id = codec.eos_id if cfg.stop_at_eos else None
+
+    streamed: list[int] = []
+    shown = [""]
+    emit = print_fn or (lambda s: print(s, end="", flush=True))
+    stream = bool(cfg.stream) and int(cfg.num_samples) == 1
+
+    def on_tokens(tok: Tensor) -> None:
+        if not stream:
+            return
+        streamed.append(int(tok[0]))
+        text_now = codec.decode(streamed)
+        # Decode the whole continuation each time: a multi-byte character or a merged
+        # subword may change the tail of the text when its next piece arrives.
+        if text_now.startswith(shown[0]):
+            emit(text_now[len(shown[0]) :])
+            shown[0] = text_now
+
+    if stream:
+        emit(text)
+    start = time.perf_counter()
+    out = sample_tokens(
+        task,
+        prompt,
+        int(cfg.max_new_tokens),
+        float(cfg.temperature),
+        cfg.get("top_k"),
+        cfg.get("top_p"),
+        generator,
+        eos_id,
+        on_tokens,
+    )
+    seconds = time.perf_counter() - start
+    if stream:
+        emit("\n")
+    samples = [codec.decode(row) for row in out.tolist()]
+    if not stream:
+        for i, sample in enumerate(samples):
+            emit(f"--- sample {i} ---\n{text}{sample}\n")
+    record = {
+        "ckpt_path": str(cfg.ckpt_path),
+        "prompt": text,
+        "prompt_tokens": len(ids),
+        "samples": samples,
+        "tokens": out.tolist(),
+        "new_tokens": int(out.numel()),
+        "seconds": round(seconds, 4),
+        "tokens_per_sec": round(out.numel() / seconds, 2) if seconds > 0 else None,
+        "settings": {
+            k: cfg.get(k) for k in ("temperature", "top_k", "top_p", "seed", "max_new_tokens")
+        },
+    }
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "generations.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="generate")
+def main(cfg: DictConfig) -> None:
+    """Hydra entry point (`megalab-generate`)."""
+    cfg = merge_run_config(cfg, list(HydraConfig.get().overrides.task))
+    record = generate(cfg)
+    log.info(
+        "%d tokens in %.2f s (%s tokens/s)",
+        record["new_tokens"],
+        record["seconds"],
+        record["tokens_per_sec"],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,759 @@
+"""Sparse Modular Activation (Ren et al., NeurIPS 2023): the parts of a SeqBoat layer.
+
+A latent configurator decides per token whether the gated attention unit (GAU) runs; the
+activated tokens are packed into a shorter sequence, the GAU attends over it within a working
+memory, and the outputs are scattered back and scaled by the configurator's confidence:
+
+    p = softmax([u_skip + b_act, u_act] / τ),  a = argmax p,  c = a · max p     (SeqBoat §3.3)
+    Hᶜ = Compress(H, a) ∈ R^{r×d},  Yᶜ = GAU(Hᶜ),  Y = Extract(Yᶜ, a)           (§3.2, App. A.1)
+
+exactly as the authors' code (renll/SeqBoat, `seqboat_utils.py` and `seqboat_unit.py`) computes
+them. This module holds:
+
+- **Compress / extract** (`plan_packing`, `pack`, `unpack`). The code scatters each row's
+  activated tokens into slots `a · cumsum(a)` of a zero tensor and gathers them back. We build the
+  inverse map once per layer (the original position of every packed slot) and move features with
+  one `gather` in each direction, forward and backward: packing and unpacking are inverse
+  permutations on the valid slots, so each one's gradient is the other gather (no scatter, no
+  atomics, no Python loop over the batch). L' is the batch maximum of activated tokens; L' = 0
+  keeps one invalid slot as the code does (the GAU still runs, so every parameter gets a zero
+  gradient and no rank of a data-parallel job skips it). The code does not pack at all when a
+  row is fully active (L' = L): it then runs the GAU over the original positions with the
+  skipped tokens masked as keys (`Packing.packed=False`), which changes the local window of the
+  batch's other rows. We follow the code there (see `SeqBoat`'s `always_compress`).
+- **Latent configurators** (`ROUTERS`): the tempered softmax of the paper (default, learned
+  τ = exp(θ), θ₀ = log(α√d)), and the ablations of Tables 7-8: Gumbel-softmax with the paper's
+  annealing (App. A.4), a sigmoid over one logit, and the X-MoE router (Chi et al. 2022) between
+  the GAU and a module that outputs zero. Decisions are a deterministic argmax; the router gets
+  gradient only through c on activated tokens (no straight-through, no auxiliary loss).
+- **Attention over the compressed sequence** (`CompressedAttention`): the working memory of the
+  paper (`mode="local"`: a sliding window of W keys on each side on *packed* indices, 2W + 1 keys
+  bidirectional, W + 1 causal, computed in look-around blocks of W like the code), full attention
+  over the compressed sequence (SeqBoat-full), or non-overlapping chunks (the "-chunk" ablation).
+  Positions: the 'simple' relative bias on *original* positions (the packed tokens carry them),
+  `local_pos` (offsets in the compressed sequence, the code's table of 2·3W − 1 entries read at
+  4W − 1 + (j − i)), or interleaved RoPE on original positions (the LM).
+- The learnably scaled sinusoidal absolute positions of the code's `--add-apos`.
+
+Scaling as the code: softmax multiplies Q by d_z^-1/2; relu² divides Q by the constant 2W
+(bidirectional) or W (causal) in local mode, and by the number of keys a query sees in chunk
+and full mode (Mega's rule); the bias is added after. Masked logits are −5e4 in local mode (the
+code's constant), −inf elsewhere (a query with no key at all keeps its row unmasked: it is a
+discarded slot).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.models.state import register_state
+from megalab.nn.rope import apply_rope, rope_inv_freq
+
+MASK_VALUE = -5e4  # the code's local-attention mask value
+ATTENTION_MODES = ("local", "chunk", "full")
+ATTENTION_FUNCTIONS = ("softmax", "relu2")
+REL_POS_BIASES = ("simple", "rotary", "none")
+
+
+def trunc_normal_(t: Tensor, std: float) -> Tensor:
+    """The code's init: N(0, std²) truncated at ±2 std."""
+    return nn.init.trunc_normal_(t, mean=0.0, std=std, a=-2.0 * std, b=2.0 * std)
+
+
+# ------------------------------------------------------------------------- compress / extract
+@dataclass
+class Packing:
+    """Where the activated tokens of each row go in the compressed sequence.
+
+    rank:   (B, L) int64, 1-based slot of each activated token in its row, 0 for skipped ones
+            (the code's `a · cumsum(a)`).
+    source: (B, L') int64, the original position of each packed slot (0 at invalid slots).
+    valid:  (B, L') bool, slot s of row b holds a token (s < number of activated tokens).
+    packed: False for the code's no-compression branch: slots are the original positions,
+            `valid` is the activation mask and `source` is arange(L).
+    active: (B, L) bool, the activation decisions.
+    """
+
+    rank: Tensor
+    source: Tensor
+    valid: Tensor
+    packed: bool
+    active: Tensor
+
+    @property
+    def length(self) -> int:
+        """L', the length of the compressed sequence."""
+        return self.source.shape[1]
+
+
+def plan_packing(active: Tensor, compress: bool = True) -> Packing:
+    """The packing of the activation mask `active` (B, L) bool.
+
+    `compress=False` is the code's no-compression branch (the GAU runs over all L positions with
+    the skipped tokens masked). With `compress=True` the length is L' = max_b Σ_t a_bt, at least
+    1 (a single invalid slot when nothing is active, as the code).
+    """
+    B, L = active.shape
+    rank = torch.cumsum(active, dim=1) * active
+    if not compress:
+        source = torch.arange(L, device=active.device).expand(B, L)
+        return Packing(rank, source, active, False, active)
+    counts = active.sum(dim=1)
+    length = max(int(counts.max()) if L else 0, 1)
+    # source[b, s] = t for the token of rank s + 1 (one scatter of B·L integers).
+    table = torch.zeros(B, length + 1, dtype=torch.long, device=active.device)
+    table.scatter_(1, rank, torch.arange(L, device=active.device).expand(B, L))
+    source = table[:, 1:]
+    valid = torch.arange(length, device=active.device) < counts.unsqueeze(1)
+    return Packing(rank, source, valid, True, active)
+
+
+def _take(x: Tensor, index: Tensor, keep: Tensor) -> Tensor:
+    """x (B, T, ...) gathered along time at index (B, S), zeroed where `keep` (B, S) is False."""
+    idx = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    out = x.gather(1, idx)
+    return out * keep.reshape(*keep.shape, *([1] * (x.dim() - 2))).to(out.dtype)
+
+
+class _Pack(torch.autograd.Function):
+    """x (B, L, ...) -> (B, L', ...): the activated tokens, left-aligned in original order."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, source: Tensor, valid: Tensor, rank: Tensor) -> Tensor:
+        ctx.save_for_backward(rank)
+        return _take(x, source, valid)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (rank,) = ctx.saved_tensors
+        return _take(grad, (rank - 1).clamp(min=0), rank > 0), None, None, None
+
+
+class _Unpack(torch.autograd.Function):
+    """y (B, L', ...) -> (B, L, ...): each activated token gets its slot, skipped ones 0."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, source: Tensor, valid: Tensor, rank: Tensor) -> Tensor:
+        ctx.save_for_backward(source, valid)
+        return _take(y, (rank - 1).clamp(min=0), rank > 0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        source, valid = ctx.saved_tensors
+        return _take(grad, source, valid), None, None, None
+
+
+def pack(x: Tensor, plan: Packing) -> Tensor:
+    """Compress (B, L, ...) to (B, L', ...); invalid slots are zero (the code's compress)."""
+    if not plan.packed:
+        return x
+    return _Pack.apply(x, plan.source, plan.valid, plan.rank)
+
+
+def unpack(y: Tensor, plan: Packing) -> Tensor:
+    """Extract (B, L', ...) back to (B, L, ...); skipped tokens get 0 (the code's extract)."""
+    if not plan.packed:
+        return y * plan.active.reshape(*plan.active.shape, *([1] * (y.dim() - 2))).to(y.dtype)
+    return _Unpack.apply(y, plan.source, plan.valid, plan.rank)
+
+
+# --------------------------------------------------------------------- latent configurators
+class Routing(NamedTuple):
+    """A configurator's output: decisions a (B, L) bool, confidences c (B, L) (0 where a is
+    False) and, for the 2-way routers, the probabilities (B, L, 2) [skip, activate]."""
+
+    active: Tensor
+    confidence: Tensor
+    probs: Tensor | None
+
+
+class TemperedSoftmaxRouter(nn.Module):
+    """The paper's configurator: p = softmax([u_skip + b_act, u_act] / τ), a = argmax, c = max p.
+
+    τ = exp(θ) with one learned θ per layer, θ₀ = log(α√d) (code: `q_router.temp`, in log
+    space, decayed by the optimizer like every parameter). The softmax runs in at least float32.
+    """
+
+    n_logits = 2
+
+    def __init__(self, d_model: int, init_temp_scale: float = 1.0) -> None:
+        super().__init__()
+        if init_temp_scale <= 0:
+            raise ValueError(f"init_temp_scale must be positive, got {init_temp_scale}")
+        self.init_temp_scale = init_temp_scale
+        self.log_tau = nn.Parameter(torch.full((1,), math.log(init_temp_scale * d_model**0.5)))
+
+    @property
+    def tau(self) -> Tensor:
+        return self.log_tau.detach().exp().squeeze(0)
+
+    def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
+        cdt = torch.promote_types(u.dtype, torch.float32)
+        shift = u.new_tensor([act_bias, 0.0], dtype=cdt)
+        probs = torch.softmax((u.to(cdt) + shift) / self.log_tau.to(cdt).exp(), dim=-1)
+        active = (probs[..., 1] > probs[..., 0]) & valid
+        # c = max p on activated tokens (= p_act there), the code's q_probs.
+        return Routing(active, probs[..., 1] * active, probs)
+
+
+class GumbelSoftmaxRouter(nn.Module):
+    """Gumbel-softmax configurator (SeqBoat App. A.4, the Table 7 ablation).
+
+    Training: p' = softmax(([u_skip + b_act, u_act] + G) / τ'), G ~ Gumbel(0, 1) per logit, with
+    τ' = max(τ₀ · decay^T, τ_min) annealed over the training forward passes T (paper: τ₀ = 2,
+    decay 0.999995, τ_min = 0.5; the code's unused schedule instead reaches 0.5 at half of
+    `--max-update`); a = argmax p', c = max p'. Evaluation: the hard decision argmax u and c = 1.
+    T is a buffer (`step`), saved with the model, counting training forward passes (optimizer
+    steps times gradient-accumulation micro-batches).
+    """
+
+    n_logits = 2
+    step: Tensor  # registered buffer
+
+    def __init__(self, tau_start: float = 2.0, tau_min: float = 0.5, decay: float = 0.999995):
+        super().__init__()
+        self.tau_start, self.tau_min, self.decay = tau_start, tau_min, decay
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    @property
+    def tau(self) -> Tensor:
+        t = self.tau_start * self.decay ** float(self.step)
+        return torch.tensor(max(t, self.tau_min))
+
+    def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
+        cdt = torch.promote_types(u.dtype, torch.float32)
+        logits = u.to(cdt) + u.new_tensor([act_bias, 0.0], dtype=cdt)
+        if not self.training:
+            active = (logits[..., 1] > logits[..., 0]) & valid
+            return Routing(active, active.to(cdt), None)
+        tau = float(self.tau)
+        with torch.no_grad():
+            self.step += 1
+        gumbel = -torch.empty_like(logits).exponential_().log()
+        probs = torch.softmax((logits + gumbel) / tau, dim=-1)
+        active = (probs[..., 1] > probs[..., 0]) & valid
+        return Routing(active, probs[..., 1] * active, probs)
+
+
+class SigmoidRouter(nn.Module):
+    """The "-Sigmoid" ablation (Table 8): p = sigmoid((u − b_act) / τ), a = p > ½, c = p.
+
+    One logit per token; τ as the tempered softmax (learned, θ₀ = log(α√d)). Equivalent to the
+    2-way softmax with u = u_act − u_skip, but parameterised by a single weight vector.
+    """
+
+    n_logits = 1
+
+    def __init__(self, d_model: int, init_temp_scale: float = 1.0) -> None:
+        super().__init__()
+        self.log_tau = nn.Parameter(torch.full((1,), math.log(init_temp_scale * d_model**0.5)))
+
+    @property
+    def tau(self) -> Tensor:
+        return self.log_tau.detach().exp().squeeze(0)
+
+    def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
+        cdt = torch.promote_types(u.dtype, torch.float32)
+        p = torch.sigmoid((u[..., 0].to(cdt) - act_bias) / self.log_tau.to(cdt).exp())
+        active = (p > 0.5) & valid
+        return Routing(active, p * active, torch.stack([1 - p, p], dim=-1))
+
+
+class XMoERouter(nn.Module):
+    """The "-MoE" ablation (Table 8): X-MoE top-1 routing (Chi et al. 2022) between a module
+    that outputs zero (expert 0) and the GAU (expert 1), without a load-balancing loss.
+
+    As torchscale's `Top1Gate(use_xmoe=True)`: the token is projected to 16 dimensions without
+    bias, scored against two expert embeddings (orthogonal init, gain 0.32) normalised to unit
+    length (the token projection is not normalised, as that code), p = softmax of the scores in
+    float32, a = argmax, c = max p. The expert embeddings are rescaled to norm 1.5 before each
+    training pass (no gradient), as that code. `b_act` shifts the zero expert's score.
+    """
+
+    n_logits = 0
+
+    def __init__(self, d_model: int, dim: int = 16) -> None:
+        super().__init__()
+        self.reduction = nn.Linear(d_model, dim, bias=False)
+        self.experts = nn.Parameter(torch.empty(2, dim))
+        nn.init.orthogonal_(self.experts, gain=0.32)
+
+    def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
+        if self.training:
+            with torch.no_grad():
+                self.experts.mul_(1.5 / self.experts.norm(dim=1, keepdim=True))
+        cdt = torch.promote_types(h.dtype, torch.float32)
+        e = F.normalize(self.experts.to(cdt), p=2.0, dim=1, eps=1e-4)
+        scores = self.reduction(h).to(cdt) @ e.T + h.new_tensor([act_bias, 0.0], dtype=cdt)
+        probs = torch.softmax(scores, dim=-1)
+        active = (probs[..., 1] > probs[..., 0]) & valid
+        return Routing(active, probs[..., 1] * active, probs)
+
+
+ROUTERS = ("softmax", "gumbel", "sigmoid", "xmoe", "none")
+
+
+def build_router(
+    kind: str,
+    d_model: int,
+    init_temp_scale: float = 1.0,
+    gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995),
+) -> nn.Module | None:
+    """The configurator called `kind` (None for "none": the GAU always runs)."""
+    if kind == "softmax":
+        return TemperedSoftmaxRouter(d_model, init_temp_scale)
+    if kind == "gumbel":
+        return GumbelSoftmaxRouter(*gumbel_tau)
+    if kind == "sigmoid":
+        return SigmoidRouter(d_model, init_temp_scale)
+    if kind == "xmoe":
+        return XMoERouter(d_model)
+    if kind == "none":
+        return None
+    raise ValueError(f"unknown router {kind!r}; allowed values: {', '.join(ROUTERS)}")
+
+
+# ---------------------------------------------------------------------- positional information
+class RelativePositionBias(nn.Module):
+    """b(i, j) = w[(P − 1) + δ] for a relative offset δ, with w ∈ R^{2P−1} (init TN(0, 0.02)).
+
+    Offsets past ±(P − 1) read the edge entries, as the code's table does when L > P.
+    """
+
+    def __init__(self, max_positions: int) -> None:
+        super().__init__()
+        if max_positions <= 0:
+            raise ValueError(f"max_positions must be positive, got {max_positions}")
+        self.max_positions = max_positions
+        self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        trunc_normal_(self.weight, 0.02)
+
+    def forward(self, offset: Tensor) -> Tensor:
+        """The bias at integer offsets (any shape)."""
+        P = self.max_positions
+        return self.weight[(offset + (P - 1)).clamp(0, 2 * P - 2)]
+
+
+def sinusoidal_positions(length: int, d_model: int, like: Tensor, offset: int = 0) -> Tensor:
+    """[sin(t·f) | cos(t·f)] (halves concatenated), f_i = 10000^(−2i/d), t = offset..: (L, d).
+
+    The code's `SinusoidalPositionalEmbedding` of `--add-apos` (before its learned scale).
+    """
+    half = d_model // 2
+    dtype = torch.promote_types(like.dtype, torch.float32)
+    inv_freq = 1.0 / (
+        10000 ** (torch.arange(0, d_model, 2, device=like.device, dtype=torch.float64) / d_model)
+    ).to(dtype)
+    t = torch.arange(offset, offset + length, device=like.device, dtype=dtype)
+    angle = t.unsqueeze(1) * inv_freq[:half].unsqueeze(0)
+    emb = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+    if d_model % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb
+
+
+# ------------------------------------------------------------------ attention on packed tokens
+@register_state
+class WorkingMemory(NamedTuple):
+    """The GAU's memory of a causal stream: the last activated tokens of each row.
+
+    key (B, M, z) (rotated when RoPE is on), value (B, M, e), pos (B, M) int64 original
+    positions, valid (B, M) bool, right-aligned (a row's most recent token is in slot M − 1),
+    and count (B,) int64, the number of tokens each row has activated so far. M = W in local
+    mode (the paper's FIFO working memory), C − 1 in chunk mode, everything in full mode.
+    """
+
+    key: Tensor
+    value: Tensor
+    pos: Tensor
+    valid: Tensor
+    count: Tensor  # type: ignore[assignment]  # a field that shadows tuple.count, on purpose
+
+
+class CompressedAttention(nn.Module):
+    """O = f(Q Kᵀ / s + B_rel) V over the compressed (packed) sequence, single head.
+
+    Args:
+        z_dim: width of Q and K.
+        mode: "local" (working memory: |i − j| ≤ W, or 0 ≤ i − j ≤ W causal, on packed
+            indices), "chunk" (non-overlapping chunks of `chunk_size` packed tokens) or "full".
+        chunk_size: W, the one-sided window (local; the code's `--chunk-size`), or the chunk
+            length (chunk); unused in full mode.
+        attention_activation: softmax | relu2.
+        rel_pos_bias: simple (a learned scalar per relative offset) | rotary (RoPE on Q, K) |
+            none.
+        local_pos: with `simple`, offsets in the compressed sequence (table of 2·3W − 1 entries
+            read at 4W − 1 + (j − i), the code's layout) instead of original positions.
+        max_positions: P of the 'simple' table on original positions (edges replicated past
+            it).
+        causal: keys at or before the query only.
+        dropout: on the attention weights.
+    """
+
+    def __init__(
+        self,
+        z_dim: int,
+        mode: str = "local",
+        chunk_size: int = 128,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        local_pos: bool = False,
+        max_positions: int = 1024,
+        causal: bool = False,
+        dropout: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if mode not in ATTENTION_MODES:
+            raise ValueError(
+                f"unknown attention mode {mode!r}; allowed values: {', '.join(ATTENTION_MODES)}"
+            )
+        if attention_activation not in ATTENTION_FUNCTIONS:
+            raise ValueError(
+                f"unknown attention_activation {attention_activation!r}; allowed values: "
+                f"{', '.join(ATTENTION_FUNCTIONS)}"
+            )
+        if rel_pos_bias not in REL_POS_BIASES:
+            raise ValueError(
+                f"unknown rel_pos_bias {rel_pos_bias!r}; allowed values: "
+                f"{', '.join(REL_POS_BIASES)}"
+            )
+        if mode != "full" and chunk_size <= 0:
+            raise ValueError(
+                f"attention={mode!r} needs a positive chunk_size (the window W or the chunk "
+                f"length), got {chunk_size}; use attention='full' for no window"
+            )
+        if local_pos and (mode == "full" or rel_pos_bias != "simple"):
+            raise ValueError(
+                "local_pos indexes the 'simple' bias by offsets inside the window: it needs "
+                "rel_pos_bias='simple' and attention='local' or 'chunk'"
+            )
+        self.z_dim = z_dim
+        self.mode = mode
+        self.chunk_size = chunk_size
+        self.attention_activation = attention_activation
+        self.local_pos = local_pos
+        self.causal = causal
+        self.dropout = dropout
+        self.rel_pos_bias: RelativePositionBias | None = None
+        if rel_pos_bias == "simple":
+            P = 3 * chunk_size if local_pos else max_positions
+            self.rel_pos_bias = RelativePositionBias(P)
+        if rel_pos_bias == "rotary" and z_dim % 2:
+            raise ValueError(f"rotary positions need an even z_dim, got {z_dim}")
+        self.rotary = rel_pos_bias == "rotary"
+
+    def extra_repr(self) -> str:
+        return (
+            f"z_dim={self.z_dim}, mode={self.mode!r}, chunk_size={self.chunk_size}, "
+            f"attention_activation={self.attention_activation!r}, causal={self.causal}, "
+            f"local_pos={self.local_pos}, rotary={self.rotary}"
+        )
+
+    @property
+    def memory_size(self) -> int | None:
+        """Slots of a stream's working memory (None: unbounded, full attention)."""
+        if self.mode == "local":
+            return self.chunk_size
+        if self.mode == "chunk":
+            return self.chunk_size - 1
+        return None
+
+    def empty_memory(self, batch_size: int, q_like: Tensor, v_dim: int) -> WorkingMemory:
+        """The memory that starts a causal stream: every slot invalid."""
+        M = self.memory_size or 0
+        B, dev = batch_size, q_like.device
+        return WorkingMemory(
+            q_like.new_zeros(B, M, self.z_dim),
+            q_like.new_zeros(B, M, v_dim),
+            torch.zeros(B, M, dtype=torch.long, device=dev),
+            torch.zeros(B, M, dtype=torch.bool, device=dev),
+            torch.zeros(B, dtype=torch.long, device=dev),
+        )
+
+    # -------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+        pos: Tensor,
+        memory: WorkingMemory | None = None,
+        return_memory: bool = False,
+    ) -> tuple[Tensor, WorkingMemory | None, tuple[Tensor, Tensor]]:
+        """Attention over packed tokens.
+
+        Args:
+            q, k: (B, L', z); v: (B, L', e); valid: (B, L') bool; pos: (B, L') int64 original
+                positions of the packed tokens.
+            memory: a causal stream's memory (None: a stateless pass).
+            return_memory: also return the memory after these tokens (causal only).
+
+        Returns:
+            (O (B, L', e), the new memory or None, (sum of mean spans over queries, number of
+            queries) for the mean attention span in original positions).
+        """
+        if (memory is not None or return_memory) and not self.causal:
+            raise ValueError("only causal attention can be streamed with a working memory")
+        if self.rotary:
+            inv_freq = rope_inv_freq(
+                self.z_dim, 10000.0, torch.promote_types(q.dtype, torch.float32)
+            ).to(q.device)
+            q = apply_rope(q, pos, inv_freq, interleaved=True)
+            k = apply_rope(k, pos, inv_freq, interleaved=True)
+        if self.mode == "local":
+            return self._local(q, k, v, valid, pos, memory, return_memory)
+        if self.mode == "chunk" and memory is None and not return_memory:
+            return self._chunked(q, k, v, valid, pos)
+        return self._dense(q, k, v, valid, pos, memory, return_memory)
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        allowed: Tensor,
+        bias: Tensor | None,
+        relu_scale: float | Tensor,
+    ) -> Tensor:
+        """f(Q Kᵀ / s + bias) V on aligned blocks: q (..., Cq, z), k (..., Ck, z), v (..., Ck, e),
+        allowed (..., Cq, Ck) bool; `relu_scale` is s for relu² (a constant or (..., Cq, 1))."""
+        p = self.dropout if self.training else 0.0
+        local = self.mode == "local"
+        if self.attention_activation == "softmax":
+            if not local:
+                # A discarded slot with no key at all keeps its row (no −inf row, no NaN).
+                allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
+            fill = MASK_VALUE if local else float("-inf")
+            base = bias if bias is not None else q.new_zeros(())
+            mask = base.to(q.dtype).expand(allowed.shape).masked_fill(~allowed, fill)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, scale=self.z_dim**-0.5
+            )
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        scores = (q.to(cdt) / relu_scale) @ k.to(cdt).transpose(-1, -2)
+        if bias is not None:
+            scores = scores + bias.to(cdt)
+        attn = F.relu(scores.masked_fill(~allowed, 0.0)).square()
+        attn = F.dropout(attn.to(v.dtype), p=p, training=self.training)
+        return attn @ v
+
+    def _local(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+        pos: Tensor,
+        memory: WorkingMemory | None,
+        return_memory: bool,
+    ) -> tuple[Tensor, WorkingMemory | None, tuple[Tensor, Tensor]]:
+        """Sliding window on packed indices, in look-around blocks of W queries.
+
+        The keys are [W memory slots (a stream's memory, or empty), the packed tokens, W empty
+        slots (bidirectional)]; query block b (packed queries bW .. bW + W − 1, key index W + ·)
+        sees key blocks b, b + 1 (and b + 2): the code's look-around, exact window by mask.
+        """
+        B, Lq = q.shape[:2]
+        W = self.chunk_size
+        nb = max(1, -(-Lq // W))
+        pad = nb * W - Lq
+        q, k, v, pos = (_pad_time(t, pad) for t in (q, k, v, pos))
+        valid = _pad_time(valid, pad)
+        mem = memory if memory is not None else self.empty_memory(B, k, v.shape[-1])
+        keys = [mem.key, k]
+        values = [mem.value, v]
+        kpos = [mem.pos, pos]
+        kvalid = [mem.valid, valid]
+        n_look = 2
+        if not self.causal:
+            n_look = 3
+            keys.append(k.new_zeros(B, W, k.shape[-1]))
+            values.append(v.new_zeros(B, W, v.shape[-1]))
+            kpos.append(pos.new_zeros(B, W))
+            kvalid.append(valid.new_zeros(B, W))
+        K, V, KP, KV = (torch.cat(t, dim=1) for t in (keys, values, kpos, kvalid))
+
+        def blocks(t: Tensor) -> Tensor:  # (B, (nb + n_look − 1)·W, ...) -> (B, nb, n_look·W, ...)
+            return torch.cat(
+                [t[:, i * W : (i + nb) * W].unflatten(1, (nb, W)) for i in range(n_look)], dim=2
+            )
+
+        qb = q.unflatten(1, (nb, W))
+        kb, vb, kpb, kvb = blocks(K), blocks(V), blocks(KP), blocks(KV)
+        r = torch.arange(W, device=q.device).unsqueeze(1)
+        c = torch.arange(n_look * W, device=q.device).unsqueeze(0)
+        d = W + r - c  # packed index of the query minus that of the key
+        band = (d >= 0) & (d <= W) if self.causal else d.abs() <= W
+        allowed = band & kvb.unsqueeze(2)  # (B, nb, W, n_look·W)
+        bias = None
+        if self.rel_pos_bias is not None:
+            if self.local_pos:
+                # The code's table rel_pos_bias(3W)[:W, :] per block: w[3W − 1 + c − r], i.e.
+                # w[4W − 1 + (j − i)] in packed offsets (P = 3W, offset W off-centre).
+                bias = self.rel_pos_bias(c - r)
+            else:
+                bias = self.rel_pos_bias(kpb.unsqueeze(2) - pos.unflatten(1, (nb, W)).unsqueeze(-1))
+        relu_scale = W if self.causal else 2 * W  # the code's constant, not the key count
+        o = self._attend(qb, kb, vb, allowed, bias, relu_scale).flatten(1, 2)[:, :Lq]
+        span = _window_span(pos, valid, KP, KV, W, self.causal)
+        new_memory = None
+        if return_memory:
+            r_new = valid.sum(dim=1)
+            idx = r_new.unsqueeze(1) + torch.arange(W, device=q.device)  # last W of [mem, new]
+            new_memory = WorkingMemory(  # type: ignore[call-arg]  # mypy drops the count field
+                *(_gather_time(t, idx) for t in (K, V, KP, KV)), mem.count + r_new
+            )
+        return o, new_memory, span
+
+    def _chunked(
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, pos: Tensor
+    ) -> tuple[Tensor, None, tuple[Tensor, Tensor]]:
+        """Non-overlapping chunks of C packed tokens (stateless pass)."""
+        B, Lq = q.shape[:2]
+        C = self.chunk_size
+        nb = max(1, -(-Lq // C))
+        pad = nb * C - Lq
+        q, k, v, pos = (_pad_time(t, pad).unflatten(1, (nb, C)) for t in (q, k, v, pos))
+        validb = _pad_time(valid, pad).unflatten(1, (nb, C))
+        allowed = validb.unsqueeze(2).expand(B, nb, C, C)
+        r = torch.arange(C, device=q.device)
+        if self.causal:
+            allowed = allowed & (r.unsqueeze(0) <= r.unsqueeze(1))
+        bias = None
+        rel = pos.unsqueeze(2) - pos.unsqueeze(-1)  # (B, nb, C, C): key − query positions
+        if self.rel_pos_bias is not None:
+            offset = r.unsqueeze(0) - r.unsqueeze(1) + C if self.local_pos else rel
+            bias = self.rel_pos_bias(offset)
+        relu_scale = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
+        o = self._attend(q, k, v, allowed, bias, relu_scale).flatten(1, 2)[:, :Lq]
+        span = _mask_span(rel, allowed, validb)
+        return o, None, span
+
+    def _dense(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor,
+        pos: Tensor,
+        memory: WorkingMemory | None,
+        return_memory: bool,
+    ) -> tuple[Tensor, WorkingMemory | None, tuple[Tensor, Tensor]]:
+        """Full attention (and chunk mode on a stream): every query against [memory, packed]."""
+        B, Lq = q.shape[:2]
+        mem = memory if memory is not None else self.empty_memory(B, k, v.shape[-1])
+        M = mem.key.shape[1]
+        K, V = torch.cat([mem.key, k], 1), torch.cat([mem.value, v], 1)
+        KP, KV = torch.cat([mem.pos, pos], 1), torch.cat([mem.valid, valid], 1)
+        # Packed index of every key and query in its row's stream (memory right-aligned).
+        n0 = mem.count.unsqueeze(1)
+        kidx = n0 + torch.arange(-M, Lq, device=q.device)
+        qidx = n0 + torch.arange(Lq, device=q.device)
+        allowed = KV.unsqueeze(1).expand(B, Lq, M + Lq)
+        if self.causal:
+            allowed = allowed & (kidx.unsqueeze(1) <= qidx.unsqueeze(2))
+        if self.mode == "chunk":
+            C = self.chunk_size
+            allowed = allowed & (kidx.unsqueeze(1) // C == qidx.unsqueeze(2) // C)
+        rel = KP.unsqueeze(1) - pos.unsqueeze(2)
+        bias = None
+        if self.rel_pos_bias is not None:
+            packed = kidx.unsqueeze(1) - qidx.unsqueeze(2) + self.chunk_size
+            offset = packed if self.local_pos else rel
+            bias = self.rel_pos_bias(offset)
+        relu_scale = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
+        o = self._attend(q, K, V, allowed, bias, relu_scale)
+        span = _mask_span(rel, allowed, valid)
+        new_memory = None
+        if return_memory:
+            r_new = valid.sum(dim=1)
+            keep = self.memory_size
+            if keep is None:  # full attention remembers every activated token
+                keep = M + Lq
+            idx = (M + r_new - keep).unsqueeze(1) + torch.arange(keep, device=q.device)
+            inside = idx >= 0
+            idx = idx.clamp(min=0)
+            K_, V_, KP_, KV_ = (_gather_time(t, idx) for t in (K, V, KP, KV))
+            new_memory = WorkingMemory(K_, V_, KP_, KV_ & inside, mem.count + r_new)
+        return o, new_memory, span
+
+
+def _pad_time(t: Tensor, pad: int) -> Tensor:
+    """Pad dim 1 (time) with `pad` trailing zeros (False for bool)."""
+    if pad == 0:
+        return t
+    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+
+
+def _gather_time(t: Tensor, idx: Tensor) -> Tensor:
+    """t (B, T, ...) at time indices idx (B, S)."""
+    index = idx.reshape(*idx.shape, *([1] * (t.dim() - 2))).expand(*idx.shape, *t.shape[2:])
+    return t.gather(1, index)
+
+
+@torch.no_grad()
+def _window_span(
+    qpos: Tensor, qvalid: Tensor, kpos: Tensor, kvalid: Tensor, W: int, causal: bool
+) -> tuple[Tensor, Tensor]:
+    """Mean |pos_k − pos_q| over each valid query's window (self excluded), summed over the
+    queries that see another key, and their number; O(L) with prefix sums over the key space.
+
+    Query i sits at key index W + i; keys are ordered by original position, so the left part
+    of the window lies before the query and the right part after it.
+    """
+    B, Lq = qpos.shape
+    T = kpos.shape[1]
+    zero = torch.zeros(B, 1, dtype=torch.long, device=qpos.device)
+    n = torch.cat([zero, torch.cumsum(kvalid.long(), 1)], 1)  # n[j] = Σ_{<j} valid
+    s = torch.cat([zero, torch.cumsum(kpos * kvalid, 1)], 1)
+    i = W + torch.arange(Lq, device=qpos.device).expand(B, Lq)
+    lo = (i - W).clamp(min=0)
+    hi = i + 1 if causal else (i + W + 1).clamp(max=T)
+
+    def take(t: Tensor, idx: Tensor) -> Tensor:
+        return t.gather(1, idx)
+
+    n_left = take(n, i) - take(n, lo)
+    s_left = take(s, i) - take(s, lo)
+    n_right = take(n, hi) - take(n, i + 1)
+    s_right = take(s, hi) - take(s, i + 1)
+    total = (n_left * qpos - s_left + s_right - n_right * qpos).double()
+    count = n_left + n_right
+    use = qvalid & (count > 0)
+    mean = torch.where(use, total / count.clamp(min=1), torch.zeros_like(total))
+    return mean.sum(), use.sum()
+
+
+@torch.no_grad()
+def _mask_span(rel: Tensor, allowed: Tensor, qvalid: Tensor) -> tuple[Tensor, Tensor]:
+    """As `_window_span` from the offsets `rel` (..., Lq, Lk) and the `allowed` mask."""
+    other = allowed & (rel != 0)
+    count = other.sum(dim=-1)
+    total = (rel.abs() * other).sum(dim=-1).double()
+    use = qvalid & (count > 0)
+    mean = torch.where(use, total / count.clamp(min=1), torch.zeros_like(total))
+    return mean.sum(), use.sum()
+
+
+class PositionwiseFFN(nn.Module):
+    """fc2(hidden_dropout(SiLU(fc1 x))): Mega's FFN without its norm and residual, for the FFN
+    module that SMA activates beside the GAU (SeqBoat-{GAU,FFN}, M = 2)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, hidden_dropout: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.hidden_dropout = nn.Dropout(hidden_dropout)
+        for lin in (self.fc1, self.fc2):
+            trunc_normal_(lin.weight, 0.02)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.hidden_dropout(F.silu(self.fc1(x))))

@@ -1,0 +1,1 @@
+"""Parallelism beyond Lightning's data-parallel strategies: chunk (sequence) parallelism."""

@@ -1,0 +1,257 @@
+"""Errors a user can act on, shown as one message at the end of the output.
+
+The entry points (`megalab-train`, `megalab-eval`, `megalab-data`) wrap their work in `reported`:
+an error megalab raised about the user's data, configuration, checkpoint or run folder is
+printed as its message alone, last, without the chained library tracebacks it came through
+(`hydra.utils.instantiate` wraps every constructor's error in its own); the full traceback goes
+to the run's log file. `HYDRA_FULL_ERROR=1` shows everything instead. Other exceptions (bugs)
+keep their tracebacks.
+
+`explain_composition_error` adds what Hydra's message lacks when an override names a key that
+does not exist: the closest valid keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("megalab")
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
+_state = {"task_started": False}
+
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exception classes whose message is the whole story for a user."""
+    from megalab.config_schema import ConfigError
+    from megalab.data.cache import CacheError
+    from megalab.data.download import (
+        ChecksumError,
+        DatasetMissingError,
+        DownloadError,
+        UnsafeArchiveError,
+    )
+    from megalab.memory import MemoryPlanError
+    from megalab.models.state import UnsafeStateError
+    from megalab.utils.checkpointing import CheckpointError
+    from megalab.utils.locking import RunFolderLockedError
+    from megalab.utils.run_folder import RunFolderError
+    from megalab.utils.safe_config import UnsafeConfigError
+
+    types: list[type[BaseException]] = [
+        ConfigError,
+        DatasetMissingError,
+        DownloadError,
+        ChecksumError,
+        UnsafeArchiveError,
+        UnsafeStateError,
+        CacheError,
+        CheckpointError,
+        RunFolderLockedError,
+        RunFolderError,
+        UnsafeConfigError,
+        MemoryPlanError,
+    ]
+    with contextlib.suppress(ImportError):
+        from megalab.tasks.base import NonFiniteLossError
+
+        types.append(NonFiniteLossError)
+    return tuple(types)
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """`err` and the exceptions it was raised from, outermost first."""
+    out: list[BaseException] = []
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        out.append(current)
+        seen.add(id(current))
+        current = current.__cause__ or (
+            None if current.__suppress_context__ else current.__context__
+        )
+    return out
+
+
+def _raised_in_megalab(err: BaseException) -> bool:
+    """Whether the innermost frame of `err`'s traceback is megalab code (a `raise` of ours)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+
+
+def actionable(err: BaseException) -> BaseException | None:
+    """The exception in `err`'s chain whose message a user can act on, or None (a bug)."""
+    types = user_error_types()
+    chain = _chain(err)
+    for e in reversed(chain):  # innermost first: the original error, not a wrapper
+        if isinstance(e, types):
+            return e
+    for e in reversed(chain):
+        if type(e) in (ValueError, FileNotFoundError) and _raised_in_megalab(e):
+            return e
+    return None
+
+
+def full_errors() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR", "").strip() not in ("", "0")
+
+
+def _log_files() -> list[str]:
+    files = []
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            files.append(handler.baseFilename)
+    return files
+
+
+def _to_log_files(err: BaseException) -> list[str]:
+    """Write `err`'s full traceback to the log files only (not the console)."""
+    files = []
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    record = logging.LogRecord("megalab", logging.ERROR, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+            handler.flush()
+            files.append(handler.baseFilename)
+    return files
+
+
+def print_error(message: str, where: Sequence[str] = ()) -> None:
+    """The message, last on stderr (after flushing what came before)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    text = f"\nError: {message.rstrip()}\n"
+    if where:
+        text += f"(full traceback in {', '.join(where)}; HYDRA_FULL_ERROR=1 prints it here)\n"
+    sys.stderr.write(text)
+    sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def reported(exit_code: int = 1) -> Iterator[None]:
+    """Turn actionable errors into their message and an exit status (`SystemExit`)."""
+    from megalab.utils.checkpointing import RunInterrupted
+
+    _state["task_started"] = True
+    try:
+        yield
+    except RunInterrupted as err:
+        print_error(err.message)
+        raise SystemExit(err.code) from None
+    except Exception as err:
+        if full_errors():
+            raise
+        found = actionable(err)
+        if found is None:
+            raise
+        where = _to_log_files(err)
+        print_error(str(found), where)
+        raise SystemExit(exit_code) from None
+
+
+# -- misspelled keys ------------------------------------------------------------------------------
+def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
+    from omegaconf import DictConfig
+
+    keys = []
+    if isinstance(node, DictConfig):
+        for k in node:
+            full = f"{prefix}.{k!s}" if prefix else str(k)
+            keys.append(full)
+            try:
+                child = node._get_node(k)
+            except Exception:
+                continue
+            if isinstance(child, DictConfig):
+                keys.extend(_leaf_keys(child, full))
+    return keys
+
+
+def closest_keys(cfg: Any, key: str, n: int = 3) -> list[str]:
+    """Keys of `cfg` close to the misspelled dotted `key`: siblings first, then anywhere."""
+    keys = [k for k in _leaf_keys(cfg) if not k.startswith("hydra.")]
+    parent, _, leaf = key.rpartition(".")
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    near = difflib.get_close_matches(key, siblings, n=n, cutoff=0.6)
+    by_leaf: dict[str, list[str]] = {}
+    for k in keys:
+        by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+    for name in difflib.get_close_matches(leaf, list(by_leaf), n=n, cutoff=0.75):
+        for k in by_leaf[name]:
+            if k not in near:
+                near.append(k)
+    return near[: max(n, 3)]
+
+
+def _bad_key(message: str) -> str | None:
+    import re
+
+    for pattern in (r"Could not override '([^']+)'", r"full_key: (\S+)", r"Key '([^']+)'"):
+        m = re.search(pattern, message)
+        if m:
+            return m.group(1)
+    return None
+
+
+def explain_composition_error(config_name: str, argv: Sequence[str]) -> str | None:
+    """After Hydra refused the overrides in `argv`: a hint listing the closest valid keys."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    from megalab.utils.paths import CONFIG_DIR
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+            try:
+                compose(config_name, overrides=overrides)
+                return None
+            except HydraException as err:
+                message = "\n".join(str(e) for e in _chain(err))
+            key = _bad_key(message)
+            if key is None or "Could not find" in message:
+                return None
+            rest = [o for o in overrides if o.lstrip("+~").split("=")[0] != key]
+            try:
+                cfg = compose(config_name, overrides=rest)
+            except HydraException:
+                return None
+    finally:
+        GlobalHydra.instance().clear()
+    near = closest_keys(cfg, key)
+    if not near:
+        return f"'{key}' is not a key of this configuration"
+    return f"'{key}' is not a key of this configuration; did you mean: " + ", ".join(near) + "?"
+
+
+def task_started() -> bool:
+    return bool(_state["task_started"])
+
+
+def run_entry_point(hydra_main: Any, config_name: str) -> None:
+    """Call a `@hydra.main` function; after a composition error, suggest the closest keys."""
+    _state["task_started"] = False
+    try:
+        hydra_main()
+    except SystemExit as err:
+        if err.code not in (0, None) and not task_started() and not full_errors():
+            with contextlib.suppress(Exception):
+                hint = explain_composition_error(config_name, sys.argv[1:])
+                if hint:
+                    sys.stderr.write(hint + "\n")
+        raise

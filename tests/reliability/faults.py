@@ -1,0 +1,92 @@
+"""Fault injection for the reliability suite: a callback that kills or signals its own process
+at a chosen phase and step, and checkpoint writes that die half-way.
+
+Used through Hydra overrides (`+callbacks.fault._target_=faults.Fault +callbacks.fault.phase=...`)
+with `tests/reliability` on PYTHONPATH, so the product code carries no test hooks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import lightning as L
+
+PHASES = ("step", "checkpoint", "checkpoint_partial", "validation", "epoch_end", "test")
+
+
+class Fault(L.Callback):
+    """At `phase` (once `trainer.global_step >= step`), deliver `how` to this process.
+
+    `how`: "kill" (SIGKILL: nothing runs after it), "term" (SIGTERM) or "int" (SIGINT).
+    Phases: `step` (after an optimizer step), `validation` (mid-validation batch), `epoch_end`
+    (in the epoch-end hooks), `test` (a test batch), `checkpoint` (after the temporary file of
+    a checkpoint is complete, before its rename), `checkpoint_partial` (half-way through the
+    bytes of a checkpoint).
+    """
+
+    def __init__(self, phase: str, step: int = 1, how: str = "kill") -> None:
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
+        self.phase, self.step, self.how = phase, step, how
+        self.done = False
+
+    def _fire(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        sig = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "int": signal.SIGINT}[self.how]
+        os.kill(os.getpid(), sig)
+
+    def _due(self, trainer: L.Trainer) -> bool:
+        # Every process of a distributed run dies at the same point (a node failure), except
+        # in a checkpoint write, which only rank 0 does.
+        if self.phase.startswith("checkpoint") and not trainer.is_global_zero:
+            return False
+        return trainer.global_step >= self.step
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.phase.startswith("checkpoint"):
+            self._patch_checkpoint_writes(trainer)
+
+    def _patch_checkpoint_writes(self, trainer: L.Trainer) -> None:
+        from megalab.utils import checkpointing
+
+        fault = self
+        if self.phase == "checkpoint":
+            original_fsync = os.fsync
+
+            def fsync(fd: int) -> None:
+                original_fsync(fd)
+                name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else ""
+                if name.endswith(checkpointing.TEMP_SUFFIX) and fault._due(trainer):
+                    fault._fire()
+
+            checkpointing.os.fsync = fsync  # type: ignore[attr-defined]
+        else:
+            original_write = checkpointing._HashingWriter.write
+
+            def write(self: Any, data: Any) -> int:
+                n = original_write(self, data)
+                if self.size > 2048 and fault._due(trainer):
+                    fault._fire()
+                return n
+
+            checkpointing._HashingWriter.write = write  # type: ignore[method-assign]
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.phase == "step" and self._due(trainer):
+            self._fire()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.phase == "validation" and not trainer.sanity_checking and self._due(trainer):
+            self._fire()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.phase == "epoch_end" and self._due(trainer):
+            self._fire()
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
+        if self.phase == "test":
+            self._fire()

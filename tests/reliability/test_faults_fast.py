@@ -1,0 +1,288 @@
+"""Fast fault-injection cases (default suite): crafted data cannot run code, corrupt checkpoints
+and caches are detected with clear messages, busy run folders are refused, bad settings name
+their key. The kill matrix (subprocesses, DDP) is in test_kill_matrix.py (slow)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from megalab.config_schema import ConfigError, validate
+from megalab.convert.common import load_checkpoint
+from megalab.data.cache import CacheError
+from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.utils.checkpointing import (
+    CheckpointError,
+    read_checkpoint,
+    remove_stale_temporaries,
+    write_checkpoint,
+)
+from megalab.utils.locking import RunFolderLockedError, lock_run_folder, unlock_run_folder
+from megalab.utils.safe_config import UnsafeConfigError, check_targets
+
+MARKER = "megalab-reliability-marker"
+
+
+class _RunsCode:
+    """Unpickling this calls `os.system`: what a crafted file would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+# -- crafted data cannot run code ---------------------------------------------------------------
+def test_crafted_fairseq_checkpoint_is_refused(tmp_path: Path) -> None:
+    evil = tmp_path / "evil.pt"
+    ran = tmp_path / "ran"
+    torch.save({"model": {}, "args": argparse.Namespace(x=1), "x": _RunsCode(ran)}, evil)
+    with pytest.raises(ValueError, match="holds objects other than tensors"):
+        load_checkpoint(evil)
+    assert not ran.exists()
+
+
+def test_crafted_run_checkpoint_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    ran = tmp_path / "ran"
+    write_checkpoint({"state_dict": {}, "x": _RunsCode(ran)}, ckpt)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        read_checkpoint(ckpt)
+    assert not ran.exists()
+
+
+def test_crafted_carried_state_cannot_call_anything() -> None:
+    from megalab.models.state import UnsafeStateError, unpack_state
+
+    packed = {"kind": "object", "class": "torch:os.system", "fields": {"command": "true"}}
+    with pytest.raises(UnsafeStateError, match="refusing to rebuild"):
+        unpack_state(packed)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["torch.load", "os.system", "subprocess.run", "megalab.utils.checkpointing.subprocess.call",
+     "megalab.utils.run.atomic_write_text", "builtins.eval"],
+)  # fmt: skip
+def test_run_folder_config_cannot_name_other_targets(target: str) -> None:
+    cfg = OmegaConf.create({"data": {"_target_": target, "f": "x", "weights_only": False}})
+    with pytest.raises(UnsafeConfigError, match="names objects megalab does not build"):
+        check_targets(cfg, "run/.hydra/config.yaml")
+
+
+def test_run_folder_config_with_megalab_targets_passes() -> None:
+    cfg = OmegaConf.create(
+        {
+            "task": {"_target_": "megalab.tasks.ClassificationTask"},
+            "optim": {"optimizer": {"_target_": "torch.optim.AdamW"}},
+            "scheduler": {"_target_": "megalab.optim.linear_warmup_decay"},
+        }
+    )
+    check_targets(cfg, "config")
+
+
+def test_eval_refuses_a_crafted_run_config(compose_cfg, tmp_path: Path) -> None:
+    from megalab.eval import merge_run_config
+
+    run = tmp_path / "sent"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    ckpt = run / "checkpoints" / "last.ckpt"
+    write_checkpoint({"state_dict": {}}, ckpt)
+    crafted = {
+        "data": {"_target_": "torch.load", "f": str(tmp_path / "x.pkl"), "weights_only": False}
+    }
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(crafted)))
+    cfg = compose_cfg(f"ckpt_path={ckpt}", config="eval")
+    with pytest.raises(UnsafeConfigError, match=r"torch\.load"):
+        merge_run_config(cfg, [f"ckpt_path={ckpt}"])
+
+
+# -- checkpoints: atomic, verified ---------------------------------------------------------------
+def test_checkpoint_round_trip_and_bit_flip_is_detected(tmp_path: Path) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    best = tmp_path / "best-epoch_000-step_0000002.ckpt"
+    write_checkpoint({"w": torch.arange(1000.0), "global_step": 3}, ckpt)
+    write_checkpoint({"w": torch.zeros(3), "global_step": 2}, best)
+    assert torch.equal(read_checkpoint(ckpt)["w"], torch.arange(1000.0))
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size, one bit
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(ckpt)
+    message = str(err.value)
+    assert "is corrupt" in message and str(ckpt) in message and str(best) in message
+
+
+@pytest.mark.parametrize("content", [b"", b"not a checkpoint at all", b"PK\x03\x04" + b"\0" * 50])
+def test_empty_or_foreign_checkpoint_fails_naming_the_file(tmp_path: Path, content: bytes) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    ckpt.write_bytes(content)
+    with pytest.raises(CheckpointError, match=str(ckpt)):
+        read_checkpoint(ckpt)
+
+
+def test_truncated_checkpoint_fails_naming_the_file(tmp_path: Path) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    write_checkpoint({"w": torch.randn(5000)}, ckpt)
+    ckpt.write_bytes(ckpt.read_bytes()[:-3000])
+    with pytest.raises(CheckpointError, match=r"last\.ckpt"):
+        read_checkpoint(ckpt)
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """RLIMIT_FSIZE makes writes past a size fail as a full disk does (EFBIG)."""
+    ckpt = tmp_path / "last.ckpt"
+    write_checkpoint({"w": torch.zeros(10)}, ckpt)
+    before = ckpt.read_bytes()
+    code = f"""
+import resource, signal, torch
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+from megalab.utils.checkpointing import CheckpointError, write_checkpoint
+try:
+    write_checkpoint({{"w": torch.randn(1_000_000)}}, {str(ckpt)!r})
+except CheckpointError as e:
+    print("REFUSED", e)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert "REFUSED" in out.stdout and "previous last.ckpt is kept" in out.stdout, out.stderr
+    assert ckpt.read_bytes() == before
+    assert not list(tmp_path.glob(".*.tmp")), "the temporary file is removed"
+
+
+def test_stale_temporary_files_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / ".last.ckpt.1234.tmp"
+    stale.write_bytes(b"half")
+    assert remove_stale_temporaries(tmp_path) == [stale] and not stale.exists()
+
+
+# -- run folders ---------------------------------------------------------------------------------
+def test_a_busy_run_folder_is_refused(tmp_path: Path) -> None:
+    code = f"""
+import time
+from megalab.utils.locking import lock_run_folder
+lock_run_folder({str(tmp_path)!r})
+print("LOCKED", flush=True)
+time.sleep(30)
+"""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "LOCKED"
+        with pytest.raises(RunFolderLockedError, match=f"process {holder.pid}"):
+            lock_run_folder(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_run_folder(tmp_path)  # free again once the holder is gone (even killed)
+    unlock_run_folder(tmp_path)
+
+
+def test_a_fresh_run_over_an_earlier_one_is_refused(compose_cfg, tmp_path: Path) -> None:
+    from megalab.utils.run_folder import RunFolderError, start_run
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    write_checkpoint({"global_step": 5}, run / "checkpoints" / "last.ckpt")
+    with pytest.raises(RunFolderError, match="ckpt_path=last"):
+        start_run(compose_cfg(), run)
+    unlock_run_folder(run)
+    assert start_run(compose_cfg("ckpt_path=last"), run) == str(run / "checkpoints" / "last.ckpt")
+    unlock_run_folder(run)
+
+
+# -- caches --------------------------------------------------------------------------------------
+def _cache(tmp_path: Path) -> tuple[Path, Path]:
+    source = tmp_path / "source.txt"
+    source.write_text("some source text\n")
+    cache = cache_dir(tmp_path / "prepared", "demo", {"a": 1})
+    np.save(cache / "tokens.npy", np.arange(100, dtype=np.int16))
+    mark_prepared(cache, {"n": 100}, sources=[source])
+    return cache, source
+
+
+def test_cache_corruption_is_detected(tmp_path: Path) -> None:
+    cache, _ = _cache(tmp_path)
+    assert prepared(cache)
+    tokens = cache / "tokens.npy"
+    data = bytearray(tokens.read_bytes())
+    data[-10] ^= 0x7F  # changed ids, same size: the file's status changed, so it is re-hashed
+    tokens.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=f"{tokens}.*is corrupt.*Delete {cache}"):
+        prepared(cache)
+
+
+def test_truncated_cache_names_the_file(tmp_path: Path) -> None:
+    cache, _ = _cache(tmp_path)
+    tokens = cache / "tokens.npy"
+    tokens.write_bytes(tokens.read_bytes()[:-20])
+    with pytest.raises(CacheError, match="truncated or overwritten"):
+        prepared(cache)
+
+
+def test_source_edited_in_place_with_same_size_and_mtime(tmp_path: Path) -> None:
+    cache, source = _cache(tmp_path)
+    st = source.stat()
+    source.write_text("SOME SOURCE TEXT\n")  # same size
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime (ctime still moves)
+    with pytest.raises(CacheError, match=r"source file .* changed"):
+        prepared(cache)
+
+
+def test_listops_over_long_inputs_fail_unless_truncate(tmp_path: Path, caplog) -> None:
+    from megalab.data.base import TruncationError
+    from megalab.data.lra.listops import ListOpsDataModule
+    from megalab.testing import listops
+
+    listops.write(tmp_path)
+    folder = tmp_path / "lra" / "listops"
+    with pytest.raises(TruncationError, match=r"longer than data.max_len=8.*data.truncate=true"):
+        ListOpsDataModule(folder, max_len=8, generate_if_missing=False).setup()
+    dm = ListOpsDataModule(folder, max_len=8, generate_if_missing=False, truncate=True)
+    dm.setup()
+    assert "cut to that length" in caplog.text
+
+
+# -- settings ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("trainer.max_steps=abc", "trainer.max_steps"),
+        ("data.batch_size=abc", "data.batch_size"),
+        ("seed=abc", "seed"),
+        ("optim.optimizer.lr=fast", "optim.optimizer.lr"),
+        ("trainer.val_check_interval=0", "trainer.val_check_interval"),
+        ("model.backbone.num_layers=0", "model.backbone.num_layers"),
+        ("data.eval_batch_size=0", "data.eval_batch_size"),
+    ],
+)
+def test_bad_values_name_their_key(compose_cfg, override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"{key}="):
+        validate(compose_cfg(override))
+
+
+def test_language_model_data_with_a_classifier_says_what_to_use(compose_cfg) -> None:
+    with pytest.raises(ConfigError, match="task=language_modeling"):
+        validate(compose_cfg("data=enwik8"))
+
+
+def test_misspelled_key_lists_the_closest(fixture_data_dir: Path) -> None:
+    from megalab.utils.errors import explain_composition_error
+
+    hint = explain_composition_error("train", ["model.backbone.num_layerz=2"])
+    assert hint is not None and "model.backbone.num_layers" in hint
+    hint = explain_composition_error("train", ["lr=0.1"])
+    assert hint is not None and "optim.optimizer.lr" in hint

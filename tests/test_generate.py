@@ -1,0 +1,186 @@
+"""megalab-generate: incremental decoding equals the full pass for every causal model config,
+sampling filters, and text from a trained checkpoint of each causal model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from causal_models import CAUSAL_CASES, CAUSAL_IDS, VOCAB, build_lm
+from conftest import run_cli
+from megalab.data.lm.codec import AlphabetCodec, ByteCodec, WordCodec
+from megalab.generate import filter_logits, generate, next_token, sample_tokens
+from megalab.train import train
+
+
+@pytest.mark.parametrize(("name", "variant"), CAUSAL_CASES, ids=CAUSAL_IDS)
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0.0}, {"temperature": 0.9, "top_k": 12, "top_p": 0.9}],
+    ids=["greedy", "sampled"],
+)
+def test_incremental_decoding_equals_the_full_pass(name: str, variant: str, sampling) -> None:
+    """The distribution each token was drawn from (prompt in one pass, then one token per
+    step with the carried state, or the prefix re-read by a stateless model) is the full
+    pass's distribution at that position."""
+    task = build_lm(name, variant)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, VOCAB, (2, 5), generator=g)
+    tokens, dists = sample_tokens(
+        task, prompt, 14, generator=torch.Generator().manual_seed(1), return_log_probs=True,
+        **sampling,
+    )  # fmt: skip
+    assert tokens.shape == (2, 14) and dists.shape == (2, 14, VOCAB)
+    seq = torch.cat([prompt, tokens[:, :-1]], 1)
+    with torch.no_grad():
+        full = task.head.log_probs(task(seq).y)[:, 4:]
+    torch.testing.assert_close(dists, full.float(), rtol=1e-5, atol=1e-5)
+    if sampling["temperature"] == 0:
+        assert (tokens == full.argmax(-1)).all()
+
+
+def test_filters_keep_the_top_k_and_the_nucleus() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    kept = torch.isfinite(filter_logits(logits, top_k=2))
+    assert kept.tolist() == [[True, True, False, False, False]]
+    # 0.5 + 0.2 = 0.7 < 0.8, so the nucleus needs the third token too.
+    kept = torch.isfinite(filter_logits(logits, top_p=0.8))
+    assert kept.tolist() == [[True, True, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, top_p=0.1)).sum() == 1  # the top token stays
+    assert torch.isfinite(filter_logits(logits, top_k=3, top_p=0.6)).sum() == 2
+    assert next_token(logits, temperature=0.0).item() == 0
+    draws = {next_token(logits, 1.0, top_k=2, generator=torch.Generator().manual_seed(s)).item()
+             for s in range(40)}  # fmt: skip
+    assert draws == {0, 1}
+    with pytest.raises(ValueError, match="temperature"):
+        next_token(logits, temperature=-1.0)
+
+
+def test_a_seed_makes_sampling_reproducible_and_eos_stops_it() -> None:
+    task = build_lm("llama", "causal_mha", dtype=torch.float32)
+    prompt = torch.randint(0, VOCAB, (3, 4), generator=torch.Generator().manual_seed(2))
+
+    def run(seed: int, **kw):
+        return sample_tokens(task, prompt, 20, 1.0, generator=torch.Generator().manual_seed(seed),
+                             **kw)  # fmt: skip
+
+    assert torch.equal(run(7), run(7))
+    assert not torch.equal(run(7), run(8))
+    first = run(7)[0, 2].item()
+    stopped = run(7, eos_id=first)
+    row = stopped[0].tolist()
+    assert row[2] == first and all(t == first for t in row[2:])
+    assert stopped.shape[1] <= 20
+
+
+def test_codecs_round_trip_text() -> None:
+    assert ByteCodec().decode(ByteCodec().encode("héllo\nworld")) == "héllo\nworld"
+    assert ByteCodec(drop_newlines=True).encode("a\nb") == [97, 98]
+    text8 = AlphabetCodec(" abcdefghijklmnopqrstuvwxyz")
+    assert text8.decode(text8.encode("Hello world")) == "hello world"
+    with pytest.raises(ValueError, match=r"'!'"):
+        text8.encode("hi!")
+    words = WordCodec(["<eos>", "the", "cat", "<unk>"])
+    ids = words.encode("the cat\nthe dog")
+    assert ids == [1, 2, 0, 1, 3]
+    assert words.decode(ids) == "the cat\nthe <unk>"
+
+
+# --------------------------------------------------------------------------- from checkpoints
+_TINY = {
+    "mega": [
+        "model=mega",
+        "model.d_model=16",
+        "model.backbone.num_layers=1",
+        "model.backbone.z_dim=8",
+        "model.backbone.v_dim=16",
+        "model.backbone.ffn_dim=16",
+        "model.backbone.causal=true",
+        "model.backbone.prenorm=true",
+        "model.backbone.chunk_size=8",
+        "model.backbone.rel_pos_bias=rotary",
+    ],
+    "transformer": [
+        "model=transformer",
+        "model.d_model=16",
+        "model.backbone.num_layers=1",
+        "model.backbone.num_heads=2",
+        "model.backbone.ffn_dim=16",
+        "model.backbone.causal=true",
+    ],
+    "llama": [
+        "model=llama",
+        "model.d_model=16",
+        "model.backbone.num_layers=1",
+        "model.backbone.num_heads=2",
+        "model.backbone.num_kv_heads=1",
+        "model.backbone.ffn_dim=24",
+    ],
+}
+_DATA = {
+    "enwik8": ["data=enwik8", "data.sha256=null", "data.valid_size=3000", "data.test_size=3000"],
+    "text8": ["data=text8", "data.sha256=null", "data.valid_size=3000", "data.test_size=3000"],
+    "pg19": ["data=pg19", "data.vocab_size=400", "data.tokenizer_sample_books=null"],
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "data"), [("mega", "enwik8"), ("transformer", "text8"), ("llama", "pg19")]
+)
+def test_generates_text_from_a_trained_checkpoint(compose_cfg, tmp_path, model, data) -> None:
+    overrides = [*_TINY[model], *_DATA[data], "task=language_modeling", "data.max_len=32",
+                 "data.batch_size=4", "data.eval_batch_size=2"]  # fmt: skip
+    record = train(compose_cfg(*overrides))
+    assert record["global_step"] == 2
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    cfg = compose_cfg(
+        *overrides,
+        f"ckpt_path={ckpt}",
+        "prompt=the quick brown fox",
+        "max_new_tokens=12",
+        "temperature=0.8",
+        "top_p=0.95",
+        "stop_at_eos=false",
+        config="generate",
+        fast=False,
+    )
+    printed: list[str] = []
+    out = generate(cfg, print_fn=printed.append)
+    assert out["new_tokens"] == 12 and len(out["samples"]) == 1
+    assert "".join(printed).startswith("the quick brown fox")
+    assert "".join(printed).rstrip("\n").endswith(out["samples"][0].rstrip("\n")[-3:])
+    saved = json.loads((tmp_path / "run" / "generations.json").read_text())
+    assert saved["tokens"] == out["tokens"] and saved["settings"]["top_p"] == 0.95
+    again = generate(cfg, print_fn=lambda s: None)
+    assert again["tokens"] == out["tokens"]  # seeded
+
+
+def test_the_command_line_uses_the_run_config(
+    compose_cfg, tmp_path: Path, fixture_data_dir
+) -> None:
+    overrides = [*_TINY["llama"], *_DATA["enwik8"], "task=language_modeling", "data.max_len=32",
+                 "data.batch_size=4", "data.eval_batch_size=2"]  # fmt: skip
+    run_cfg = compose_cfg(*overrides)
+    train(run_cfg)
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run_cfg))
+    proc = run_cli(
+        "-m",
+        "megalab.generate",
+        f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        "prompt=Once upon a time",
+        "max_new_tokens=8",
+        "num_samples=2",
+        "temperature=1.0",
+        f"hydra.run.dir={tmp_path / 'gen'}",
+        f"paths.data_dir={fixture_data_dir}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("--- sample") == 2 and "Once upon a time" in proc.stdout
+    record = json.loads((tmp_path / "gen" / "generations.json").read_text())
+    assert len(record["tokens"]) == 2 and all(len(t) == 8 for t in record["tokens"])

@@ -1,0 +1,134 @@
+"""The two Lightning internals megalab relies on, checked against the installed Lightning.
+
+`pyproject.toml` bounds Lightning below the next minor version; before raising the bound, these
+tests must pass with the new version:
+
+1. `RichProgressBar._get_train_description` (overridden in `megalab.callbacks`) still titles
+   the training bar, so step-based runs read `Epoch 3`, not `Epoch 3/-2`.
+2. `trainer.fit_loop.epoch_loop.restarting` and `.batch_progress.current.processed` (read by
+   `SequenceDataModule.resumed_batches`) still say, on a mid-epoch resume, that the loop is
+   restarting and how many batches of the epoch were done.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from packaging.requirements import Requirement
+from packaging.version import Version
+from torch.utils.data import DataLoader, TensorDataset
+
+from megalab.callbacks import RichProgressBar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class TinyRegression(L.LightningModule):
+    """One linear layer on a fixed dataset of 10 batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader() -> DataLoader:
+    gen = torch.Generator().manual_seed(0)
+    return DataLoader(TensorDataset(torch.randn(20, 2, generator=gen), torch.randn(20, 1)), 2)
+
+
+class ProbedLoader(DataLoader):
+    """Records, when an epoch's iteration starts (where megalab's ResumableDataLoader asks),
+    what the fit loop reports: (restarting, batches of the epoch processed)."""
+
+    def __init__(self) -> None:
+        base = _loader()
+        super().__init__(base.dataset, batch_size=base.batch_size)
+        self.trainer: L.Trainer | None = None
+        self.seen: list[tuple[bool, int]] = []
+
+    def __iter__(self):
+        assert self.trainer is not None
+        loop = self.trainer.fit_loop.epoch_loop
+        self.seen.append((bool(loop.restarting), int(loop.batch_progress.current.processed)))
+        return super().__iter__()
+
+
+def _fit(tmp_path: Path, max_steps: int, ckpt_path: Path | None = None) -> list[tuple[bool, int]]:
+    loader = ProbedLoader()
+    callbacks = [
+        L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_last=False
+        )
+    ]
+    trainer = L.Trainer(
+        max_steps=max_steps,
+        callbacks=callbacks if ckpt_path is None else [],
+        enable_checkpointing=ckpt_path is None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
+    loader.trainer = trainer
+    trainer.fit(TinyRegression(), loader, ckpt_path=ckpt_path)
+    return loader.seen
+
+
+def test_installed_lightning_is_within_the_bound_these_tests_checked() -> None:
+    (line,) = re.findall(
+        r'^\s*"(lightning[<>=!~,. 0-9]*)",', (ROOT / "pyproject.toml").read_text(), re.M
+    )
+    spec = Requirement(line)
+    assert any(s.operator == "<" for s in spec.specifier), "Lightning needs an upper bound"
+    assert Version(metadata.version("lightning")) in spec.specifier
+
+
+def test_rich_progress_bar_title_is_built_by_the_overridden_method(tmp_path: Path) -> None:
+    bar = RichProgressBar()
+    titles: list[str] = []
+
+    class Probe(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            assert bar.progress is not None, "Lightning's RichProgressBar has no `progress`"
+            task = next(t for t in bar.progress.tasks if t.id == bar.train_progress_bar_id)
+            titles.append(str(task.description).strip())
+
+    assert "_get_train_description" in vars(L.pytorch.callbacks.RichProgressBar), (
+        "Lightning renamed RichProgressBar._get_train_description: update megalab.callbacks"
+    )
+    trainer = L.Trainer(
+        max_steps=3,
+        callbacks=[bar, Probe()],
+        logger=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(TinyRegression(), _loader())
+    assert titles and set(titles) == {"Epoch 0"}, titles
+
+
+# This plain loader and checkpoint callback are not what megalab resumes with: Lightning says so.
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+def test_fit_loop_reports_a_mid_epoch_resume(tmp_path: Path) -> None:
+    assert _fit(tmp_path, max_steps=3) == [(False, 0)], "a fresh fit is not restarting"
+    (path,) = tmp_path.glob("*step=3.ckpt")
+    assert _fit(tmp_path / "resumed", max_steps=5, ckpt_path=path) == [(True, 3)], (
+        "on a mid-epoch resume Lightning must report restarting=True and the 3 batches done: "
+        "SequenceDataModule.resumed_batches reads these"
+    )

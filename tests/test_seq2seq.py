@@ -1,0 +1,148 @@
+"""The seq2seq task end to end on the WMT fixture (small models), and `megalab-translate`.
+
+The experiment configs themselves (Mega-base, Transformer-base) train in
+tests/test_experiments.py; here the same configs run with small models so that every path
+(training, validation BLEU, test BLEU and SacreBLEU, checkpoints, translation of a file) is
+exercised in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalab.generation.beam import GenerationConfig, beam_search
+from megalab.tasks.seq2seq import Seq2SeqTask, decoder_inputs
+from megalab.train import train
+from megalab.translate import CheckpointError, load_translator
+from megalab.translate import main as translate_main
+
+SMALL = {
+    "mega/wmt16_en_de": [
+        "model.d_model=32",
+        "model.encoder_decoder.encoder_layers=1",
+        "model.encoder_decoder.decoder_layers=2",
+        "model.encoder_decoder.z_dim=16",
+        "model.encoder_decoder.v_dim=64",
+        "model.encoder_decoder.ffn_dim=64",
+        "model.encoder_decoder.ema_dim=4",
+    ],
+    "transformer/wmt16_en_de": [
+        "model.d_model=32",
+        "model.encoder_decoder.num_heads=4",
+        "model.encoder_decoder.ffn_dim=64",
+        "model.encoder_decoder.encoder_layers=1",
+        "model.encoder_decoder.decoder_layers=2",
+    ],
+}
+FIXTURE = [
+    "data.vocab_size=256",
+    "data.batch_size=8",
+    "data.eval_batch_size=8",
+    "task.generation.max_len_b=25",
+    "task.val_generation.max_len_b=25",
+]
+
+
+def run(compose_cfg, experiment: str, *extra: str) -> tuple[dict, Path]:
+    cfg = compose_cfg(f"experiment={experiment}", *SMALL[experiment], *FIXTURE, *extra)
+    record = train(cfg)
+    return record, Path(cfg.paths.output_dir)
+
+
+@pytest.mark.parametrize("experiment", sorted(SMALL))
+def test_trains_reports_bleu_and_translates_a_file(
+    compose_cfg, experiment: str, tmp_path: Path
+) -> None:
+    record, out = run(compose_cfg, experiment)
+    metrics = record["metrics"]
+    assert record["global_step"] == 2
+    for key in ("train/loss", "val/loss", "val/bleu", "test/loss", "test/bleu", "test/sacrebleu"):
+        assert key in metrics and math.isfinite(metrics[key]), key
+    saved = json.loads((out / "metrics.json").read_text())
+    sacre = saved["sacrebleu"]
+    assert sacre["signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:")
+    assert sacre["sentences"] == 8  # one test batch (limit_test_batches=1)
+    hyp = (out / "translations" / "test.hyp.de").read_text().split("\n")[:-1]
+    assert len(hyp) == 8
+
+    ckpt = Path(record["best_checkpoint"])
+    loaded = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert loaded["seq2seq_model"]["class"] in ("MegaEncoderDecoder", "TransformerEncoderDecoder")
+    assert loaded["text_pipeline"]["target_lang"] == "de"
+
+    source = tmp_path / "in.en"
+    source.write_text("The house is big.\nMy friend was very nice, and the e-mail is new.\n")
+    target = tmp_path / "out.de"
+    code = translate_main([
+        "--checkpoint", str(ckpt), "--input", str(source), "--output", str(target),
+        "--max-len-b", "20", "--device", "cpu",
+    ])  # fmt: skip
+    assert code == 0
+    lines = target.read_text().split("\n")
+    assert len(lines) == 3 and lines[-1] == ""
+
+    # The CLI's translation of a sentence is the best beam of the checkpoint's model.
+    model, pipeline = load_translator(ckpt)
+    src = torch.tensor(pipeline.encode(["The house is big."]))
+    cfg = GenerationConfig(beam=5, len_penalty=0.5, max_len_b=20)
+    best = beam_search(model, src, None, cfg, eos_id=2, pad_id=1, unk_id=3)[0][0]
+    assert lines[0] == pipeline.detokenize(pipeline.decode(best.tokens.tolist()))
+
+
+def test_validation_bleu_on_a_subset_from_a_second_loader(compose_cfg) -> None:
+    record, _ = run(compose_cfg, "transformer/wmt16_en_de", "data.val_bleu_subset=5",
+                    "trainer.limit_val_batches=2")  # fmt: skip
+    metrics = record["metrics"]
+    assert math.isfinite(metrics["val/bleu"]) and math.isfinite(metrics["val/loss"])
+    assert not any("dataloader_idx" in k for k in metrics)
+
+
+def test_label_smoothed_loss_is_fairseqs() -> None:
+    """(1 − ε)·NLL + ε/V·Σ_v −log p_v summed over non-padded targets (fairseq 0.10)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 11, dtype=torch.float64)
+    targets = torch.randint(4, 11, (2, 5))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 3:] = False
+    lprobs = F.log_softmax(logits, -1)
+    eps, V = 0.1, 11
+    nll = -lprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    smooth = -lprobs.sum(-1)
+    expected = (((1 - eps) * nll + eps / V * smooth) * mask).sum()
+    tgt = targets.masked_fill(~mask, 1)
+    ours = F.cross_entropy(
+        logits.view(-1, V), tgt.view(-1), ignore_index=1, label_smoothing=eps, reduction="sum"
+    )
+    assert torch.allclose(ours, expected)
+
+
+def test_decoder_inputs_move_eos_to_the_front() -> None:
+    targets = torch.tensor([[5, 6, 2], [7, 2, 1]])
+    mask = targets.ne(1)
+    assert decoder_inputs(targets, mask, eos_id=2).tolist() == [[2, 5, 6], [2, 7, 1]]
+
+
+def test_the_task_needs_an_encoder_decoder() -> None:
+    with pytest.raises(TypeError, match="encoder-decoder"):
+        Seq2SeqTask(torch.nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_translate_refuses_checkpoints_naming_other_classes(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.ckpt"
+    torch.save(
+        {"state_dict": {}, "text_pipeline": {}, "seq2seq_model": {"class": "os.system",
+                                                                 "config": {}}},
+        bad,
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"os\.system"):
+        load_translator(bad)
+    torch.save({"state_dict": {}}, bad)
+    with pytest.raises(CheckpointError, match="task=seq2seq"):
+        load_translator(bad)
+    assert translate_main(["--checkpoint", str(bad), "--input", "-"]) == 2
