@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import hydra
 import pytest
 import torch
 
 from megalab import memory
 from megalab.memory import MemoryPlanError, plan_memory, probe
-from megalab.train import build
+from megalab.train import build, train
+from megalab.utils import errors
+from megalab.utils.checkpointing import RunInterrupted
 from megalab.utils.run import instantiate_trainer, lightning_trainer_config
+from test_train import _final_weights
 
 GB = 2**30
+
+
+def _plenty(device: torch.device) -> float:
+    return 16 * GB / memory.SAFETY
+
+
+@pytest.fixture(autouse=True)
+def plenty_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 GB free, whatever the machine's other processes take now: the plans below must not
+    change with the load of a shared machine (tests that need less free memory set their own)."""
+    monkeypatch.setattr(memory, "available_bytes", _plenty)
 
 
 def _cfg(compose_cfg, *overrides: str):
@@ -148,3 +166,82 @@ def test_probes_never_run_past_the_memory(compose_cfg, monkeypatch) -> None:
     with pytest.raises(MemoryPlanError, match=r"extrapolated from .* at length 512"):
         plan_memory(cfg, task)
     assert lengths == [512]
+
+
+def test_a_resumed_run_keeps_its_micro_batch(compose_cfg, tmp_path, monkeypatch) -> None:
+    """An accumulating run, interrupted and resumed when more memory is free, ends with the
+    weights of the run trained straight: the resume takes the recorded plan, not a new one."""
+    common = ("data.batch_size=8", "data.eval_batch_size=8", "trainer.limit_train_batches=4",
+              "trainer.limit_val_batches=1", "test=false", "scheduler=constant",
+              "scheduler.warmup_steps=2", "trainer.max_steps=3")  # fmt: skip
+    cfg = compose_cfg(*common)
+    full = plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    assert full is not None and full.accumulate == 1
+    # Free memory for a micro-batch of 4, not 8: 2 micro-batches per optimizer step.
+    budget = max(full.train_peak(4), full.eval_peak(8)) * 1.01
+    assert full.train_peak(8) > budget
+    tight = lambda device: budget / memory.SAFETY  # noqa: E731
+
+    monkeypatch.setattr(memory, "available_bytes", tight)
+    straight = compose_cfg(*common)
+    straight.paths.output_dir = str(tmp_path / "straight")
+    record = train(straight)
+    assert record["memory_plan"]["accumulate_grad_batches"] == 2
+    assert record["memory_plan"]["micro_batch"] == 4
+
+    first = compose_cfg(*common, "+callbacks.stop._target_=test_train.SigtermAt",
+                        "+callbacks.stop.step=2")  # fmt: skip
+    first.paths.output_dir = str(tmp_path / "resumed")
+    with pytest.raises(RunInterrupted):
+        train(first)
+    # plenty of memory now: a fresh plan would take the batch of 8 at once
+    monkeypatch.setattr(memory, "available_bytes", _plenty)
+    second = compose_cfg("ckpt_path=last", *common)
+    second.paths.output_dir = str(tmp_path / "resumed")
+    assert train(second)["memory_plan"]["accumulate_grad_batches"] == 2
+
+    a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "resumed")
+    assert a["global_step"] == b["global_step"] == 3
+    for name, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_processes_a_launcher_starts_take_its_plan(compose_cfg, tmp_path, monkeypatch) -> None:
+    cfg = compose_cfg("data.batch_size=8", "trainer.max_tokens_per_step=8000")
+    record = memory.plan_run(cfg, hydra.utils.instantiate(cfg.task), tmp_path)
+    assert record is not None and record["accumulate_grad_batches"] == 4  # 2 x 2001 tokens
+    assert json.loads((tmp_path / memory.PLAN_FILE).read_text()) == record
+    assert memory.PLAN_ENV not in os.environ
+    with memory.shared_with_launched_processes(record):
+        # a DDP rank re-runs the command: it takes the plan without measuring anything
+        monkeypatch.setattr(memory, "plan_memory", lambda *a: pytest.fail("planned again"))
+        child = compose_cfg("data.batch_size=8", "trainer.max_tokens_per_step=8000")
+        assert memory.plan_run(child, None, tmp_path / "child") == record  # type: ignore[arg-type]
+        assert child.trainer.accumulate_grad_batches == 4
+    assert memory.PLAN_ENV not in os.environ
+
+
+def test_a_plan_made_for_another_batch_is_not_reused(compose_cfg, tmp_path) -> None:
+    cfg = compose_cfg("data.batch_size=8", "trainer.max_tokens_per_step=8000")
+    memory.plan_run(cfg, hydra.utils.instantiate(cfg.task), tmp_path)
+    other = compose_cfg("data.batch_size=4", "trainer.max_tokens_per_step=8000")
+    record = memory.plan_run(other, hydra.utils.instantiate(other.task), tmp_path, resume=True)
+    assert record is not None and record["global_batch"] == 4
+    assert record["accumulate_grad_batches"] == 2
+
+
+def test_the_early_failure_is_one_message_without_a_traceback(
+    compose_cfg, monkeypatch, capsys
+) -> None:
+    """What `megalab-train` prints (errors.reported) when a step cannot fit: the numbers and the
+    knobs, once, and exit status 1; nothing is trained."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 64 * 2**20)  # 64 MB free
+    cfg = compose_cfg("model=mega", "model.backbone.chunk_size=-1")
+    with pytest.raises(SystemExit) as exit_, errors.reported():
+        train(cfg)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("Error: ") == 1 and "Traceback" not in err
+    assert "one training example of length 2001 needs about" in err
+    assert "GB available on cpu" in err and "checkpoint_activations=true" in err
+    assert not (Path(cfg.paths.output_dir) / "checkpoints").exists()

@@ -32,12 +32,15 @@ models see their batch statistics per micro-batch when the plan accumulates: the
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import logging
 import math
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +55,8 @@ log = logging.getLogger(__name__)
 SAFETY = 0.85
 # The largest batch the plan measures, in tokens: beyond it the working set is extrapolated.
 PROBE_TOKENS = 16384
+# Peak RSS over live tensors with the start-up malloc settings (allocator_overhead).
+CPU_TUNED_MALLOC_OVERHEAD = 1.45
 # Bytes per parameter in training: fp32 weight, gradient and Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
 GB = 2**30
@@ -203,6 +208,19 @@ def available_bytes(device: torch.device) -> int:
     return avail
 
 
+def allocator_overhead(device: torch.device) -> float:
+    """Resident bytes per byte of live tensors at the peak of a step. On CPU with the start-up
+    malloc settings (`megalab.utils.runtime`: freed blocks are kept, not returned), peak RSS ran
+    25-45% above glibc's defaults on a Mega layer's step: the plan counts 45%."""
+    if device.type != "cpu":
+        return 1.0  # the CUDA caching allocator's free memory is what `available_bytes` reads
+    from megalab.utils.runtime import settings
+
+    return (
+        CPU_TUNED_MALLOC_OVERHEAD if str(settings().get("malloc", "")).startswith("tuned") else 1.0
+    )
+
+
 # -- the plan ---------------------------------------------------------------------------------
 @dataclass
 class MemoryPlan:
@@ -222,16 +240,34 @@ class MemoryPlan:
     work_fixed: float
     eval_batch: int
     measured_work: dict[int, float]  # working set measured at these batch sizes
+    overhead: float = 1.0  # resident memory per byte of live tensors (the allocator's share)
 
     def work(self, m: int) -> float:
         """Peak live bytes of a forward of m examples: measured, else the line (module docs)."""
         return self.measured_work.get(m, self.work_fixed + m * self.work_per_example)
 
     def train_peak(self, m: int) -> float:
-        return self.optimizer_bytes + self.saved_fixed + m * self.saved_per_example + self.work(m)
+        live = self.optimizer_bytes + self.saved_fixed + m * self.saved_per_example + self.work(m)
+        return self.overhead * live
 
     def eval_peak(self, e: int) -> float:
-        return self.work(e)
+        return self.overhead * self.work(e)
+
+    def record(self, world_size: int, precision: str) -> dict[str, Any]:
+        """What a run records of its plan (`memory_plan.json`, `metrics.json`)."""
+        return {
+            "global_batch": self.per_process_batch * world_size,
+            "world_size": world_size,
+            "max_len": self.max_len,
+            "precision": precision,
+            "accumulate_grad_batches": self.accumulate,
+            "micro_batch": self.micro_batch,
+            "estimated_train_peak_gb": round(self.train_peak(self.micro_batch) / GB, 3),
+            "estimated_eval_peak_gb": round(self.eval_peak(self.eval_batch) / GB, 3),
+            "saved_mb_per_example": round(self.saved_per_example / 2**20, 1),
+            "available_gb": round(self.budget / GB, 3),
+            "device": self.device,
+        }
 
     def describe(self) -> str:
         return (
@@ -301,7 +337,8 @@ def _one_example(
 _ADVICE = (
     "Options: model.backbone.checkpoint_activations=true (keeps one tensor per layer), a "
     "chunked attention (model.backbone.chunk_size=128), trainer.precision=bf16-mixed, shorter "
-    "inputs (data.max_len), or a machine with more memory"
+    "inputs (data.max_len), or a machine with more memory (trainer.memory_check=false skips "
+    "this check)"
 )
 
 
@@ -332,6 +369,14 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     n_params = sum(p.numel() for p in twin.parameters())
     bytes_params = sum(p.numel() * p.element_size() for p in twin.parameters())
     budget = SAFETY * available_bytes(device) / (local if device.type == "cpu" else 1)
+    probing = contextlib.ExitStack()  # the probes run at the trainer's precision
+    precision = str(trainer.get("precision", "32-true"))
+    if precision in ("bf16-true", "16-true"):
+        twin.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    elif precision in ("bf16-mixed", "16-mixed", "bf16", "16"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        probing.enter_context(torch.autocast(device.type, dtype=dtype))
+    probing.__enter__()
     p1 = _one_example(twin, data, L, device, budget, n_params)
     # A second example only where it surely fits; else all of the first counts per example.
     p2 = probe(twin, data, 2, True, device) if 2 * p1.saved <= budget / 2 else None
@@ -356,6 +401,7 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
         work_fixed=float(max(0, 2 * e1.peak - e2.peak)),
         eval_batch=eval_batch,
         measured_work={1: float(e1.peak), 2: float(e2.peak)},
+        overhead=allocator_overhead(device),
     )
 
     if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
@@ -371,6 +417,8 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
             slope = (plan.measured_work[size] - plan.measured_work[2]) / (size - 2)
             plan.work_per_example = max(0.0, slope)
             plan.work_fixed = max(0.0, plan.measured_work[size] - size * plan.work_per_example)
+
+    probing.close()
 
     chosen = None
     for acc in range(max(1, accumulate), per_process + 1):
@@ -420,3 +468,80 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     if not math.isfinite(plan.train_peak(plan.micro_batch)):
         raise MemoryPlanError("the memory estimate is not finite")
     return plan
+
+
+# -- the plan of a run ------------------------------------------------------------------------
+PLAN_FILE = "memory_plan.json"
+# The launching process's plan, for the processes it starts (Lightning's DDP launcher re-runs
+# the command with this environment): every rank takes the same micro-batch.
+PLAN_ENV = "MEGALAB_MEMORY_PLAN"
+
+
+def _matches(record: dict[str, Any], cfg: DictConfig) -> bool:
+    """Whether a recorded plan was made for this run's batch, length, processes and precision."""
+    world, _ = _world(cfg.trainer)
+    return (
+        record.get("global_batch") == int(cfg.data.batch_size)
+        and record.get("max_len") == cfg.data.get("max_len")
+        and record.get("world_size") == world
+        and record.get("precision") == str(cfg.trainer.get("precision", "32-true"))
+    )
+
+
+def plan_run(
+    cfg: DictConfig, task: nn.Module, run_dir: str | os.PathLike[str], resume: bool = False
+) -> dict[str, Any] | None:
+    """The micro-batch of a run (what `megalab.train` calls before building the trainer).
+
+    A resumed run (`resume`) takes the accumulation its `memory_plan.json` recorded, and a
+    process started by a launcher takes its launcher's (`PLAN_ENV`), so that the micro-batches
+    and their order stay those of the run (the free memory, and with it a fresh plan, changes
+    between runs and between the processes of one). Otherwise `plan_memory` decides and its
+    record is written to `<run_dir>/memory_plan.json`. Returns the record (None without a plan).
+    """
+    from lightning.pytorch.utilities import rank_zero_only
+
+    path = Path(run_dir) / PLAN_FILE
+    candidates = []
+    if os.environ.get(PLAN_ENV):
+        candidates.append(("the launching process", os.environ[PLAN_ENV]))
+    if resume and cfg.trainer.get("memory_check", True) and path.is_file():
+        candidates.append((str(path), path.read_text()))
+    for source, text in candidates:
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError:
+            log.warning("memory: the plan in %s is not JSON; planning again", source)
+            continue
+        if not isinstance(record, dict) or not _matches(record, cfg):
+            continue  # made for another batch, length, world or precision: plan again
+        acc = int(record["accumulate_grad_batches"])
+        if acc > int(cfg.trainer.get("accumulate_grad_batches") or 1):
+            with open_dict(cfg):
+                cfg.trainer.accumulate_grad_batches = acc
+        log.info("memory: micro-batch %s x %d accumulation, planned by %s",
+                 record.get("micro_batch"), acc, source)  # fmt: skip
+        return record
+    plan = plan_memory(cfg, task)
+    if plan is None:
+        return None
+    world, _ = _world(cfg.trainer)
+    record = plan.record(world, str(cfg.trainer.get("precision", "32-true")))
+    if rank_zero_only.rank == 0:
+        from megalab.utils.run import atomic_write_text
+
+        atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+    return record
+
+
+@contextlib.contextmanager
+def shared_with_launched_processes(record: dict[str, Any] | None) -> Iterator[None]:
+    """Hand the plan to the processes started inside the block (DDP ranks), then forget it."""
+    if record is None or PLAN_ENV in os.environ:
+        yield
+        return
+    os.environ[PLAN_ENV] = json.dumps(record)
+    try:
+        yield
+    finally:
+        os.environ.pop(PLAN_ENV, None)
