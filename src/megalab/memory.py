@@ -146,7 +146,8 @@ def _loss(task: nn.Module, batch: dict) -> Tensor:
     step = getattr(task, "_step", None)
     if step is not None:
         return step(batch, "train")
-    return task.encode(batch["inputs"], batch.get("mask")).y.float().pow(2).mean()
+    encode: Any = getattr(task, "encode")  # noqa: B009 (a task's method; nn.Module's stubs type it as a Tensor)
+    return encode(batch["inputs"], batch.get("mask")).y.float().pow(2).mean()
 
 
 def probe(
@@ -527,7 +528,7 @@ def plan_run(
         return None
     world, _ = _world(cfg.trainer)
     record = plan.record(world, str(cfg.trainer.get("precision", "32-true")))
-    if rank_zero_only.rank == 0:
+    if getattr(rank_zero_only, "rank", 0) == 0:  # set by Lightning from the environment
         from megalab.utils.run import atomic_write_text
 
         atomic_write_text(path, json.dumps(record, indent=1) + "\n")
