@@ -201,7 +201,7 @@ RULES: dict[str, Rule] = {
     "model.backbone.num_layers": integer(1),
     "model.backbone.num_heads": integer(1),
     # <= 0 removes the FFN (Mega's and SeqBoat's configs without one).
-    "model.backbone.ffn_dim": integer(note=" (<= 0: no FFN)"),
+    "model.backbone.ffn_dim": integer(null=True, note=" (<= 0: no FFN; null: Llama's rule)"),
     "model.backbone.z_dim": integer(1),
     "model.backbone.v_dim": integer(1),
     "model.backbone.ema_dim": integer(0, note=" (0 removes the EMA: the h = 0 ablation)"),
