@@ -165,6 +165,9 @@ RULES: dict[str, Rule] = {
     "trainer.benchmark": boolean(null=True),
     "trainer.fast_dev_run": either(boolean(), integer(0)),
     "trainer.enable_model_summary": boolean(),
+    # megalab's own trainer keys (megalab.memory; removed before Lightning sees the config)
+    "trainer.memory_check": boolean(),
+    "trainer.max_tokens_per_step": integer(1, null=True, note=" (tokens per micro-batch)"),
     # data
     "data.batch_size": integer(1, note=" (the global batch per optimizer step)"),
     "data.eval_batch_size": integer(1, null=True),

@@ -100,7 +100,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
-    trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False, callbacks=[])
+    trainer = run_utils.instantiate_trainer(cfg.trainer, logger=loggers or False, callbacks=[])
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}

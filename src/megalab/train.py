@@ -24,6 +24,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
+from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import RunInterrupted  # noqa: E402
@@ -42,16 +43,26 @@ log = logging.getLogger(__name__)
 export_project_root()
 
 
-def build(cfg: DictConfig) -> dict[str, Any]:
-    """Instantiate everything a run needs; nothing is trained."""
+def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
+    """Instantiate everything a run needs; nothing is trained. The memory plan may raise
+    `trainer.accumulate_grad_batches` (a resumed run keeps its own), or fail early."""
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
+    memory_plan = plan_run(cfg, task, cfg.paths.output_dir, resume=resume)
     callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
-    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    return {"datamodule": datamodule, "task": task, "trainer": trainer, "loggers": loggers}
+    trainer = run_utils.instantiate_trainer(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False
+    )
+    return {
+        "datamodule": datamodule,
+        "task": task,
+        "trainer": trainer,
+        "loggers": loggers,
+        "memory_plan": memory_plan,
+    }
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -75,7 +86,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     validate_config(cfg)
     ckpt_path = start_run(cfg, output_dir)  # lock the folder, what to resume, the W&B run
     run_utils.save_config(cfg, output_dir / "config.yaml")
-    objs = build(cfg)
+    objs = build(cfg, resume=ckpt_path is not None)
     datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
     run_utils.log_hyperparameters(cfg, objs["loggers"], task)
     remember_wandb_run(objs["loggers"], output_dir)
@@ -89,7 +100,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("train", True):
         if ckpt_path:
             log.info("resuming from %s", ckpt_path)
-        trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+        with shared_with_launched_processes(objs["memory_plan"]):  # DDP ranks: the same plan
+            trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
         fit_metrics = {k: run_utils.to_number(v) for k, v in trainer.callback_metrics.items()}
 
     test_metrics: dict[str, Any] = {}
@@ -123,6 +135,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         "params": params,
         "wall_time_s": round(time.time() - start, 3),
         "metrics": {**fit_metrics, **test_metrics},
+        "memory_plan": objs["memory_plan"],
         "output_dir": str(output_dir),
     }
     record["metrics"].update(efficiency_metrics(trainer))

@@ -39,6 +39,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         DownloadError,
         UnsafeArchiveError,
     )
+    from megalab.memory import MemoryPlanError
     from megalab.models.state import UnsafeStateError
     from megalab.utils.checkpointing import CheckpointError
     from megalab.utils.locking import RunFolderLockedError
@@ -57,6 +58,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
         RunFolderLockedError,
         RunFolderError,
         UnsafeConfigError,
+        MemoryPlanError,
     ]
     with contextlib.suppress(ImportError):
         from megalab.tasks.base import NonFiniteLossError

@@ -3,6 +3,7 @@ writing the run's `config.yaml` and `metrics.json` (checkpoints: `megalab.utils.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
@@ -17,7 +18,7 @@ import torch
 from lightning import Callback
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,26 @@ def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
     return instantiate_group(cfg)
+
+
+# megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
+# (megalab.memory reads them before the trainer is built).
+MEGALAB_TRAINER_KEYS = ("max_tokens_per_step", "memory_check")
+
+
+def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
+    """The `trainer` group without megalab's own keys, as `lightning.Trainer` takes it."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        for key in MEGALAB_TRAINER_KEYS:
+            out.pop(key, None)
+    return out
+
+
+def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
+    """Build the Lightning Trainer of a `trainer` config group; every entry point builds its
+    trainer here, so megalab's own keys never reach Lightning."""
+    return hydra.utils.instantiate(lightning_trainer_config(cfg), **kwargs)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

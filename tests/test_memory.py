@@ -1,0 +1,247 @@
+"""Memory planning before training: micro-batches that fit, or an early error with numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+
+from megalab import memory
+from megalab.memory import MemoryPlanError, plan_memory, probe
+from megalab.train import build, train
+from megalab.utils import errors
+from megalab.utils.checkpointing import RunInterrupted
+from megalab.utils.run import instantiate_trainer, lightning_trainer_config
+from test_train import _final_weights
+
+GB = 2**30
+
+
+def _plenty(device: torch.device) -> float:
+    return 16 * GB / memory.SAFETY
+
+
+@pytest.fixture(autouse=True)
+def plenty_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 GB free, whatever the machine's other processes take now: the plans below must not
+    change with the load of a shared machine (tests that need less free memory set their own)."""
+    monkeypatch.setattr(memory, "available_bytes", _plenty)
+
+
+def _cfg(compose_cfg, *overrides: str):
+    # A small Mega on ListOps-shaped data: 6 layers is the paper's depth, widths are tiny.
+    return compose_cfg(
+        "model=mega",
+        "model.d_model=16",
+        "model.backbone.z_dim=8",
+        "model.backbone.v_dim=16",
+        "model.backbone.ffn_dim=16",
+        "data.max_len=256",
+        "model.backbone.max_positions=256",
+        "data.batch_size=16",
+        "data.eval_batch_size=32",
+        "trainer.accumulate_grad_batches=1",
+        *overrides,
+    )
+
+
+def test_trainer_keys_of_megalab_are_not_passed_to_lightning(compose_cfg) -> None:
+    cfg = compose_cfg("trainer.max_tokens_per_step=1000", "trainer.memory_check=false")
+    assert "max_tokens_per_step" in cfg.trainer and "memory_check" in cfg.trainer
+    clean = lightning_trainer_config(cfg.trainer)
+    assert "max_tokens_per_step" not in clean and "memory_check" not in clean
+    assert clean.max_steps == cfg.trainer.max_steps
+    assert cfg.trainer.max_tokens_per_step == 1000  # the run's config keeps them
+    trainer = instantiate_trainer(cfg.trainer, logger=False, callbacks=[])
+    assert trainer.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize(
+    "override", ["trainer.memory_check=maybe", "trainer.max_tokens_per_step=0"]
+)
+def test_the_config_schema_checks_the_memory_keys(compose_cfg, override: str) -> None:
+    from megalab.config_schema import ConfigError, validate
+
+    validate(compose_cfg("trainer.max_tokens_per_step=4096"))
+    with pytest.raises(ConfigError, match=override.split("=")[0].replace(".", r"\.")):
+        validate(compose_cfg(override))
+
+
+def test_the_per_example_estimate_is_linear_in_the_batch(compose_cfg) -> None:
+    cfg = _cfg(compose_cfg)
+    task = hydra.utils.instantiate(cfg.task)
+    p1, p2, p6 = (probe(task, cfg.data, m, True, torch.device("cpu")) for m in (1, 2, 6))
+    e1, e2, e6 = (probe(task, cfg.data, m, False, torch.device("cpu")) for m in (1, 2, 6))
+    per_example = p2.saved - p1.saved
+    assert per_example > 0
+    assert p6.saved == pytest.approx(p1.saved + 5 * per_example, rel=0.02)
+    assert e1.saved == 0 and e6.peak > e2.peak > e1.peak > 0
+
+
+def test_plan_raises_accumulation_until_a_micro_batch_fits(compose_cfg, monkeypatch) -> None:
+    cfg = _cfg(compose_cfg)
+    plan = plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    assert plan is not None and plan.accumulate == 1  # plenty of memory
+    # Now only what 5 examples need: 16 per step -> 4 micro-batches of 4.
+    budget = plan.train_peak(5)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: budget / memory.SAFETY)
+    cfg = _cfg(compose_cfg, "data.eval_batch_size=4")
+    plan = plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    assert (plan.accumulate, plan.micro_batch) == (4, 4)
+    assert cfg.trainer.accumulate_grad_batches == 4
+    assert cfg.data.batch_size == 16  # the global batch of an optimizer step is unchanged
+
+
+def test_max_tokens_per_step_picks_the_micro_batch(compose_cfg) -> None:
+    cfg = _cfg(compose_cfg, "trainer.max_tokens_per_step=600")  # 2 examples of 256 tokens
+    objs = build(cfg)
+    assert objs["trainer"].accumulate_grad_batches == 8  # 16 = 8 x 2
+
+
+def test_a_configuration_that_cannot_fit_fails_early_with_the_numbers(
+    compose_cfg, monkeypatch
+) -> None:
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1e6)  # 1 MB
+    cfg = _cfg(compose_cfg)
+    with pytest.raises(MemoryPlanError) as err:
+        plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    text = str(err.value)
+    assert "one training example of length 256 needs about" in text
+    assert "GB available on cpu" in text
+    for knob in ("checkpoint_activations=true", "chunk_size=128", "bf16-mixed"):
+        assert knob in text
+
+
+def test_an_evaluation_batch_that_cannot_fit_names_one_that_does(compose_cfg, monkeypatch) -> None:
+    cfg = _cfg(compose_cfg, "data.eval_batch_size=64")
+    task = hydra.utils.instantiate(cfg.task)
+    plan = plan_memory(cfg, task)
+    assert plan is not None
+    # Room for a training micro-batch of 1, not for evaluating 64 at once.
+    budget = max(plan.train_peak(1), plan.eval_peak(16)) + 1
+    assert plan.eval_peak(64) > budget
+    monkeypatch.setattr(memory, "available_bytes", lambda device: budget / memory.SAFETY)
+    with pytest.raises(MemoryPlanError, match=r"set data.eval_batch_size=\d+ or less"):
+        plan_memory(_cfg(compose_cfg, "data.eval_batch_size=64"), task)
+    # the decision rests on a measured batch larger than 2 (the largest the line puts at half
+    # the budget), not only on the line through 1 and 2; nothing is probed past the budget
+    sizes = []
+    real_probe = memory.probe
+
+    def recording_probe(task, data, examples, train, device, length=None):
+        sizes.append((examples, train))
+        return real_probe(task, data, examples, train, device, length)
+
+    monkeypatch.setattr(memory, "probe", recording_probe)
+    with pytest.raises(MemoryPlanError):
+        plan_memory(_cfg(compose_cfg, "data.eval_batch_size=64"), task)
+    measured = [e for e, train in sizes if not train and e > 2]
+    assert measured and all(plan.eval_peak(e) <= budget for e in measured)
+
+
+def test_memory_check_can_be_turned_off(compose_cfg, monkeypatch) -> None:
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1e6)
+    cfg = _cfg(compose_cfg, "trainer.memory_check=false")
+    assert plan_memory(cfg, hydra.utils.instantiate(cfg.task)) is None
+
+
+def test_probes_never_run_past_the_memory(compose_cfg, monkeypatch) -> None:
+    """Long inputs are probed at doubling lengths: a length predicted not to fit is not run."""
+    cfg = _cfg(compose_cfg, "data.max_len=2048", "model.backbone.max_positions=2048")
+    task = hydra.utils.instantiate(cfg.task)
+    one = probe(task, cfg.data, 1, True, torch.device("cpu"), length=512)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1.5 * one.saved / memory.SAFETY)
+    lengths = []
+    real_probe = memory.probe
+
+    def recording_probe(task, data, examples, train, device, length=None):
+        lengths.append(length or int(data.max_len))
+        return real_probe(task, data, examples, train, device, length)
+
+    monkeypatch.setattr(memory, "probe", recording_probe)
+    with pytest.raises(MemoryPlanError, match=r"extrapolated from .* at length 512"):
+        plan_memory(cfg, task)
+    assert lengths == [512]
+
+
+def test_a_resumed_run_keeps_its_micro_batch(compose_cfg, tmp_path, monkeypatch) -> None:
+    """An accumulating run, interrupted and resumed when more memory is free, ends with the
+    weights of the run trained straight: the resume takes the recorded plan, not a new one."""
+    common = ("data.batch_size=8", "data.eval_batch_size=8", "trainer.limit_train_batches=4",
+              "trainer.limit_val_batches=1", "test=false", "scheduler=constant",
+              "scheduler.warmup_steps=2", "trainer.max_steps=3")  # fmt: skip
+    cfg = compose_cfg(*common)
+    full = plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    assert full is not None and full.accumulate == 1
+    # Free memory for a micro-batch of 4, not 8: 2 micro-batches per optimizer step.
+    budget = max(full.train_peak(4), full.eval_peak(8)) * 1.01
+    assert full.train_peak(8) > budget
+    tight = lambda device: budget / memory.SAFETY  # noqa: E731
+
+    monkeypatch.setattr(memory, "available_bytes", tight)
+    straight = compose_cfg(*common)
+    straight.paths.output_dir = str(tmp_path / "straight")
+    record = train(straight)
+    assert record["memory_plan"]["accumulate_grad_batches"] == 2
+    assert record["memory_plan"]["micro_batch"] == 4
+
+    first = compose_cfg(*common, "+callbacks.stop._target_=test_train.SigtermAt",
+                        "+callbacks.stop.step=2")  # fmt: skip
+    first.paths.output_dir = str(tmp_path / "resumed")
+    with pytest.raises(RunInterrupted):
+        train(first)
+    # plenty of memory now: a fresh plan would take the batch of 8 at once
+    monkeypatch.setattr(memory, "available_bytes", _plenty)
+    second = compose_cfg("ckpt_path=last", *common)
+    second.paths.output_dir = str(tmp_path / "resumed")
+    assert train(second)["memory_plan"]["accumulate_grad_batches"] == 2
+
+    a, b = _final_weights(tmp_path / "straight"), _final_weights(tmp_path / "resumed")
+    assert a["global_step"] == b["global_step"] == 3
+    for name, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_processes_a_launcher_starts_take_its_plan(compose_cfg, tmp_path, monkeypatch) -> None:
+    cfg = compose_cfg("data.batch_size=8", "trainer.max_tokens_per_step=8000")
+    record = memory.plan_run(cfg, hydra.utils.instantiate(cfg.task), tmp_path)
+    assert record is not None and record["accumulate_grad_batches"] == 4  # 2 x 2001 tokens
+    assert json.loads((tmp_path / memory.PLAN_FILE).read_text()) == record
+    assert memory.PLAN_ENV not in os.environ
+    with memory.shared_with_launched_processes(record):
+        # a DDP rank re-runs the command: it takes the plan without measuring anything
+        monkeypatch.setattr(memory, "plan_memory", lambda *a: pytest.fail("planned again"))
+        child = compose_cfg("data.batch_size=8", "trainer.max_tokens_per_step=8000")
+        assert memory.plan_run(child, None, tmp_path / "child") == record  # type: ignore[arg-type]
+        assert child.trainer.accumulate_grad_batches == 4
+    assert memory.PLAN_ENV not in os.environ
+
+
+def test_a_plan_made_for_another_batch_is_not_reused(compose_cfg, tmp_path) -> None:
+    cfg = compose_cfg("data.batch_size=8", "trainer.max_tokens_per_step=8000")
+    memory.plan_run(cfg, hydra.utils.instantiate(cfg.task), tmp_path)
+    other = compose_cfg("data.batch_size=4", "trainer.max_tokens_per_step=8000")
+    record = memory.plan_run(other, hydra.utils.instantiate(other.task), tmp_path, resume=True)
+    assert record is not None and record["global_batch"] == 4
+    assert record["accumulate_grad_batches"] == 2
+
+
+def test_the_early_failure_is_one_message_without_a_traceback(
+    compose_cfg, monkeypatch, capsys
+) -> None:
+    """What `megalab-train` prints (errors.reported) when a step cannot fit: the numbers and the
+    knobs, once, and exit status 1; nothing is trained."""
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 64 * 2**20)  # 64 MB free
+    cfg = compose_cfg("model=mega", "model.backbone.chunk_size=-1")
+    with pytest.raises(SystemExit) as exit_, errors.reported():
+        train(cfg)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("Error: ") == 1 and "Traceback" not in err
+    assert "one training example of length 2001 needs about" in err
+    assert "GB available on cpu" in err and "checkpoint_activations=true" in err
+    assert not (Path(cfg.paths.output_dir) / "checkpoints").exists()
