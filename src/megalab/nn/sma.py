@@ -670,8 +670,17 @@ class CompressedAttention(nn.Module):
         recompute = block < Lq and torch.is_grad_enabled()
         outs, spans = [], []
         for s in range(0, Lq, block):
-            args = (q[:, s : s + block], K, V, KP, KV, kidx, qidx[:, s : s + block])
-            args += (pos[:, s : s + block], valid[:, s : s + block])
+            args: tuple[Tensor, ...] = (
+                q[:, s : s + block],
+                K,
+                V,
+                KP,
+                KV,
+                kidx,
+                qidx[:, s : s + block],
+                pos[:, s : s + block],
+                valid[:, s : s + block],
+            )
             if recompute:
                 o, span = checkpoint(self._dense_block, *args, use_reentrant=False)
             else:
