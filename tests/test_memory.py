@@ -25,6 +25,12 @@ def _plenty(device: torch.device) -> float:
     return 16 * GB / memory.SAFETY
 
 
+@pytest.fixture
+def compose_cfg(compose_cfg):
+    """The plan is opt-in (trainer/default.yaml): these tests turn it on as a user does."""
+    return lambda *overrides, **kw: compose_cfg("trainer.memory_check=true", *overrides, **kw)
+
+
 @pytest.fixture(autouse=True)
 def plenty_of_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """16 GB free, whatever the machine's other processes take now: the plans below must not

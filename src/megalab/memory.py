@@ -352,6 +352,16 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     trainer, data = cfg.trainer, cfg.data
     if not trainer.get("memory_check", True) or data.get("max_len") is None:
         return None
+    if data.get("max_tokens"):
+        # Token-budget batches (translation): a batch holds up to data.max_tokens tokens of
+        # sentences of any length, not data.batch_size sequences of data.max_len; the plan's
+        # per-example model does not describe them.
+        log.info(
+            "memory: not planned for token-budget batches (data.max_tokens=%s); lower "
+            "data.max_tokens or raise trainer.accumulate_grad_batches if a step does not fit",
+            data.max_tokens,
+        )
+        return None
     world, local = _world(trainer)
     device = _device(trainer)
     accumulate = int(trainer.get("accumulate_grad_batches") or 1)
