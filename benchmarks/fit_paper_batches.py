@@ -55,6 +55,7 @@ def run(experiment: str, args: argparse.Namespace) -> dict:
         "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
         "trainer.log_every_n_steps=1", "logger=none", "callbacks.model_checkpoint=null",
         "callbacks.rich_progress_bar=null", f"hydra.run.dir={out}", "data.download=false",
+        "trainer.memory_check=true",  # the plan picks the micro-batch (opt-in)
         *args.overrides,
     ]  # fmt: skip
     if experiment.endswith("listops"):
