@@ -289,7 +289,11 @@ def test_offline_sweep_runs_a_two_point_smoke_grid_and_plots(tmp_path: Path) -> 
     plot = out / "chunk_size.png"
     assert plot.is_file() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out / "table.md").read_text()
-    assert "mega/lra_listops model.backbone.chunk_size=16" in text
+    # Not the paper's configuration (one layer, chunk sizes of the grid): both runs are listed
+    # apart from the paper rows, each with what differs and its step count.
+    for chunk in (16, -1):
+        assert f"| mega/lra_listops | `model.backbone.chunk_size={chunk}` |" in text
+    assert text.count("| 2 (smoke) |") == 2
 
 
 def test_cpu_smoke_skips_seqboat_full_on_pathx_but_runs_seqboat(tmp_path: Path) -> None:
