@@ -54,7 +54,7 @@ from megalab.nn.ema_kernel import (
     state_decay,
     state_readout,
 )
-from megalab.nn.fft_conv import SpectrumCache
+from megalab.nn.fft_conv import SpectrumCache, fold_directions
 
 __all__ = ["CEMAState", "ComplexEMA", "complex_dtype"]
 
@@ -150,10 +150,7 @@ class ComplexEMA(nn.Module):
 
         def spectrum() -> Tensor:
             spec = torch.fft.rfft(self.kernel(length, dtype), n=n_fft, dim=-1)
-            if self.bidirectional:
-                # Σ_m 𝒦_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
-                spec = spec[: self.d_model] + spec[self.d_model :].conj()
-            return spec
+            return fold_directions(spec, self.d_model) if self.bidirectional else spec
 
         params = (self.alpha, self.delta, self.theta, self.eta)
         return self._spectrum.get(self, params, (n_fft, length, dtype), spectrum)

@@ -62,7 +62,7 @@ from megalab.nn.ema_kernel import (
     state_decay,
     state_readout,
 )
-from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, rfft_lean
+from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, fold_directions, rfft_lean
 
 __all__ = ["DampedEMA", "log_decay", "next_fast_len"]
 
@@ -163,10 +163,7 @@ class DampedEMA(nn.Module):
                 # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel delayed by one tap (its lag 0 is 0).
                 k = torch.cat([F.pad(k[: self.d_model], (0, 1)), F.pad(k[self.d_model :], (1, 0))])
             spec = rfft_lean(k, n_fft)  # (D', F)
-            if self.bidirectional:
-                # Σ_m k_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
-                spec = spec[: self.d_model] + spec[self.d_model :].conj()
-            return spec
+            return fold_directions(spec, self.d_model) if self.bidirectional else spec
 
         params = (self.alpha, self.delta, self.beta, self.eta)
         return self._spectrum.get(self, params, (K, n_fft, dtype), spectrum)

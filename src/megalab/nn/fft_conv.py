@@ -143,3 +143,12 @@ class SpectrumCache:
         if key != self.key or self.value is None:
             self.key, self.value = key, compute()
         return self.value
+
+
+def fold_directions(spec: Tensor, d_model: int) -> Tensor:
+    """One (D, F) spectrum from a bidirectional kernel's (2D, F): forward rows plus backward rows.
+
+    Σ_m k_bwd[m] x_{t+m} is a convolution with the time-reversed kernel, whose spectrum is the
+    conjugate of the kernel's, so both directions run in one FFT convolution.
+    """
+    return spec[:d_model] + spec[d_model:].conj()
