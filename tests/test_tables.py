@@ -414,8 +414,10 @@ def test_make_reproduce_mega_lm_and_imagenet_smoke(tmp_path: Path) -> None:
     proc = _make(tmp_path, "reproduce-mega-lm")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (folder,) = (tmp_path / "reproduce-mega-lm").iterdir()
-    evaluations = list(folder.rglob("eval_metrics.json"))
-    assert len(evaluations) == 2, evaluations  # one per run, from the longer-chunk pass
+    # One longer-chunk evaluation per run, in its own folder, with the copy the table reads.
+    evaluations = list(folder.rglob("paper_test_chunk/eval_metrics.json"))
+    assert len(evaluations) == 2, evaluations
+    assert all((p.parents[1] / "eval_metrics.json").is_file() for p in evaluations)
     mega = _table(tmp_path, "reproduce-mega-lm")
     ours = mega[mega.index("| Mega | paper |") :].splitlines()[1]
     assert "missing" not in ours

@@ -136,3 +136,26 @@ def test_bf16_autocast_computes_in_float32() -> None:
         y, state = m(x.bfloat16(), return_state=True)
     assert y.dtype == torch.bfloat16 and state.h.dtype == torch.complex64
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_eval_spectrum_cache_is_reused_and_never_stale() -> None:
+    """Streaming evaluation reuses the kernel spectrum until a parameter changes."""
+    cema = ComplexEMA(6, 4, bidirectional=True).double().eval()
+    x = torch.randn(2, 13, 6, dtype=torch.float64)
+    with torch.no_grad():
+        y1, _ = cema(x)
+        key = cema._spectrum.key
+        y2, _ = cema(x)
+        assert key is not None and cema._spectrum.key is key and torch.equal(y1, y2)
+        cema.eta.mul_(2.0)  # an in-place update invalidates the cached spectrum
+        y3, _ = cema(x)
+        assert cema._spectrum.key != key
+        cema.train()
+        y4, _ = cema(x)
+        assert cema._spectrum.key is None
+    assert torch.allclose(y3, y4) and not torch.allclose(y1, y3)
+    cema.eval()
+    for _ in range(2):  # autograd on: nothing cached, two backward passes work
+        y, _ = cema(x)
+        y.sum().backward()
+    assert cema._spectrum.key is None

@@ -237,9 +237,9 @@ def test_eval_cache_is_reused_and_never_stale() -> None:
     x = torch.randn(2, 13, 6, dtype=DT)
     with torch.no_grad():
         y1, _ = ema(x)
-        key = ema._cache_key
+        key = ema._spectrum.key
         y2, _ = ema(x)
-        assert ema._cache_key is key and torch.equal(y1, y2)
+        assert ema._spectrum.key is key and torch.equal(y1, y2)
         ema.eta.mul_(2.0)  # an in-place update invalidates the cached spectrum
         y3, _ = ema(x)
     with torch.no_grad():

@@ -250,7 +250,7 @@ class SeqBoatLayer(nn.Module):
                 trunc_normal_(self.ssm.beta, 0.02).add_(sign)
                 trunc_normal_(self.ssm.eta, 1.0)
                 trunc_normal_(self.ssm.omega, 1.0)
-            self.ssm._cache_key = None
+            self.ssm._spectrum.clear()
 
     # ------------------------------------------------------------------------------- streaming
     def initial_state(self, batch_size: int, like: Tensor) -> SeqBoatLayerState:

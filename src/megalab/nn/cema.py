@@ -54,6 +54,7 @@ from megalab.nn.ema_kernel import (
     state_decay,
     state_readout,
 )
+from megalab.nn.fft_conv import SpectrumCache, fold_directions
 
 __all__ = ["CEMAState", "ComplexEMA", "complex_dtype"]
 
@@ -99,8 +100,7 @@ class ComplexEMA(nn.Module):
         self.eta = nn.Parameter(torch.empty(rows, ema_dim, 2))
         self.omega = nn.Parameter(torch.empty(d_model))
         self.scale = math.sqrt(1.0 / ema_dim)
-        self._cache_key: tuple | None = None
-        self._cache_val: Tensor | None = None
+        self._spectrum = SpectrumCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -118,7 +118,7 @@ class ComplexEMA(nn.Module):
             nn.init.normal_(self.eta[..., 0], mean=0.0, std=1.0)
             self.eta[..., 1].zero_()
             nn.init.trunc_normal_(self.omega, mean=0.0, std=0.25, a=-1.0, b=1.0)
-        self._cache_key = None
+        self._spectrum.clear()
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, ema_dim={self.ema_dim}, bidirectional={self.bidirectional}"
@@ -147,25 +147,13 @@ class ComplexEMA(nn.Module):
 
         Cached in eval mode without autograd, keyed on the parameters' versions.
         """
-        use_cache = (
-            not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        )
-        key = None
-        if use_cache:
-            params = (self.alpha, self.delta, self.theta, self.eta)
-            versions = tuple((p._version, p.data_ptr()) for p in params)
-            key = (n_fft, length, dtype, self.alpha.device, versions)
-            if key == self._cache_key and self._cache_val is not None:
-                return self._cache_val
-        spec = torch.fft.rfft(self.kernel(length, dtype), n=n_fft, dim=-1)
-        if self.bidirectional:
-            # Σ_m 𝒦_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
-            spec = spec[: self.d_model] + spec[self.d_model :].conj()
-        if use_cache:
-            self._cache_key, self._cache_val = key, spec
-        else:
-            self._cache_key, self._cache_val = None, None
-        return spec
+
+        def spectrum() -> Tensor:
+            spec = torch.fft.rfft(self.kernel(length, dtype), n=n_fft, dim=-1)
+            return fold_directions(spec, self.d_model) if self.bidirectional else spec
+
+        params = (self.alpha, self.delta, self.theta, self.eta)
+        return self._spectrum.get(self, params, (n_fft, length, dtype), spectrum)
 
     # ----------------------------------------------------------------------------- forward
     def forward(

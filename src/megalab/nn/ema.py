@@ -62,7 +62,7 @@ from megalab.nn.ema_kernel import (
     state_decay,
     state_readout,
 )
-from megalab.nn.fft_conv import fft_conv_lean, rfft_lean
+from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, fold_directions, rfft_lean
 
 __all__ = ["DampedEMA", "log_decay", "next_fast_len"]
 
@@ -118,8 +118,7 @@ class DampedEMA(nn.Module):
         self.eta = nn.Parameter(torch.empty(rows, ema_dim))
         self.omega = nn.Parameter(torch.empty(d_model))
         self.scale = math.sqrt(1.0 / ema_dim) if ema_dim > 0 else 0.0
-        self._cache_key: tuple | None = None
-        self._cache_val: Tensor | None = None
+        self._spectrum = SpectrumCache()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -132,7 +131,7 @@ class DampedEMA(nn.Module):
             self.beta.normal_(mean=0.0, std=0.02).add_(sign)
             nn.init.normal_(self.eta, mean=0.0, std=1.0)
             nn.init.normal_(self.omega, mean=0.0, std=1.0)
-        self._cache_key = None
+        self._spectrum.clear()
 
     def extra_repr(self) -> str:
         return (
@@ -157,29 +156,17 @@ class DampedEMA(nn.Module):
         Cached in eval mode when autograd is off, keyed on the parameters' versions, so a cached
         spectrum never carries a graph and is dropped as soon as any parameter changes.
         """
-        use_cache = (
-            not self.training and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        )
-        key = None
-        if use_cache:
-            params = (self.alpha, self.delta, self.beta, self.eta)
-            versions = tuple((p._version, p.data_ptr()) for p in params)
-            key = (K, n_fft, dtype, self.alpha.device, versions)
-            if key == self._cache_key and self._cache_val is not None:
-                return self._cache_val
-        k = self.kernel(K).to(dtype)
-        if self.shift:
-            # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel delayed by one tap (its lag 0 is 0).
-            k = torch.cat([F.pad(k[: self.d_model], (0, 1)), F.pad(k[self.d_model :], (1, 0))])
-        spec = rfft_lean(k, n_fft)  # (D', F)
-        if self.bidirectional:
-            # Σ_m k_bwd[m] x_{t+m}: the spectrum of the time-reversed kernel is the conjugate.
-            spec = spec[: self.d_model] + spec[self.d_model :].conj()
-        if use_cache:
-            self._cache_key, self._cache_val = key, spec
-        else:
-            self._cache_key, self._cache_val = None, None
-        return spec
+
+        def spectrum() -> Tensor:
+            k = self.kernel(K).to(dtype)
+            if self.shift:
+                # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel delayed by one tap (its lag 0 is 0).
+                k = torch.cat([F.pad(k[: self.d_model], (0, 1)), F.pad(k[self.d_model :], (1, 0))])
+            spec = rfft_lean(k, n_fft)  # (D', F)
+            return fold_directions(spec, self.d_model) if self.bidirectional else spec
+
+        params = (self.alpha, self.delta, self.beta, self.eta)
+        return self._spectrum.get(self, params, (K, n_fft, dtype), spectrum)
 
     # ----------------------------------------------------------------------------- forward
     def forward(

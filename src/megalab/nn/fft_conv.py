@@ -24,6 +24,7 @@ is `torch.fft.rfft` for the kernel side, whose backward is one irfft and keeps n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -108,3 +109,46 @@ def fft_conv_lean(x: Tensor, spec: Tensor, n_fft: int, mask: Tensor | None = Non
     if mask is not None:
         mask = mask.to(x.dtype)
     return _FFTConv.apply(x, spec, mask, n_fft)
+
+
+class SpectrumCache:
+    """The kernel spectrum of the last inference call, reused while the parameters are unchanged.
+
+    A streaming evaluation runs a layer once per segment with the same parameters; rebuilding the
+    kernel and its FFT every call is wasted work. The cache is used only in eval mode without
+    autograd (a cached spectrum never carries a graph) and outside `torch.compile`; it is keyed
+    on each parameter's version counter and storage, so an in-place update or a reassignment
+    drops it, and any training-mode or autograd call clears it.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.value: Tensor | None = None
+
+    def clear(self) -> None:
+        self.key, self.value = None, None
+
+    def get(
+        self,
+        module: torch.nn.Module,
+        params: tuple[Tensor, ...],
+        settings: tuple,
+        compute: Callable[[], Tensor],
+    ) -> Tensor:
+        """`compute()`, or its cached value for the same `settings` and parameter versions."""
+        if module.training or torch.is_grad_enabled() or torch.compiler.is_compiling():
+            self.clear()
+            return compute()
+        key = (settings, tuple((p._version, p.data_ptr(), p.device) for p in params))
+        if key != self.key or self.value is None:
+            self.key, self.value = key, compute()
+        return self.value
+
+
+def fold_directions(spec: Tensor, d_model: int) -> Tensor:
+    """One (D, F) spectrum from a bidirectional kernel's (2D, F): forward rows plus backward rows.
+
+    Σ_m k_bwd[m] x_{t+m} is a convolution with the time-reversed kernel, whose spectrum is the
+    conjugate of the kernel's, so both directions run in one FFT convolution.
+    """
+    return spec[:d_model] + spec[d_model:].conj()

@@ -30,6 +30,7 @@ from megalab.nn.ema_kernel import (
     state_decay,
     state_readout,
 )
+from megalab.nn.fft_conv import fold_directions
 
 
 class S4D(nn.Module):
@@ -125,7 +126,7 @@ class S4D(nn.Module):
                 n_fft = next_fast_len(L + K - 1)
                 spec = torch.fft.rfft(k, n=n_fft, dim=-1)
                 if self.bidirectional:
-                    spec = spec[:D] + spec[D:].conj()
+                    spec = fold_directions(spec, D)
                 y = fft_conv(xt, spec, n_fft)
                 new_state = None
                 if want_state:
