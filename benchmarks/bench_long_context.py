@@ -36,10 +36,10 @@ case of that length; the ratios are within one process at one length either way.
   from one extra forward; on CPU also the peak resident set of one step over the live memory
   before it (`VmHWM` after `clear_refs`, heap trimmed first: what the step adds, allocator
   overhead included), measured on the first warm-up pass; on CUDA `max_memory_allocated` over
-  a step. Llama beyond
-  `--llama-max-len` is not timed (full attention: minutes per step on one CPU thread); its
-  saved bytes per token are measured up to that length, where they are already constant (SDPA
-  keeps no L x L matrix).
+  a step. Llama beyond `--llama-max-len` is not timed (16384 by default on CPU: full attention
+  took 11 s per step at 32K and 43 s at 64K on one thread, ×3.8 per doubling; pass
+  `--llama-max-len 65536` to time it, as docs/benchmarks.md does); its saved bytes per token are
+  measured up to that length, where they are already constant (SDPA keeps no L x L matrix).
 - **decode**: a 2-layer model reads a context of N tokens in one pass with its state, then
   decodes `--decode` tokens one at a time from that state, the models in rotated rounds: ms per
   token and the size of the carried state (Llama's key/value cache grows with N; Mega's and
