@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -153,6 +154,45 @@ def test_memory_check_can_be_turned_off(compose_cfg, monkeypatch) -> None:
     monkeypatch.setattr(memory, "available_bytes", lambda device: 1e6)
     cfg = _cfg(compose_cfg, "trainer.memory_check=false")
     assert plan_memory(cfg, hydra.utils.instantiate(cfg.task)) is None
+
+
+def _census() -> tuple[int, int, int]:
+    """Live tensors, their storages' bytes, and all objects the collector tracks."""
+    gc.collect()
+    objects = gc.get_objects()
+    tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return len(tensors), sum(storages.values()), len(objects)
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
+    """A process that plans many runs (a multirun, this test suite) keeps no probe behind: no
+    tensor, no object beyond a few log records, and (Linux) no resident memory: the model
+    copy and the probes' autograd graphs are freed, the heap pages they used are returned."""
+    task = hydra.utils.instantiate(_cfg(compose_cfg).task)
+    plan_memory(_cfg(compose_cfg), task)  # once: what a first call caches (kernels, configs)
+    before = _census()
+    for _ in range(4):
+        plan = plan_memory(_cfg(compose_cfg), task)
+        assert plan is not None
+    tensors, nbytes, objects = _census()
+    assert (tensors, nbytes) == before[:2]  # each plan had left 656 tensors (12.5 MB) alive
+    assert objects - before[2] < 200  # and 1,178 objects
+    if not Path("/proc/self/statm").exists():
+        return
+    # Probes that peak at a few hundred MB (the batch of 16 at L=1024 is estimated at 0.34 GB):
+    # the process's resident set afterwards is what it was (with the start-up malloc settings,
+    # freed memory stayed resident: +60 MB here, 0.5 GB for the ListOps model).
+    long = ("data.max_len=1024", "model.backbone.max_positions=1024")
+    task = hydra.utils.instantiate(_cfg(compose_cfg, *long).task)
+    rss = _rss()
+    plan = plan_memory(_cfg(compose_cfg, *long), task)
+    assert plan is not None and plan.train_peak(16) > 256 * 2**20
+    assert _rss() - rss < 24 * 2**20
 
 
 def test_probes_never_run_past_the_memory(compose_cfg, monkeypatch) -> None:

@@ -169,7 +169,11 @@ def probe(
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params:
             saved[ptr] = t.untyped_storage().nbytes()
-        return t
+        # A detached alias: it keeps the storage alive as autograd would (no address is reused
+        # while the graph lives), but not `t` itself. Returning `t` makes a reference cycle
+        # through C++ (t -> its grad_fn -> the saved t) that Python's collector cannot see:
+        # the whole graph, with the model copy's parameters, stayed alive after every probe.
+        return t.detach()
 
     task.train(train)
     live = _LiveBytes()
@@ -343,6 +347,82 @@ _ADVICE = (
 )
 
 
+def _measure(
+    twin: nn.Module,
+    trainer: DictConfig,
+    data: Any,
+    device: torch.device,
+    budget: float,
+    per_process: int,
+    accumulate: int,
+    eval_batch: int,
+) -> MemoryPlan:
+    """Probe the model copy `twin` (module docs, step 1) at the trainer's precision."""
+    L = int(data.max_len)
+    probing = contextlib.ExitStack()  # the probes run at the trainer's precision
+    precision = str(trainer.get("precision", "32-true"))
+    if precision in ("bf16-true", "16-true"):
+        twin.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    elif precision in ("bf16-mixed", "16-mixed", "bf16", "16"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        probing.enter_context(torch.autocast(device.type, dtype=dtype))
+    with probing:  # left also when a probe fails (autocast is the process's state)
+        n_params = sum(p.numel() for p in twin.parameters())
+        bytes_params = sum(p.numel() * p.element_size() for p in twin.parameters())
+        p1 = _one_example(twin, data, L, device, budget, n_params)
+        # A second example only where it surely fits; else all of the first counts per example.
+        p2 = probe(twin, data, 2, True, device) if 2 * p1.saved <= budget / 2 else None
+        e1 = probe(twin, data, 1, False, device)
+        e2 = probe(twin, data, 2, False, device) if 2 * e1.peak <= budget / 2 else None
+        if p2 is None:
+            p2 = Probe(2, 2 * p1.saved, 0)
+        if e2 is None:
+            e2 = Probe(2, 0, 2 * e1.peak)
+        plan = MemoryPlan(
+            device=str(device),
+            max_len=L,
+            per_process_batch=per_process,
+            accumulate=accumulate,
+            micro_batch=per_process // max(1, accumulate),
+            budget=budget,
+            params=n_params,
+            optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
+            saved_per_example=float(max(0, p2.saved - p1.saved)),
+            saved_fixed=float(max(0, 2 * p1.saved - p2.saved)),
+            work_per_example=float(max(0, e2.peak - e1.peak)),
+            work_fixed=float(max(0, 2 * e1.peak - e2.peak)),
+            eval_batch=eval_batch,
+            measured_work={1: float(e1.peak), 2: float(e2.peak)},
+            overhead=allocator_overhead(device),
+        )
+
+        if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
+            # Close enough to the budget for the line's error to matter. The line through 1 and 2
+            # examples misses what changes with the batch (a blockwise attention's blocks stop
+            # growing, other terms take over): measure the largest batch of at most PROBE_TOKENS
+            # tokens that the line puts at half the budget (a probe must not run out of memory,
+            # nor take longer than a few steps), and draw the line through it and 2 examples.
+            cap = max(2, PROBE_TOKENS // L)
+            size = max((e for e in range(3, cap + 1) if plan.eval_peak(e) <= budget / 2), default=2)
+            if size > 2:
+                plan.measured_work[size] = float(probe(twin, data, size, False, device).peak)
+                slope = (plan.measured_work[size] - plan.measured_work[2]) / (size - 2)
+                plan.work_per_example = max(0.0, slope)
+                plan.work_fixed = max(0.0, plan.measured_work[size] - size * plan.work_per_example)
+    return plan
+
+
+def release_memory(device: torch.device) -> None:
+    """Give the memory freed since the last call back to the system: the CUDA cache, or the
+    glibc heap's free pages (`megalab.utils.runtime.release_free_memory`)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    else:
+        from megalab.utils.runtime import release_free_memory
+
+        release_free_memory()
+
+
 def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     """Estimate, pick `trainer.accumulate_grad_batches`, or fail early (module docstring).
 
@@ -376,60 +456,18 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     L = int(data.max_len)
     max_tokens = trainer.get("max_tokens_per_step")
 
-    twin = copy.deepcopy(task).to(device)
-    n_params = sum(p.numel() for p in twin.parameters())
-    bytes_params = sum(p.numel() * p.element_size() for p in twin.parameters())
     budget = SAFETY * available_bytes(device) / (local if device.type == "cpu" else 1)
-    probing = contextlib.ExitStack()  # the probes run at the trainer's precision
-    precision = str(trainer.get("precision", "32-true"))
-    if precision in ("bf16-true", "16-true"):
-        twin.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
-    elif precision in ("bf16-mixed", "16-mixed", "bf16", "16"):
-        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-        probing.enter_context(torch.autocast(device.type, dtype=dtype))
-    probing.__enter__()
-    p1 = _one_example(twin, data, L, device, budget, n_params)
-    # A second example only where it surely fits; else all of the first counts per example.
-    p2 = probe(twin, data, 2, True, device) if 2 * p1.saved <= budget / 2 else None
-    e1 = probe(twin, data, 1, False, device)
-    e2 = probe(twin, data, 2, False, device) if 2 * e1.peak <= budget / 2 else None
-    if p2 is None:
-        p2 = Probe(2, 2 * p1.saved, 0)
-    if e2 is None:
-        e2 = Probe(2, 0, 2 * e1.peak)
-    plan = MemoryPlan(
-        device=str(device),
-        max_len=L,
-        per_process_batch=per_process,
-        accumulate=accumulate,
-        micro_batch=per_process // max(1, accumulate),
-        budget=budget,
-        params=n_params,
-        optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
-        saved_per_example=float(max(0, p2.saved - p1.saved)),
-        saved_fixed=float(max(0, 2 * p1.saved - p2.saved)),
-        work_per_example=float(max(0, e2.peak - e1.peak)),
-        work_fixed=float(max(0, 2 * e1.peak - e2.peak)),
-        eval_batch=eval_batch,
-        measured_work={1: float(e1.peak), 2: float(e2.peak)},
-        overhead=allocator_overhead(device),
-    )
-
-    if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
-        # Close enough to the budget for the line's error to matter. The line through 1 and 2
-        # examples misses what changes with the batch (a blockwise attention's blocks stop
-        # growing, other terms take over): measure the largest batch of at most PROBE_TOKENS
-        # tokens that the line puts at half the budget (a probe must not run out of memory,
-        # nor take longer than a few steps), and draw the line through it and 2 examples.
-        cap = max(2, PROBE_TOKENS // L)
-        size = max((e for e in range(3, cap + 1) if plan.eval_peak(e) <= budget / 2), default=2)
-        if size > 2:
-            plan.measured_work[size] = float(probe(twin, data, size, False, device).peak)
-            slope = (plan.measured_work[size] - plan.measured_work[2]) / (size - 2)
-            plan.work_per_example = max(0.0, slope)
-            plan.work_fixed = max(0.0, plan.measured_work[size] - size * plan.work_per_example)
-
-    probing.close()
+    twin = copy.deepcopy(task).to(device)
+    try:
+        plan = _measure(twin, trainer, data, device, budget, per_process, accumulate, eval_batch)
+    finally:
+        # Nothing of the probes outlives the plan: the copy goes (the probes' autograd graphs
+        # went with their losses), and the memory they peaked at goes back to the system
+        # instead of staying resident for the rest of the process (the tuned malloc keeps
+        # freed blocks; on CUDA the caching allocator does).
+        del twin
+        release_memory(device)
+    n_params = plan.params
 
     chosen = None
     for acc in range(max(1, accumulate), per_process + 1):
@@ -439,9 +477,6 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
         if plan.train_peak(m) <= budget:
             chosen = acc
             break
-    del twin
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     if chosen is None:
         raise MemoryPlanError(
             f"one training example of length {L} needs about {plan.train_peak(1) / GB:.2f} GB "
