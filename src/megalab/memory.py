@@ -313,7 +313,8 @@ def _one_example(
 ) -> Probe:
     """The training probe of one example at length L, reached by doubling the length from 512
     so that no probe runs out of memory: each length is tried only if the growth seen so far
-    (at first the quadratic worst case) says it fits. Fails early when it does not."""
+    (at first the quadratic worst case) says it fits, and the lengths between are skipped once
+    it says that L fits. Fails early when it does not."""
     lengths = [L]
     while lengths[-1] > 512:
         lengths.append(-(-lengths[-1] // 2))
@@ -322,6 +323,8 @@ def _one_example(
     exponent = 2.0  # attention: memory quadratic in the length, until measured
     for length in lengths:
         if last is not None:
+            if length < L and last[1].saved * (L / last[0]) ** exponent <= budget:
+                continue
             predicted = last[1].saved * (length / last[0]) ** exponent
             if predicted > budget:
                 full = last[1].saved * (L / last[0]) ** exponent
