@@ -171,14 +171,17 @@ def _rss() -> int:
 
 def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
     """A process that plans many runs (a multirun, this test suite) keeps no probe behind: no
-    tensor, no object beyond a few log records, and (Linux) no resident memory: the model
-    copy and the probes' autograd graphs are freed, the heap pages they used are returned."""
+    tensor, no object beyond a few log records, no draw from the random state, and (Linux) no
+    resident memory: the model copy and the probes' autograd graphs are freed, the heap pages
+    they used are returned."""
     task = hydra.utils.instantiate(_cfg(compose_cfg).task)
     plan_memory(_cfg(compose_cfg), task)  # once: what a first call caches (kernels, configs)
+    rng = torch.get_rng_state()  # nor a random number (dropout=0.1 in the training probes)
     before = _census()
     for _ in range(4):
         plan = plan_memory(_cfg(compose_cfg), task)
         assert plan is not None
+    assert torch.equal(torch.get_rng_state(), rng)
     tensors, nbytes, objects = _census()
     assert (tensors, nbytes) == before[:2]  # each plan had left 656 tensors (12.5 MB) alive
     assert objects - before[2] < 200  # and 1,178 objects

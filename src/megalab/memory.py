@@ -363,6 +363,11 @@ def _measure(
     """Probe the model copy `twin` (module docs, step 1) at the trainer's precision."""
     L = int(data.max_len)
     probing = contextlib.ExitStack()  # the probes run at the trainer's precision
+    # and leave the random state as they found it: dropout in the training probes draws from
+    # it, which would make a planned run's random stream differ from an unplanned or resumed
+    # one's (a resumed run takes its recorded plan without probing)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    probing.enter_context(torch.random.fork_rng(devices=cuda, device_type="cuda"))
     precision = str(trainer.get("precision", "32-true"))
     if precision in ("bf16-true", "16-true"):
         twin.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
