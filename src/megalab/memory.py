@@ -2,15 +2,21 @@
 
 `plan_memory(cfg, task)` runs in `megalab.train` after the model is built and before the trainer:
 
-1. It measures the model on a synthetic batch at the data's longest length (`data.max_len`),
-   of 1 and of 2 examples: a training forward with autograd's saved tensors counted (the
-   activations the backward keeps; unique storages, parameters excluded), and an evaluation
-   forward without autograd with the peak of the live tensors it creates (its working set,
-   which the backward also needs on top of the saved activations). Memory grows linearly in
-   the batch, so the two sizes give the bytes per example and the fixed part. The probes run on
-   a copy of the task. When a step comes near the budget, the working set is also measured at a
-   larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds, not steps) and the
-   line is drawn through it: a blockwise attention's blocks stop growing with the batch.
+0. It runs one example of at most 512 tokens, with and without autograd. Memory grows at most
+   quadratically in the length and at most linearly in the batch, so m × (L / 512)² times what
+   that example needs bounds a step of m examples of length L. Where the bound fits (step 2's
+   budget) at the config's micro-batch and evaluation batch, the step surely fits: the bound is
+   the plan, and the steps below are skipped (a fraction of a second for most configurations).
+1. Otherwise it measures the model on a synthetic batch at the data's longest length
+   (`data.max_len`), of 1 and of 2 examples: a training forward with autograd's saved tensors
+   counted (the activations the backward keeps; unique storages, parameters excluded), and an
+   evaluation forward without autograd with the peak of the live tensors it creates (its
+   working set, which the backward also needs on top of the saved activations). Memory grows
+   linearly in the batch, so the two sizes give the bytes per example and the fixed part. The
+   probes run on a copy of the task. When a step comes near the budget, the working set is
+   also measured at a larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds,
+   not steps) and the line is drawn through it: a blockwise attention's blocks stop growing
+   with the batch.
 2. It estimates the peak of a step at micro-batch m (the parameters exist already):
        train(m) = parameters × (4 + 8 bytes: gradients, Adam's two moments) + saved(m) + work(m)
        eval(e)  = work(e)
@@ -26,8 +32,15 @@
 
 `trainer.max_tokens_per_step` and `trainer.memory_check` (default true; false skips the probes)
 are megalab's keys in the `trainer` group: `megalab.utils.run.instantiate_trainer`, which every
-entry point builds its trainer with, removes them before Lightning sees the config. BatchNorm
-models see their batch statistics per micro-batch when the plan accumulates: the log says so.
+entry point builds its trainer with, removes them before Lightning sees the config. The plan
+describes one process holding the whole model and whole sequences (one CPU or GPU process,
+DDP), so the sharded trainers (`fsdp`, `fsdp_blocks`, `model_parallel[_cpu]`) and the
+chunk-parallel ones turn it off. BatchNorm models see their batch statistics per micro-batch
+when the plan accumulates: the log says so.
+
+Nothing of the probes outlives the plan: the model copy and the probes' graphs are freed, and
+the heap pages they peaked at go back to the system (`release_memory`), so a process that
+plans many runs (a Hydra multirun, the test suite) does not grow.
 """
 
 from __future__ import annotations
@@ -246,6 +259,8 @@ class MemoryPlan:
     eval_batch: int
     measured_work: dict[int, float]  # working set measured at these batch sizes
     overhead: float = 1.0  # resident memory per byte of live tensors (the allocator's share)
+    # Set when the plan is the bound from one example of this length (`_measure`), not measured
+    bound_length: int | None = None
 
     def work(self, m: int) -> float:
         """Peak live bytes of a forward of m examples: measured, else the line (module docs)."""
@@ -272,14 +287,17 @@ class MemoryPlan:
             "saved_mb_per_example": round(self.saved_per_example / 2**20, 1),
             "available_gb": round(self.budget / GB, 3),
             "device": self.device,
+            "bound_from_length": self.bound_length,
         }
 
     def describe(self) -> str:
+        kept = f"{self.saved_per_example / 2**20:,.0f} MB kept per example"
+        if self.bound_length is not None:
+            kept = f"at most, bounded from one example of length {self.bound_length}"
         return (
             f"micro-batch {self.micro_batch} x {self.accumulate} accumulation = "
             f"{self.per_process_batch} per process at L={self.max_len}: estimated peak "
-            f"{self.train_peak(self.micro_batch) / GB:.2f} GB training "
-            f"({self.saved_per_example / 2**20:,.0f} MB kept per example), "
+            f"{self.train_peak(self.micro_batch) / GB:.2f} GB training ({kept}), "
             f"{self.eval_peak(self.eval_batch) / GB:.2f} GB evaluating {self.eval_batch}, of "
             f"{self.budget / GB:.2f} GB available ({self.device})"
         )
@@ -308,20 +326,36 @@ def _device(trainer: DictConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def _lengths(L: int) -> list[int]:
+    """The lengths a long input is probed at: L halved until at most 512, shortest first."""
+    lengths = [L]
+    while lengths[-1] > 512:
+        lengths.append(-(-lengths[-1] // 2))
+    return lengths[::-1]
+
+
 def _one_example(
-    model: nn.Module, data: Any, L: int, device: torch.device, budget: float, n_params: int
+    model: nn.Module,
+    data: Any,
+    L: int,
+    device: torch.device,
+    budget: float,
+    first: Probe | None = None,
 ) -> Probe:
     """The training probe of one example at length L, reached by doubling the length from 512
     so that no probe runs out of memory: each length is tried only if the growth seen so far
     (at first the quadratic worst case) says it fits, and the lengths between are skipped once
-    it says that L fits. Fails early when it does not."""
-    lengths = [L]
-    while lengths[-1] > 512:
-        lengths.append(-(-lengths[-1] // 2))
-    lengths.reverse()
+    it says that L fits. Fails early when it does not. `first`: the probe at the shortest
+    length, when it was run already."""
+    lengths = _lengths(L)
     last: tuple[int, Probe] | None = None
     exponent = 2.0  # attention: memory quadratic in the length, until measured
     for length in lengths:
+        if last is None and first is not None:
+            last = (length, first)
+            if length == L:
+                break
+            continue
         if last is not None:
             if length < L and last[1].saved * (L / last[0]) ** exponent <= budget:
                 continue
@@ -342,6 +376,16 @@ def _one_example(
     return last[1]
 
 
+def _micro_batch(per_process: int, accumulate: int, max_tokens: int | None, L: int) -> int:
+    """The micro-batch the config asks for: its accumulation, raised (as the plan does) until
+    the micro-batch holds at most `trainer.max_tokens_per_step` tokens, when that is set."""
+    for acc in range(max(1, accumulate), per_process + 1):
+        m = per_process // acc
+        if per_process % acc == 0 and not (max_tokens and m > 1 and m * L > int(max_tokens)):
+            return m
+    return 1
+
+
 _ADVICE = (
     "Options: model.backbone.checkpoint_activations=true (keeps one tensor per layer), a "
     "chunked attention (model.backbone.chunk_size=128), trainer.precision=bf16-mixed, shorter "
@@ -359,8 +403,17 @@ def _measure(
     per_process: int,
     accumulate: int,
     eval_batch: int,
+    exact: bool,
 ) -> MemoryPlan:
-    """Probe the model copy `twin` (module docs, step 1) at the trainer's precision."""
+    """Probe the model copy `twin` (module docs, step 1) at the trainer's precision.
+
+    First one example at the shortest probe length l (at most 512): memory grows at most
+    quadratically in the length (attention) and at most linearly in the batch, so
+    m × (L / l)² × what it needs bounds what m examples of length L need. Where that bound
+    fits the budget at the config's micro-batch and evaluation batch, the step surely fits and
+    the bound is the plan (two short forwards, instead of several at full length); otherwise,
+    or with `exact`, the step is measured at full length.
+    """
     L = int(data.max_len)
     probing = contextlib.ExitStack()  # the probes run at the trainer's precision
     # and leave the random state as they found it: dropout in the training probes draws from
@@ -377,10 +430,35 @@ def _measure(
     with probing:  # left also when a probe fails (autocast is the process's state)
         n_params = sum(p.numel() for p in twin.parameters())
         bytes_params = sum(p.numel() * p.element_size() for p in twin.parameters())
-        p1 = _one_example(twin, data, L, device, budget, n_params)
+        short = _lengths(L)[0]
+        t1 = probe(twin, data, 1, True, device, short)
+        w1 = probe(twin, data, 1, False, device, short)
+        grow = (L / short) ** 2
+        bound = MemoryPlan(
+            device=str(device),
+            max_len=L,
+            per_process_batch=per_process,
+            accumulate=accumulate,
+            micro_batch=per_process // max(1, accumulate),
+            budget=budget,
+            params=n_params,
+            optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
+            saved_per_example=grow * t1.saved,
+            saved_fixed=0.0,
+            work_per_example=grow * w1.peak,
+            work_fixed=0.0,
+            eval_batch=eval_batch,
+            measured_work={},
+            overhead=allocator_overhead(device),
+            bound_length=short,
+        )
+        m = _micro_batch(per_process, accumulate, trainer.get("max_tokens_per_step"), L)
+        if not exact and max(bound.train_peak(m), bound.eval_peak(eval_batch)) <= budget:
+            return bound
+        p1 = _one_example(twin, data, L, device, budget, first=t1)
         # A second example only where it surely fits; else all of the first counts per example.
         p2 = probe(twin, data, 2, True, device) if 2 * p1.saved <= budget / 2 else None
-        e1 = probe(twin, data, 1, False, device)
+        e1 = w1 if short == L else probe(twin, data, 1, False, device)
         e2 = probe(twin, data, 2, False, device) if 2 * e1.peak <= budget / 2 else None
         if p2 is None:
             p2 = Probe(2, 2 * p1.saved, 0)
@@ -431,11 +509,12 @@ def release_memory(device: torch.device) -> None:
         release_free_memory()
 
 
-def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
+def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> MemoryPlan | None:
     """Estimate, pick `trainer.accumulate_grad_batches`, or fail early (module docstring).
 
     Writes the chosen accumulation into `cfg.trainer.accumulate_grad_batches`; returns the plan
-    (None when `trainer.memory_check=false`).
+    (None when `trainer.memory_check=false`). `exact`: measure the step at full length even
+    where a bound from one short example shows that it fits (`_measure`).
     """
     trainer, data = cfg.trainer, cfg.data
     if not trainer.get("memory_check", True) or data.get("max_len") is None:
@@ -467,7 +546,9 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     budget = SAFETY * available_bytes(device) / (local if device.type == "cpu" else 1)
     twin = copy.deepcopy(task).to(device)
     try:
-        plan = _measure(twin, trainer, data, device, budget, per_process, accumulate, eval_batch)
+        plan = _measure(
+            twin, trainer, data, device, budget, per_process, accumulate, eval_batch, exact
+        )
     finally:
         # Nothing of the probes outlives the plan: the copy goes (the probes' autograd graphs
         # went with their losses), and the memory they peaked at goes back to the system
