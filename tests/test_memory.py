@@ -268,6 +268,21 @@ def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
     assert _rss() - rss < 24 * 2**20
 
 
+def test_the_heap_is_trimmed_after_a_plan_that_grew_the_process(monkeypatch) -> None:
+    """Trimming costs the next steps a page fault per page; it is worth it only when the
+    probes grew the resident set (a heap that did not grow is reused as it is)."""
+    from megalab.utils import runtime
+
+    calls = []
+    monkeypatch.setattr(runtime, "release_free_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(runtime, "resident_bytes", lambda: 3 * GB)
+    cpu = torch.device("cpu")
+    memory.release_memory(cpu, resident_before=3 * GB - memory.TRIM_ABOVE // 2)
+    assert calls == []
+    memory.release_memory(cpu, resident_before=2 * GB)
+    assert calls == [1]
+
+
 def test_probes_never_run_past_the_memory(compose_cfg, monkeypatch) -> None:
     """Long inputs are probed at doubling lengths: a length predicted not to fit is not run."""
     cfg = _cfg(compose_cfg, "data.max_len=2048", "model.backbone.max_positions=2048")

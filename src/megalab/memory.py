@@ -39,8 +39,8 @@ chunk-parallel ones turn it off. BatchNorm models see their batch statistics per
 when the plan accumulates: the log says so.
 
 Nothing of the probes outlives the plan: the model copy and the probes' graphs are freed, and
-the heap pages they peaked at go back to the system (`release_memory`), so a process that
-plans many runs (a Hydra multirun, the test suite) does not grow.
+the heap pages they grew the process by go back to the system (`release_memory`), so a
+process that plans many runs (a Hydra multirun, the test suite) does not grow.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ PROBE_TOKENS = 16384
 CPU_TUNED_MALLOC_OVERHEAD = 1.45
 # Bytes per parameter in training: fp32 weight, gradient and Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
+# Resident growth over a plan above which the heap is trimmed afterwards (`release_memory`).
+TRIM_ABOVE = 32 * 2**20
 GB = 2**30
 
 
@@ -498,14 +500,19 @@ def _measure(
     return plan
 
 
-def release_memory(device: torch.device) -> None:
-    """Give the memory freed since the last call back to the system: the CUDA cache, or the
-    glibc heap's free pages (`megalab.utils.runtime.release_free_memory`)."""
+def release_memory(device: torch.device, resident_before: int | None = None) -> None:
+    """Give freed memory back to the system: the CUDA cache, or on CPU the glibc heap's free
+    pages (`megalab.utils.runtime.release_free_memory`) when the resident set grew by more than
+    `TRIM_ABOVE` since `resident_before` (when given). A heap that did not grow is reused by
+    the steps that follow as it is; trimming it would only make them fault its pages in again
+    (once per plan, in a process that trains many runs)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    else:
-        from megalab.utils.runtime import release_free_memory
+        return
+    from megalab.utils.runtime import release_free_memory, resident_bytes
 
+    now = resident_bytes()
+    if resident_before is None or now is None or now - resident_before > TRIM_ABOVE:
         release_free_memory()
 
 
@@ -544,6 +551,9 @@ def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> Memory
     max_tokens = trainer.get("max_tokens_per_step")
 
     budget = SAFETY * available_bytes(device) / (local if device.type == "cpu" else 1)
+    from megalab.utils.runtime import resident_bytes
+
+    resident = resident_bytes()
     twin = copy.deepcopy(task).to(device)
     try:
         plan = _measure(
@@ -551,11 +561,11 @@ def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> Memory
         )
     finally:
         # Nothing of the probes outlives the plan: the copy goes (the probes' autograd graphs
-        # went with their losses), and the memory they peaked at goes back to the system
-        # instead of staying resident for the rest of the process (the tuned malloc keeps
-        # freed blocks; on CUDA the caching allocator does).
+        # went with their losses), and the memory they grew the process by goes back to the
+        # system instead of staying resident for the rest of the process (the tuned malloc
+        # keeps freed blocks; on CUDA the caching allocator does).
         del twin
-        release_memory(device)
+        release_memory(device, resident)
     n_params = plan.params
 
     chosen = None

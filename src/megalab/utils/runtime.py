@@ -82,6 +82,15 @@ def tune_malloc(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     return "tuned (mmap_max=0, no trimming)" if ok else "failed (mallopt returned 0)"
 
 
+def resident_bytes() -> int | None:
+    """The process's resident set now (Linux `/proc/self/statm`); None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def release_free_memory() -> bool:
     """Return the heap's free pages to the system (glibc's `malloc_trim(0)`); False elsewhere.
 
