@@ -97,3 +97,35 @@ def test_unset_wait_policy_becomes_passive():
     # torch is already imported in this test process: the record says it came too late.
     assert got["omp_wait_policy"].startswith("PASSIVE")
     assert runtime.available_cpus() >= 1
+
+
+# A burst of 256 MB allocated and freed (the memory plan's probes): with the tuned allocator it
+# stays resident until `release_free_memory` hands it back.
+_TRIM = """
+import json, os
+from megalab.utils.runtime import configure_runtime, release_free_memory
+malloc = configure_runtime()["malloc"]
+import torch
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+x = torch.ones(64 << 20)
+del x
+kept = rss()
+released = release_free_memory()
+print(json.dumps({"malloc": malloc, "before": before, "kept": kept, "after": rss(),
+                  "released": released}))
+"""
+
+
+@pytest.mark.skipif(not LINUX_GLIBC, reason="the malloc settings apply to Linux/glibc only")
+def test_freed_memory_goes_back_to_the_system_on_request():
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MEGALAB_MALLOC"))}
+    out = subprocess.run(
+        [sys.executable, "-c", _TRIM], env=base, capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["malloc"].startswith("tuned") and got["released"]
+    assert got["kept"] - got["before"] > 200 << 20  # the tuned heap kept the 256 MB
+    assert got["after"] - got["before"] < 32 << 20  # and gave it back

@@ -2,15 +2,21 @@
 
 `plan_memory(cfg, task)` runs in `megalab.train` after the model is built and before the trainer:
 
-1. It measures the model on a synthetic batch at the data's longest length (`data.max_len`),
-   of 1 and of 2 examples: a training forward with autograd's saved tensors counted (the
-   activations the backward keeps; unique storages, parameters excluded), and an evaluation
-   forward without autograd with the peak of the live tensors it creates (its working set,
-   which the backward also needs on top of the saved activations). Memory grows linearly in
-   the batch, so the two sizes give the bytes per example and the fixed part. The probes run on
-   a copy of the task. When a step comes near the budget, the working set is also measured at a
-   larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds, not steps) and the
-   line is drawn through it: a blockwise attention's blocks stop growing with the batch.
+0. It runs one example of at most 512 tokens, with and without autograd. Memory grows at most
+   quadratically in the length and at most linearly in the batch, so m × (L / 512)² times what
+   that example needs bounds a step of m examples of length L. Where the bound fits (step 2's
+   budget) at the config's micro-batch and evaluation batch, the step surely fits: the bound is
+   the plan, and the steps below are skipped (a fraction of a second for most configurations).
+1. Otherwise it measures the model on a synthetic batch at the data's longest length
+   (`data.max_len`), of 1 and of 2 examples: a training forward with autograd's saved tensors
+   counted (the activations the backward keeps; unique storages, parameters excluded), and an
+   evaluation forward without autograd with the peak of the live tensors it creates (its
+   working set, which the backward also needs on top of the saved activations). Memory grows
+   linearly in the batch, so the two sizes give the bytes per example and the fixed part. The
+   probes run on a copy of the task. When a step comes near the budget, the working set is
+   also measured at a larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds,
+   not steps) and the line is drawn through it: a blockwise attention's blocks stop growing
+   with the batch.
 2. It estimates the peak of a step at micro-batch m (the parameters exist already):
        train(m) = parameters × (4 + 8 bytes: gradients, Adam's two moments) + saved(m) + work(m)
        eval(e)  = work(e)
@@ -26,8 +32,15 @@
 
 `trainer.max_tokens_per_step` and `trainer.memory_check` (default true; false skips the probes)
 are megalab's keys in the `trainer` group: `megalab.utils.run.instantiate_trainer`, which every
-entry point builds its trainer with, removes them before Lightning sees the config. BatchNorm
-models see their batch statistics per micro-batch when the plan accumulates: the log says so.
+entry point builds its trainer with, removes them before Lightning sees the config. The plan
+describes one process holding the whole model and whole sequences (one CPU or GPU process,
+DDP), so the sharded trainers (`fsdp`, `fsdp_blocks`, `model_parallel[_cpu]`) and the
+chunk-parallel ones turn it off. BatchNorm models see their batch statistics per micro-batch
+when the plan accumulates: the log says so.
+
+Nothing of the probes outlives the plan: the model copy and the probes' graphs are freed, and
+the heap pages they grew the process by go back to the system (`release_memory`), so a
+process that plans many runs (a Hydra multirun, the test suite) does not grow.
 """
 
 from __future__ import annotations
@@ -59,6 +72,8 @@ PROBE_TOKENS = 16384
 CPU_TUNED_MALLOC_OVERHEAD = 1.45
 # Bytes per parameter in training: fp32 weight, gradient and Adam's two moments.
 TRAIN_BYTES_PER_PARAM = 16
+# Resident growth over a plan above which the heap is trimmed afterwards (`release_memory`).
+TRIM_ABOVE = 32 * 2**20
 GB = 2**30
 
 
@@ -169,7 +184,11 @@ def probe(
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params:
             saved[ptr] = t.untyped_storage().nbytes()
-        return t
+        # A detached alias: it keeps the storage alive as autograd would (no address is reused
+        # while the graph lives), but not `t` itself. Returning `t` makes a reference cycle
+        # through C++ (t -> its grad_fn -> the saved t) that Python's collector cannot see:
+        # the whole graph, with the model copy's parameters, stayed alive after every probe.
+        return t.detach()
 
     task.train(train)
     live = _LiveBytes()
@@ -242,6 +261,8 @@ class MemoryPlan:
     eval_batch: int
     measured_work: dict[int, float]  # working set measured at these batch sizes
     overhead: float = 1.0  # resident memory per byte of live tensors (the allocator's share)
+    # Set when the plan is the bound from one example of this length (`_measure`), not measured
+    bound_length: int | None = None
 
     def work(self, m: int) -> float:
         """Peak live bytes of a forward of m examples: measured, else the line (module docs)."""
@@ -268,14 +289,17 @@ class MemoryPlan:
             "saved_mb_per_example": round(self.saved_per_example / 2**20, 1),
             "available_gb": round(self.budget / GB, 3),
             "device": self.device,
+            "bound_from_length": self.bound_length,
         }
 
     def describe(self) -> str:
+        kept = f"{self.saved_per_example / 2**20:,.0f} MB kept per example"
+        if self.bound_length is not None:
+            kept = f"at most, bounded from one example of length {self.bound_length}"
         return (
             f"micro-batch {self.micro_batch} x {self.accumulate} accumulation = "
             f"{self.per_process_batch} per process at L={self.max_len}: estimated peak "
-            f"{self.train_peak(self.micro_batch) / GB:.2f} GB training "
-            f"({self.saved_per_example / 2**20:,.0f} MB kept per example), "
+            f"{self.train_peak(self.micro_batch) / GB:.2f} GB training ({kept}), "
             f"{self.eval_peak(self.eval_batch) / GB:.2f} GB evaluating {self.eval_batch}, of "
             f"{self.budget / GB:.2f} GB available ({self.device})"
         )
@@ -304,20 +328,39 @@ def _device(trainer: DictConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def _one_example(
-    model: nn.Module, data: Any, L: int, device: torch.device, budget: float, n_params: int
-) -> Probe:
-    """The training probe of one example at length L, reached by doubling the length from 512
-    so that no probe runs out of memory: each length is tried only if the growth seen so far
-    (at first the quadratic worst case) says it fits. Fails early when it does not."""
+def _lengths(L: int) -> list[int]:
+    """The lengths a long input is probed at: L halved until at most 512, shortest first."""
     lengths = [L]
     while lengths[-1] > 512:
         lengths.append(-(-lengths[-1] // 2))
-    lengths.reverse()
+    return lengths[::-1]
+
+
+def _one_example(
+    model: nn.Module,
+    data: Any,
+    L: int,
+    device: torch.device,
+    budget: float,
+    first: Probe | None = None,
+) -> Probe:
+    """The training probe of one example at length L, reached by doubling the length from 512
+    so that no probe runs out of memory: each length is tried only if the growth seen so far
+    (at first the quadratic worst case) says it fits, and the lengths between are skipped once
+    it says that L fits. Fails early when it does not. `first`: the probe at the shortest
+    length, when it was run already."""
+    lengths = _lengths(L)
     last: tuple[int, Probe] | None = None
     exponent = 2.0  # attention: memory quadratic in the length, until measured
     for length in lengths:
+        if last is None and first is not None:
+            last = (length, first)
+            if length == L:
+                break
+            continue
         if last is not None:
+            if length < L and last[1].saved * (L / last[0]) ** exponent <= budget:
+                continue
             predicted = last[1].saved * (length / last[0]) ** exponent
             if predicted > budget:
                 full = last[1].saved * (L / last[0]) ** exponent
@@ -335,6 +378,16 @@ def _one_example(
     return last[1]
 
 
+def _micro_batch(per_process: int, accumulate: int, max_tokens: int | None, L: int) -> int:
+    """The micro-batch the config asks for: its accumulation, raised (as the plan does) until
+    the micro-batch holds at most `trainer.max_tokens_per_step` tokens, when that is set."""
+    for acc in range(max(1, accumulate), per_process + 1):
+        m = per_process // acc
+        if per_process % acc == 0 and not (max_tokens and m > 1 and m * L > int(max_tokens)):
+            return m
+    return 1
+
+
 _ADVICE = (
     "Options: model.backbone.checkpoint_activations=true (keeps one tensor per layer), a "
     "chunked attention (model.backbone.chunk_size=128), trainer.precision=bf16-mixed, shorter "
@@ -343,11 +396,132 @@ _ADVICE = (
 )
 
 
-def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
+def _measure(
+    twin: nn.Module,
+    trainer: DictConfig,
+    data: Any,
+    device: torch.device,
+    budget: float,
+    per_process: int,
+    accumulate: int,
+    eval_batch: int,
+    exact: bool,
+) -> MemoryPlan:
+    """Probe the model copy `twin` (module docs, step 1) at the trainer's precision.
+
+    First one example at the shortest probe length l (at most 512): memory grows at most
+    quadratically in the length (attention) and at most linearly in the batch, so
+    m × (L / l)² × what it needs bounds what m examples of length L need. Where that bound
+    fits the budget at the config's micro-batch and evaluation batch, the step surely fits and
+    the bound is the plan (two short forwards, instead of several at full length); otherwise,
+    or with `exact`, the step is measured at full length.
+    """
+    L = int(data.max_len)
+    probing = contextlib.ExitStack()  # the probes run at the trainer's precision
+    # and leave the random state as they found it: dropout in the training probes draws from
+    # it, which would make a planned run's random stream differ from an unplanned or resumed
+    # one's (a resumed run takes its recorded plan without probing)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    probing.enter_context(torch.random.fork_rng(devices=cuda, device_type="cuda"))
+    precision = str(trainer.get("precision", "32-true"))
+    if precision in ("bf16-true", "16-true"):
+        twin.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    elif precision in ("bf16-mixed", "16-mixed", "bf16", "16"):
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        probing.enter_context(torch.autocast(device.type, dtype=dtype))
+    with probing:  # left also when a probe fails (autocast is the process's state)
+        n_params = sum(p.numel() for p in twin.parameters())
+        bytes_params = sum(p.numel() * p.element_size() for p in twin.parameters())
+        short = _lengths(L)[0]
+        t1 = probe(twin, data, 1, True, device, short)
+        w1 = probe(twin, data, 1, False, device, short)
+        grow = (L / short) ** 2
+        bound = MemoryPlan(
+            device=str(device),
+            max_len=L,
+            per_process_batch=per_process,
+            accumulate=accumulate,
+            micro_batch=per_process // max(1, accumulate),
+            budget=budget,
+            params=n_params,
+            optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
+            saved_per_example=grow * t1.saved,
+            saved_fixed=0.0,
+            work_per_example=grow * w1.peak,
+            work_fixed=0.0,
+            eval_batch=eval_batch,
+            measured_work={},
+            overhead=allocator_overhead(device),
+            bound_length=short,
+        )
+        m = _micro_batch(per_process, accumulate, trainer.get("max_tokens_per_step"), L)
+        if not exact and max(bound.train_peak(m), bound.eval_peak(eval_batch)) <= budget:
+            return bound
+        p1 = _one_example(twin, data, L, device, budget, first=t1)
+        # A second example only where it surely fits; else all of the first counts per example.
+        p2 = probe(twin, data, 2, True, device) if 2 * p1.saved <= budget / 2 else None
+        e1 = w1 if short == L else probe(twin, data, 1, False, device)
+        e2 = probe(twin, data, 2, False, device) if 2 * e1.peak <= budget / 2 else None
+        if p2 is None:
+            p2 = Probe(2, 2 * p1.saved, 0)
+        if e2 is None:
+            e2 = Probe(2, 0, 2 * e1.peak)
+        plan = MemoryPlan(
+            device=str(device),
+            max_len=L,
+            per_process_batch=per_process,
+            accumulate=accumulate,
+            micro_batch=per_process // max(1, accumulate),
+            budget=budget,
+            params=n_params,
+            optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
+            saved_per_example=float(max(0, p2.saved - p1.saved)),
+            saved_fixed=float(max(0, 2 * p1.saved - p2.saved)),
+            work_per_example=float(max(0, e2.peak - e1.peak)),
+            work_fixed=float(max(0, 2 * e1.peak - e2.peak)),
+            eval_batch=eval_batch,
+            measured_work={1: float(e1.peak), 2: float(e2.peak)},
+            overhead=allocator_overhead(device),
+        )
+
+        if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
+            # Close enough to the budget for the line's error to matter. The line through 1 and 2
+            # examples misses what changes with the batch (a blockwise attention's blocks stop
+            # growing, other terms take over): measure the largest batch of at most PROBE_TOKENS
+            # tokens that the line puts at half the budget (a probe must not run out of memory,
+            # nor take longer than a few steps), and draw the line through it and 2 examples.
+            cap = max(2, PROBE_TOKENS // L)
+            size = max((e for e in range(3, cap + 1) if plan.eval_peak(e) <= budget / 2), default=2)
+            if size > 2:
+                plan.measured_work[size] = float(probe(twin, data, size, False, device).peak)
+                slope = (plan.measured_work[size] - plan.measured_work[2]) / (size - 2)
+                plan.work_per_example = max(0.0, slope)
+                plan.work_fixed = max(0.0, plan.measured_work[size] - size * plan.work_per_example)
+    return plan
+
+
+def release_memory(device: torch.device, resident_before: int | None = None) -> None:
+    """Give freed memory back to the system: the CUDA cache, or on CPU the glibc heap's free
+    pages (`megalab.utils.runtime.release_free_memory`) when the resident set grew by more than
+    `TRIM_ABOVE` since `resident_before` (when given). A heap that did not grow is reused by
+    the steps that follow as it is; trimming it would only make them fault its pages in again
+    (once per plan, in a process that trains many runs)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    from megalab.utils.runtime import release_free_memory, resident_bytes
+
+    now = resident_bytes()
+    if resident_before is None or now is None or now - resident_before > TRIM_ABOVE:
+        release_free_memory()
+
+
+def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> MemoryPlan | None:
     """Estimate, pick `trainer.accumulate_grad_batches`, or fail early (module docstring).
 
     Writes the chosen accumulation into `cfg.trainer.accumulate_grad_batches`; returns the plan
-    (None when `trainer.memory_check=false`).
+    (None when `trainer.memory_check=false`). `exact`: measure the step at full length even
+    where a bound from one short example shows that it fits (`_measure`).
     """
     trainer, data = cfg.trainer, cfg.data
     if not trainer.get("memory_check", True) or data.get("max_len") is None:
@@ -376,60 +550,23 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
     L = int(data.max_len)
     max_tokens = trainer.get("max_tokens_per_step")
 
-    twin = copy.deepcopy(task).to(device)
-    n_params = sum(p.numel() for p in twin.parameters())
-    bytes_params = sum(p.numel() * p.element_size() for p in twin.parameters())
     budget = SAFETY * available_bytes(device) / (local if device.type == "cpu" else 1)
-    probing = contextlib.ExitStack()  # the probes run at the trainer's precision
-    precision = str(trainer.get("precision", "32-true"))
-    if precision in ("bf16-true", "16-true"):
-        twin.to(torch.bfloat16 if precision.startswith("bf16") else torch.float16)
-    elif precision in ("bf16-mixed", "16-mixed", "bf16", "16"):
-        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-        probing.enter_context(torch.autocast(device.type, dtype=dtype))
-    probing.__enter__()
-    p1 = _one_example(twin, data, L, device, budget, n_params)
-    # A second example only where it surely fits; else all of the first counts per example.
-    p2 = probe(twin, data, 2, True, device) if 2 * p1.saved <= budget / 2 else None
-    e1 = probe(twin, data, 1, False, device)
-    e2 = probe(twin, data, 2, False, device) if 2 * e1.peak <= budget / 2 else None
-    if p2 is None:
-        p2 = Probe(2, 2 * p1.saved, 0)
-    if e2 is None:
-        e2 = Probe(2, 0, 2 * e1.peak)
-    plan = MemoryPlan(
-        device=str(device),
-        max_len=L,
-        per_process_batch=per_process,
-        accumulate=accumulate,
-        micro_batch=per_process // max(1, accumulate),
-        budget=budget,
-        params=n_params,
-        optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
-        saved_per_example=float(max(0, p2.saved - p1.saved)),
-        saved_fixed=float(max(0, 2 * p1.saved - p2.saved)),
-        work_per_example=float(max(0, e2.peak - e1.peak)),
-        work_fixed=float(max(0, 2 * e1.peak - e2.peak)),
-        eval_batch=eval_batch,
-        measured_work={1: float(e1.peak), 2: float(e2.peak)},
-        overhead=allocator_overhead(device),
-    )
+    from megalab.utils.runtime import resident_bytes
 
-    if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
-        # Close enough to the budget for the line's error to matter. The line through 1 and 2
-        # examples misses what changes with the batch (a blockwise attention's blocks stop
-        # growing, other terms take over): measure the largest batch of at most PROBE_TOKENS
-        # tokens that the line puts at half the budget (a probe must not run out of memory,
-        # nor take longer than a few steps), and draw the line through it and 2 examples.
-        cap = max(2, PROBE_TOKENS // L)
-        size = max((e for e in range(3, cap + 1) if plan.eval_peak(e) <= budget / 2), default=2)
-        if size > 2:
-            plan.measured_work[size] = float(probe(twin, data, size, False, device).peak)
-            slope = (plan.measured_work[size] - plan.measured_work[2]) / (size - 2)
-            plan.work_per_example = max(0.0, slope)
-            plan.work_fixed = max(0.0, plan.measured_work[size] - size * plan.work_per_example)
-
-    probing.close()
+    resident = resident_bytes()
+    twin = copy.deepcopy(task).to(device)
+    try:
+        plan = _measure(
+            twin, trainer, data, device, budget, per_process, accumulate, eval_batch, exact
+        )
+    finally:
+        # Nothing of the probes outlives the plan: the copy goes (the probes' autograd graphs
+        # went with their losses), and the memory they grew the process by goes back to the
+        # system instead of staying resident for the rest of the process (the tuned malloc
+        # keeps freed blocks; on CUDA the caching allocator does).
+        del twin
+        release_memory(device, resident)
+    n_params = plan.params
 
     chosen = None
     for acc in range(max(1, accumulate), per_process + 1):
@@ -439,9 +576,6 @@ def plan_memory(cfg: DictConfig, task: nn.Module) -> MemoryPlan | None:
         if plan.train_peak(m) <= budget:
             chosen = acc
             break
-    del twin
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     if chosen is None:
         raise MemoryPlanError(
             f"one training example of length {L} needs about {plan.train_peak(1) / GB:.2f} GB "

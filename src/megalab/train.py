@@ -45,12 +45,15 @@ export_project_root()
 
 def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
     """Instantiate everything a run needs; nothing is trained. The memory plan may raise
-    `trainer.accumulate_grad_batches` (a resumed run keeps its own), or fail early."""
+    `trainer.accumulate_grad_batches` (a resumed run keeps its own), or fail early; a run that
+    only tests (`train=false`) has no training step to plan."""
     if cfg.get("seed") is not None:
         L.seed_everything(cfg.seed, workers=True)
     datamodule = hydra.utils.instantiate(cfg.data)
     task = hydra.utils.instantiate(cfg.task)
-    memory_plan = plan_run(cfg, task, cfg.paths.output_dir, resume=resume)
+    memory_plan = None
+    if cfg.get("train", True):
+        memory_plan = plan_run(cfg, task, cfg.paths.output_dir, resume=resume)
     callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import math
 import os
@@ -51,6 +52,7 @@ _PRELOADED = ("jemalloc", "tcmalloc", "mimalloc")
 _settings: dict[str, Any] = {}
 
 
+@functools.cache  # find_library runs ldconfig: once per process
 def _glibc() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
@@ -78,6 +80,30 @@ def tune_malloc(environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
     ok = libc.mallopt(M_MMAP_MAX, 0) == 1
     ok = libc.mallopt(M_TRIM_THRESHOLD, -1) == 1 and ok
     return "tuned (mmap_max=0, no trimming)" if ok else "failed (mallopt returned 0)"
+
+
+def resident_bytes() -> int | None:
+    """The process's resident set now (Linux `/proc/self/statm`); None elsewhere."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def release_free_memory() -> bool:
+    """Return the heap's free pages to the system (glibc's `malloc_trim(0)`); False elsewhere.
+
+    With the settings above nothing freed leaves the process, so a burst of allocations that is
+    over (the memory plan's probes, whose peak can exceed a training step's) would stay resident
+    for the rest of the process. The first step after a trim faults its pages in again once;
+    later steps reuse them as before.
+    """
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 def available_cpus() -> int:
