@@ -156,3 +156,40 @@ def test_block_shape_bounds_the_block_tensor():
     assert block_shape(4, 12, 12, block=100, block_elements=300) == (2, 12)
     with pytest.raises(ValueError, match="unknown bias kind"):
         mega_attention(*_inputs(1, 2, 2, False)[:3], ("full", torch.zeros(2, 2), None))
+
+
+@pytest.mark.skipif(fused_attention._LINEAR is None, reason="this torch build has no oneDNN")
+@pytest.mark.parametrize(("fn", "bias", "causal"), CASES)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_float32_blocks_on_onednn_match_float64(monkeypatch, fn, bias, causal, recompute):
+    """float32 blocks of one sample run their GEMMs on oneDNN: within float32 rounding of the
+    float64 unfused form, and of the float32 `bmm` path (oneDNN switched off)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return linear(*args)
+
+    linear = fused_attention._LINEAR
+    counting = type("Counting", (), {"__call__": staticmethod(counted),
+                                     "binary": staticmethod(linear.binary)})()  # fmt: skip
+    att = _module(fn, bias, causal, span=12)
+    q, k, v, valid = _inputs(4, 12, 12, padded=True)
+    want = _unfused(att, q, k, v, valid, 0)
+    g = torch.randn_like(want)
+    grads_want = torch.autograd.grad(want, [q, k, v, *att.parameters()], g)
+    att32 = att.float()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    results = []
+    for onednn in (True, False):
+        monkeypatch.setattr(fused_attention, "_LINEAR", counting if onednn else linear)
+        monkeypatch.setattr(fused_attention, "ONEDNN", onednn)
+        got = _fused(att32, q32, k32, v32, valid, 0, recompute, block=4)
+        grads = torch.autograd.grad(got, [q32, k32, v32, *att32.parameters()], g.float())
+        for a, b in zip((got, *grads), (want, *grads_want)):
+            torch.testing.assert_close(a.double(), b, rtol=2e-5, atol=2e-5)
+        results.append((got, *grads))
+        assert bool(calls) == onednn  # the GEMMs of the forward and the backward
+        calls.clear()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,8 @@ and the flash kernel also needs Q, K and V of one width (Mega's v = 2d ≠ z). H
 function computes the output and every gradient, the bias gradient included, one block at a time
 (whole chunks of several samples, or rows of one sample for long spans: `block_shape`), with
 the GEMMs large and the elementwise work in place on a block of a few MB (the bias enters the
-logits' GEMM as its input, τ⁻¹ scales Q once, dS is computed in dP's buffer):
+logits' GEMM as its input, τ⁻¹ scales Q once, dS is computed in dP's buffer). In float32 on
+CPU, blocks of one sample run their GEMMs on oneDNN rather than MKL (`ONEDNN`, below):
 
     softmax:        P = softmax(S),                      dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O))
     laplace/relu2:  A = f(S) ⊙ masks (S = QKᵀ/n + b),    dS = (dO Vᵀ) ⊙ f'(S) ⊙ masks
@@ -32,6 +33,7 @@ QKᵀ by the number of valid keys (or i + 1 under the causal mask, or Ck).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -187,14 +189,50 @@ def _scratch(buf: Tensor, shape: tuple[int, int, int]) -> Tensor:
     return buf[: shape[0] * shape[1] * shape[2]].view(shape)
 
 
-def _mm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
-    """a @ b for (n, M, K) and (n, K, N) (into `out` when given)."""
-    return torch.bmm(a, b, out=out)
+def _onednn_linear() -> Any:
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return None
 
 
-def _mm_add_(c: Tensor, a: Tensor, b: Tensor) -> None:
+_LINEAR = _onednn_linear()
+# Blocks of one sample in float32 on CPU run their GEMMs on oneDNN (`mkldnn._linear_pointwise`,
+# IEEE float32, any operand strides) instead of `bmm` (MKL): on the AMD development machine MKL
+# runs its AVX2 kernels at ~100 GFLOP/s on one core, oneDNN its AVX-512 kernels at 180-250
+# GFLOP/s on the attention's shapes (docs/benchmarks.md). Off with MEGALAB_ONEDNN_ATTENTION=0 or
+# `torch.backends.mkldnn.flags(enabled=False)`; float64 (no oneDNN kernel) and chunks (many small
+# samples per block) use `bmm`.
+ONEDNN = os.environ.get("MEGALAB_ONEDNN_ATTENTION", "1") != "0"
+
+
+def _use_onednn(t: Tensor, samples: int) -> bool:
+    return (
+        ONEDNN
+        and samples == 1
+        and _LINEAR is not None
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.backends.mkldnn.enabled)
+    )
+
+
+def _mm(a: Tensor, b: Tensor, dnn: bool, out: Tensor | None = None) -> Tensor:
+    """a @ b for (n, M, K) and (n, K, N) of any strides (into `out` when given); n = 1 with
+    oneDNN."""
+    if not dnn:
+        return torch.bmm(a, b, out=out)
+    r = _LINEAR(a[0], b[0].T, None, "none", [], "").unsqueeze(0)  # x Wᵀ with W = bᵀ
+    return r if out is None else out.copy_(r)
+
+
+def _mm_add_(c: Tensor, a: Tensor, b: Tensor, dnn: bool) -> None:
     """c += a @ b."""
-    c.baddbmm_(a, b)
+    if dnn:
+        c.add_(_mm(a, b, dnn))
+    else:
+        c.baddbmm_(a, b)
 
 
 class _MegaAttention(torch.autograd.Function):
@@ -213,6 +251,7 @@ class _MegaAttention(torch.autograd.Function):
         N, cq, _ = q.shape
         ck = k.shape[1]
         softmax = spec.fn == "softmax"
+        dnn = _use_onednn(q, spec.samples)
         out = q.new_empty(N, cq, v.shape[-1])
         qs = _scaled_queries(spec, q)
         kT = k.transpose(1, 2)
@@ -228,7 +267,7 @@ class _MegaAttention(torch.autograd.Function):
                 shape = (n1 - n0, i1 - i0, ck)
                 kept = None if keep is None else keep[n0:n1, i0:i1]
                 sbuf = _scratch(buf_s, shape) if softmax or kept is None else kept
-                s = _logits(spec, qs, kT, bias, n0, n1, i0, i1, _sl(valid, n0, n1), sbuf)
+                s = _logits(spec, qs, kT, bias, n0, n1, i0, i1, _sl(valid, n0, n1), dnn, sbuf)
                 allowed = _allowed(spec, _sl(key_ok, n0, n1), _sl(valid, n0, n1), i0, i1, ck,
                                    q.device)  # fmt: skip
                 if softmax:
@@ -242,7 +281,7 @@ class _MegaAttention(torch.autograd.Function):
                         lse[n0:n1, i0:i1] = s.amax(dim=-1).sub_(w.amax(dim=-1).log_())
                 else:
                     w = _activate(spec, s, allowed)  # the logits s stay for f' (kept or not)
-                _mm(w, v[n0:n1], out=out[n0:n1, i0:i1])
+                _mm(w, v[n0:n1], dnn, out=out[n0:n1, i0:i1])
         ctx.spec = spec
         ctx.save_for_backward(q, k, v, key_ok, valid, b1, b2, out, lse, keep)
         return out
@@ -255,6 +294,7 @@ class _MegaAttention(torch.autograd.Function):
         N, cq, _ = q.shape
         ck = k.shape[1]
         softmax = spec.fn == "softmax"
+        dnn = _use_onednn(q, spec.samples)
         grad = grad.contiguous()
         qs = _scaled_queries(spec, q)
         kT, vT = k.transpose(1, 2), v.transpose(1, 2)
@@ -278,12 +318,12 @@ class _MegaAttention(torch.autograd.Function):
             for n0, n1 in samples:
                 shape = (n1 - n0, i1 - i0, ck)
                 g = grad[n0:n1, i0:i1]
-                dp = _mm(g, vT[n0:n1], out=_scratch(buf_dp, shape))  # dO Vᵀ
+                dp = _mm(g, vT[n0:n1], dnn, None if dnn else _scratch(buf_dp, shape))  # dO Vᵀ
                 val = _sl(valid, n0, n1)
                 allowed = _allowed(spec, _sl(key_ok, n0, n1), val, i0, i1, ck, q.device)
                 if keep is None:
                     assert bias is not None and buf_s is not None
-                    s = _logits(spec, qs, kT, bias, n0, n1, i0, i1, val,
+                    s = _logits(spec, qs, kT, bias, n0, n1, i0, i1, val, dnn,
                                 _scratch(buf_s, shape))  # fmt: skip
                 else:
                     s = keep[n0:n1, i0:i1]
@@ -293,12 +333,12 @@ class _MegaAttention(torch.autograd.Function):
                         p = _mask_fill(s, allowed).sub_(lse[n0:n1, i0:i1, None]).exp_()
                     else:
                         p = s
-                    _mm_add_(dv[n0:n1], p.transpose(1, 2), g)
+                    _mm_add_(dv[n0:n1], p.transpose(1, 2), g, dnn)
                     assert delta is not None  # computed above for softmax
                     ds = dp.sub_(delta[n0:n1, i0:i1]).mul_(p)  # P ⊙ (dP − D)
                 else:
                     deriv = _laplace_grad(s) if spec.fn == "laplace" else 2 * torch.relu(s)
-                    _mm_add_(dv[n0:n1], _activate(spec, s, allowed).transpose(1, 2), g)
+                    _mm_add_(dv[n0:n1], _activate(spec, s, allowed).transpose(1, 2), g, dnn)
                     ds = dp.mul_(deriv)
                     if allowed is not None:
                         ds = ds.masked_fill_(~allowed, 0.0)
@@ -307,10 +347,10 @@ class _MegaAttention(torch.autograd.Function):
                 if not softmax:
                     ds = ds.div_(_divisor(spec, val, i0, i1, ck, q))  # ∂S/∂(QKᵀ) = 1/n
                 # dQ = dS K τ⁻¹; dK = dSᵀ Q τ⁻¹ = dSᵀ (Q τ⁻¹)
-                dq_blk = _mm(ds, k[n0:n1], out=dq[n0:n1, i0:i1])
+                dq_blk = _mm(ds, k[n0:n1], dnn, out=dq[n0:n1, i0:i1])
                 if tau_inv != 1.0:
                     dq_blk.mul_(tau_inv)
-                _mm_add_(dk[n0:n1], ds.transpose(1, 2), qs[n0:n1, i0:i1])
+                _mm_add_(dk[n0:n1], ds.transpose(1, 2), qs[n0:n1, i0:i1], dnn)
             if ds_sum is not None:
                 _bias_grad(spec, ds_sum, b1, b2, db1, db2, i0, i1, ck)
         return dq, dk, dv, None, None, db1, db2, None
@@ -334,13 +374,19 @@ def _logits(
     i0: int,
     i1: int,
     valid: Tensor | None,
+    dnn: bool,
     out: Tensor,
 ) -> Tensor:
     """S for samples n0:n1, rows i0:i1: (Q τ⁻¹) Kᵀ + b (softmax; the bias enters the GEMM, so
-    adding it costs no pass) or QKᵀ/n + b (laplace, relu2; `valid` of n0:n1), into `out`."""
+    adding it costs no pass) or QKᵀ/n + b (laplace, relu2; `valid` of n0:n1). Into `out`, except
+    softmax logits from oneDNN (a new tensor: its binary post-op adds the bias)."""
     if spec.fn == "softmax":
+        if dnn:
+            assert _LINEAR is not None
+            r = _LINEAR.binary(qs[n0, i0:i1], bias.contiguous(), kT[n0].T, None, "add")
+            return r.unsqueeze(0)
         return torch.baddbmm(bias, qs[n0:n1, i0:i1], kT[n0:n1], out=out)
-    scores = _mm(qs[n0:n1, i0:i1], kT[n0:n1], out=out)
+    scores = _mm(qs[n0:n1, i0:i1], kT[n0:n1], dnn, out=out)
     return scores.div_(_divisor(spec, valid, i0, i1, kT.shape[-1], qs)).add_(bias)
 
 
