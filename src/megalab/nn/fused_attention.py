@@ -450,9 +450,9 @@ def mega_attention(
         valid: (N, Ck) bool, True at real keys (None: all real).
         causal: query r sees keys up to r + q_offset.
         scale: softmax's 1/τ (default z^-½).
-        recompute: recompute the weights in the backward (O(N · block · Ck) memory) instead of
+        recompute: recompute the weights in the backward (memory of one block) instead of
             keeping them.
-        block: queries per block (default: `query_block`).
+        block: queries per block (default: `block_shape`, about `BLOCK_ELEMENTS` logits).
     """
     kind, b1, b2 = bias
     if kind not in BIAS_KINDS:
