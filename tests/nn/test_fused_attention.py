@@ -184,6 +184,7 @@ def test_float32_blocks_on_onednn_match_float64(monkeypatch, fn, bias, causal, r
     for onednn in (True, False):
         monkeypatch.setattr(fused_attention, "_LINEAR", counting if onednn else linear)
         monkeypatch.setattr(fused_attention, "ONEDNN", onednn)
+        monkeypatch.setattr(fused_attention, "ONEDNN_MIN_ELEMENTS", 0)  # small blocks here
         got = _fused(att32, q32, k32, v32, valid, 0, recompute, block=4)
         grads = torch.autograd.grad(got, [q32, k32, v32, *att32.parameters()], g.float())
         for a, b in zip((got, *grads), (want, *grads_want)):
@@ -193,3 +194,20 @@ def test_float32_blocks_on_onednn_match_float64(monkeypatch, fn, bias, causal, r
         calls.clear()
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_small_blocks_and_float64_keep_bmm(monkeypatch):
+    """Decoding (one query row) and float64 do not use oneDNN (a kernel compiled per shape)."""
+    calls = []
+    monkeypatch.setattr(fused_attention, "_LINEAR", lambda *args: calls.append(1))
+    monkeypatch.setattr(fused_attention, "ONEDNN", True)
+    att = _module("softmax", "simple", True, span=12).float()
+    q, k, v, _ = (t.detach().float() if t is not None else t for t in _inputs(2, 12, 12, False))
+    for t in range(1, 12):  # one query against t keys, as in token-by-token decoding
+        _fused(att, q[:, t - 1 : t], k[:, :t], v[:, :t], None, t - 1, True, block=None)
+    assert not calls
+    att64 = _module("softmax", "simple", True, span=12)
+    q, k, v, _ = _inputs(2, 12, 12, False)
+    monkeypatch.setattr(fused_attention, "ONEDNN_MIN_ELEMENTS", 0)
+    _fused(att64, q, k, v, None, 0, True, block=None)
+    assert not calls

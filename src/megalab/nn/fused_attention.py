@@ -204,12 +204,18 @@ _LINEAR = _onednn_linear()
 # `torch.backends.mkldnn.flags(enabled=False)`; float64 (no oneDNN kernel) and chunks (many small
 # samples per block) use `bmm`.
 ONEDNN = os.environ.get("MEGALAB_ONEDNN_ATTENTION", "1") != "0"
+# ... and only for blocks of at least this many logits (64 rows x 1K keys): oneDNN compiles and
+# caches a kernel per GEMM shape (~0.6 MB each, up to its primitive cache's 1,024), which pays
+# for itself on training-sized blocks but would make token-by-token decoding, whose key count
+# changes every step, 4x slower and grow the process by ~0.5 GB over 600 steps (measured).
+ONEDNN_MIN_ELEMENTS = 1 << 16
 
 
-def _use_onednn(t: Tensor, samples: int) -> bool:
+def _use_onednn(t: Tensor, samples: int, rows: int, ck: int) -> bool:
     return (
         ONEDNN
         and samples == 1
+        and rows * ck >= ONEDNN_MIN_ELEMENTS
         and _LINEAR is not None
         and t.dtype == torch.float32
         and t.device.type == "cpu"
@@ -251,7 +257,7 @@ class _MegaAttention(torch.autograd.Function):
         N, cq, _ = q.shape
         ck = k.shape[1]
         softmax = spec.fn == "softmax"
-        dnn = _use_onednn(q, spec.samples)
+        dnn = _use_onednn(q, spec.samples, spec.block, k.shape[1])
         out = q.new_empty(N, cq, v.shape[-1])
         qs = _scaled_queries(spec, q)
         kT = k.transpose(1, 2)
@@ -294,7 +300,7 @@ class _MegaAttention(torch.autograd.Function):
         N, cq, _ = q.shape
         ck = k.shape[1]
         softmax = spec.fn == "softmax"
-        dnn = _use_onednn(q, spec.samples)
+        dnn = _use_onednn(q, spec.samples, spec.block, k.shape[1])
         grad = grad.contiguous()
         qs = _scaled_queries(spec, q)
         kT, vT = k.transpose(1, 2), v.transpose(1, 2)
