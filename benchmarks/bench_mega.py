@@ -26,14 +26,17 @@ Sections (B = tokens // L, widths of LRA Text: d = 128, z = 64, v = d_FFN = 256,
 
 - layer: one block forward + backward: `transformer` (megalab's TransformerLayer: 4 heads,
   d_FFN = 4d, pre-norm, PyTorch SDPA), `mega_chunk128`, `mega_full` (fused attention, weights
-  recomputed in the backward: the default beyond 512 keys) and `mega_full_keep`
-  (`attention_recompute=False`).
+  recomputed in the backward: the default beyond 512 keys), `mega_full_keep`
+  (`attention_recompute=False`) and `mega_full_mkl` (`mega_full` with the fused attention's GEMMs
+  on MKL's `bmm` instead of oneDNN, `megalab.nn.fused_attention.ONEDNN` off: what the attention
+  kernel gives without the GEMM library).
 - ema: the bidirectional EMA convolution alone, forward + backward: `conv_autograd` (rfft/irfft
   through autograd, as before `megalab.nn.fft_conv`) and `conv_ours` (`fft_conv_lean`), each
   with its share of the `mega_chunk128` layer step (timed in the same rounds); and the causal EMA
   sub-layer: `ema_authors` (the (d, h, L) powers, FFTs of length 2L), `ema_ours`.
 - attention: Mega's full attention alone: `sdpa_math` (the unfused form: SDPA's math kernel with
-  the bias as a float mask), `fused_recompute`, `fused_keep`.
+  the bias as a float mask), `fused_recompute`, `fused_keep`, and both with their GEMMs on MKL
+  (`fused_recompute_mkl`, `fused_keep_mkl`).
 - precision: `mega_chunk128`, `mega_full` and `transformer` under CPU bf16 autocast
   (`<layer>_bf16`) against float32 (the ratio column is against `mega_chunk128` in fp32; compare
   each `_bf16` row with its own fp32 row).
@@ -258,9 +261,24 @@ def fwd_bwd(module: torch.nn.Module | None, forward: Callable[[], torch.Tensor])
     return run
 
 
+def without_onednn(run: Case) -> Case:
+    """`run` with the fused attention's GEMMs on `bmm` (MKL) instead of oneDNN."""
+    from megalab.nn import fused_attention
+
+    def mkl() -> None:
+        onednn, fused_attention.ONEDNN = fused_attention.ONEDNN, False
+        try:
+            run()
+        finally:
+            fused_attention.ONEDNN = onednn
+
+    return mkl
+
+
 SECTIONS: dict[str, dict] = {
     "layer": {"title": "Layer forward + backward", "baseline": "transformer",
-              "kinds": ["transformer", "mega_chunk128", "mega_full", "mega_full_keep"],
+              "kinds": ["transformer", "mega_chunk128", "mega_full", "mega_full_keep",
+                        "mega_full_mkl"],
               "build": layer_case},
     "ema": {"title": "EMA convolution (bidirectional) and causal EMA sub-layer, forward + backward",
             "baseline": "conv_autograd",
@@ -268,7 +286,8 @@ SECTIONS: dict[str, dict] = {
             "build": None},
     "attention": {"title": "Full attention alone (softmax, simple bias), forward + backward",
                   "baseline": "sdpa_math",
-                  "kinds": ["sdpa_math", "fused_recompute", "fused_keep"],
+                  "kinds": ["sdpa_math", "fused_recompute", "fused_keep", "fused_recompute_mkl",
+                            "fused_keep_mkl"],
                   "build": attention_case},
     "precision": {"title": "bf16 autocast against float32, layer forward + backward",
                   "baseline": "mega_chunk128",
@@ -301,11 +320,13 @@ def run_section(name: str, args: argparse.Namespace) -> list[dict]:
         B = max(1, args.tokens // L)
         cases, saved = {}, {}
         for kind in kinds:
-            module, forward = build(kind, L, B)
+            module, forward = build(kind.removesuffix("_mkl"), L, B)
             # (compiled graphs run autograd's saved-tensor hooks differently: not counted)
             compiled = "compiled" in kind
             saved[kind] = float("nan") if compiled else saved_bytes(module, forward)
             cases[kind] = fwd_bwd(module, forward)
+            if kind.endswith("_mkl"):
+                cases[kind] = without_onednn(cases[kind])
         times = rounds(cases, args.rounds, args.warmup)
         base = times[spec["baseline"]]
         for kind in kinds:

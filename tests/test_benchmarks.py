@@ -19,9 +19,10 @@ BENCH = ROOT / "benchmarks"
 
 # Every section but `compile` (inductor needs a minute to compile the block: slow test below).
 SECTIONS = {
-    "layer": ["transformer", "mega_chunk128", "mega_full", "mega_full_keep"],
+    "layer": ["transformer", "mega_chunk128", "mega_full", "mega_full_keep", "mega_full_mkl"],
     "ema": ["conv_autograd", "conv_ours", "ema_authors", "ema_ours", "mega_chunk128"],
-    "attention": ["sdpa_math", "fused_recompute", "fused_keep"],
+    "attention": ["sdpa_math", "fused_recompute", "fused_keep", "fused_recompute_mkl",
+                  "fused_keep_mkl"],
     "precision": ["mega_chunk128", "mega_chunk128_bf16", "mega_full", "mega_full_bf16",
                   "transformer", "transformer_bf16"],
     "kernel": ["kernel_naive", "kernel_ours"],
@@ -78,6 +79,19 @@ def test_json_has_settings_protocol_and_every_row(record: tuple[dict, Path]) -> 
     assert scaling[0]["settings"]["runtime"]["malloc"].startswith("tuned")
     assert scaling[2]["settings"]["runtime"]["malloc"].startswith("off")
     assert scaling[0]["cpu_relative_to_first"] == scaling[2]["relative_to_first"] == 1.0
+
+
+def test_mkl_cases_run_the_fused_attention_without_onednn() -> None:
+    """`*_mkl` cases switch the fused attention's oneDNN GEMMs off for their pass only (in a
+    child process: importing the benchmark sets the process's allocator and threads)."""
+    code = (
+        "import bench_mega\n"
+        "from megalab.nn import fused_attention as fa\n"
+        "seen = []\n"
+        "bench_mega.without_onednn(lambda: seen.append(fa.ONEDNN))()\n"
+        "assert seen == [False] and fa.ONEDNN, (seen, fa.ONEDNN)\n"
+    )
+    _run("-c", code)
 
 
 def test_report_fills_the_marked_block_only(record: tuple[dict, Path], tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ import itertools
 import pytest
 import torch
 
+from megalab.nn import fused_attention
 from megalab.nn.attention import ChunkedAttention
-from megalab.nn.fused_attention import mega_attention, query_block
+from megalab.nn.fused_attention import block_shape, mega_attention
 
 DT = torch.float64
 CASES = list(
@@ -76,6 +77,23 @@ def test_outputs_and_every_gradient_match_the_unfused_form(fn, bias, causal, rec
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=name)
 
 
+@pytest.mark.parametrize(("fn", "bias", "causal"), CASES)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_blocks_of_several_samples_match_the_unfused_form(monkeypatch, fn, bias, causal, recompute):
+    """Short spans run several samples per block (chunks): 4 samples in blocks of 3 and 1."""
+    monkeypatch.setattr(fused_attention, "BLOCK_ELEMENTS", 3 * 12 * 12)
+    att = _module(fn, bias, causal, span=12)
+    q, k, v, valid = _inputs(4, 12, 12, padded=True)
+    params = list(att.parameters())
+    want = _unfused(att, q, k, v, valid, 0)
+    g = torch.randn_like(want)
+    grads_want = torch.autograd.grad(want, [q, k, v, *params], g)
+    got = _fused(att, q, k, v, valid, 0, recompute, block=None)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, [q, k, v, *params], g), grads_want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("fn", ["softmax", "laplace", "relu2"])
 def test_gradcheck(fn):
     att = _module(fn, "simple", causal=True, span=5)
@@ -125,9 +143,71 @@ def test_chunked_attention_uses_the_fused_kernel_and_falls_back_for_dropout():
     assert att(q, k, v)[0].shape == fused.shape
 
 
-def test_query_block_bounds_the_block_tensor():
-    assert query_block(4, 4096, 4096, 1 << 24) == 1024
-    assert query_block(64, 2001, 2001, 1 << 24) == 131
-    assert query_block(1, 10, 10) == 10
+def test_block_shape_bounds_the_block_tensor():
+    # a long span: one sample at a time, rows of about the budget
+    assert block_shape(4, 4096, 4096, block_elements=1 << 18) == (1, 64)
+    assert block_shape(8, 1024, 1024, block_elements=1 << 18) == (1, 256)
+    assert block_shape(64, 2001, 2001, block_elements=1 << 18) == (1, 131)
+    # chunks: whole chunks, several samples per block
+    assert block_shape(64, 128, 128, block_elements=1 << 18) == (16, 128)
+    assert block_shape(3, 10, 10) == (3, 10)
+    # a fixed number of rows
+    assert block_shape(4, 12, 12, block=4) == (1, 4)
+    assert block_shape(4, 12, 12, block=100, block_elements=300) == (2, 12)
     with pytest.raises(ValueError, match="unknown bias kind"):
         mega_attention(*_inputs(1, 2, 2, False)[:3], ("full", torch.zeros(2, 2), None))
+
+
+@pytest.mark.skipif(fused_attention._LINEAR is None, reason="this torch build has no oneDNN")
+@pytest.mark.parametrize(("fn", "bias", "causal"), CASES)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_float32_blocks_on_onednn_match_float64(monkeypatch, fn, bias, causal, recompute):
+    """float32 blocks of one sample run their GEMMs on oneDNN: within float32 rounding of the
+    float64 unfused form, and of the float32 `bmm` path (oneDNN switched off)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return linear(*args)
+
+    linear = fused_attention._LINEAR
+    counting = type("Counting", (), {"__call__": staticmethod(counted),
+                                     "binary": staticmethod(linear.binary)})()  # fmt: skip
+    att = _module(fn, bias, causal, span=12)
+    q, k, v, valid = _inputs(4, 12, 12, padded=True)
+    want = _unfused(att, q, k, v, valid, 0)
+    g = torch.randn_like(want)
+    grads_want = torch.autograd.grad(want, [q, k, v, *att.parameters()], g)
+    att32 = att.float()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    results = []
+    for onednn in (True, False):
+        monkeypatch.setattr(fused_attention, "_LINEAR", counting if onednn else linear)
+        monkeypatch.setattr(fused_attention, "ONEDNN", onednn)
+        monkeypatch.setattr(fused_attention, "ONEDNN_MIN_ELEMENTS", 0)  # small blocks here
+        got = _fused(att32, q32, k32, v32, valid, 0, recompute, block=4)
+        grads = torch.autograd.grad(got, [q32, k32, v32, *att32.parameters()], g.float())
+        for a, b in zip((got, *grads), (want, *grads_want)):
+            torch.testing.assert_close(a.double(), b, rtol=2e-5, atol=2e-5)
+        results.append((got, *grads))
+        assert bool(calls) == onednn  # the GEMMs of the forward and the backward
+        calls.clear()
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_small_blocks_and_float64_keep_bmm(monkeypatch):
+    """Decoding (one query row) and float64 do not use oneDNN (a kernel compiled per shape)."""
+    calls = []
+    monkeypatch.setattr(fused_attention, "_LINEAR", lambda *args: calls.append(1))
+    monkeypatch.setattr(fused_attention, "ONEDNN", True)
+    att = _module("softmax", "simple", True, span=12).float()
+    q, k, v, _ = (t.detach().float() if t is not None else t for t in _inputs(2, 12, 12, False))
+    for t in range(1, 12):  # one query against t keys, as in token-by-token decoding
+        _fused(att, q[:, t - 1 : t], k[:, :t], v[:, :t], None, t - 1, True, block=None)
+    assert not calls
+    att64 = _module("softmax", "simple", True, span=12)
+    q, k, v, _ = _inputs(2, 12, 12, False)
+    monkeypatch.setattr(fused_attention, "ONEDNN_MIN_ELEMENTS", 0)
+    _fused(att64, q, k, v, None, 0, True, block=None)
+    assert not calls

@@ -42,6 +42,9 @@ ATTENTION_FUNCTIONS = ("softmax", "laplace", "relu2")
 REL_POS_BIASES = ("simple", "rotary")
 # Chunks of at most this many keys keep their attention weights for the backward (B·L·c floats,
 # like one activation of width c); longer spans recompute them (`ChunkedAttention.recompute`).
+# A rule by memory: keeping costs 4·c bytes per token and layer in float32, 2 KB at 512 keys
+# (about an eighth of what a d = 128 Mega block keeps per token), 4 KB at 1K (+25%) for ~5% of
+# layer speed (docs/benchmarks.md).
 KEEP_WEIGHTS_SPAN = 512
 
 # The authors' rounded constants for μ = √½ and σ = 1/(2√π).

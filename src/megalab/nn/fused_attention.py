@@ -5,9 +5,11 @@
 `scaled_dot_product_attention` cannot run this fused on CPU: a bias that needs a gradient sends
 it to its math kernel, which materialises the (N, Cq, Ck) logits, weights and their gradients,
 and the flash kernel also needs Q, K and V of one width (Mega's v = 2d ≠ z). Here one autograd
-function computes the output and every gradient, the bias gradient included, one block of
-queries at a time, with the GEMMs (`baddbmm`/`bmm`) large and the elementwise work on a block that
-stays in cache:
+function computes the output and every gradient, the bias gradient included, one block at a time
+(whole chunks of several samples, or rows of one sample for long spans: `block_shape`), with
+the GEMMs large and the elementwise work in place on a block of a few MB (the bias enters the
+logits' GEMM as its input, τ⁻¹ scales Q once, dS is computed in dP's buffer). In float32 on
+CPU, blocks of one sample run their GEMMs on oneDNN rather than MKL (`ONEDNN`, below):
 
     softmax:        P = softmax(S),                      dS = P ⊙ (dO Vᵀ − rowsum(dO ⊙ O))
     laplace/relu2:  A = f(S) ⊙ masks (S = QKᵀ/n + b),    dS = (dO Vᵀ) ⊙ f'(S) ⊙ masks
@@ -18,8 +20,9 @@ The bias enters as its factors, never as a dense (Cq, Ck) matrix unless given on
 its gradient scattered back into w) or `lowrank` (the 'rotary' bias b = R_a R_bᵀ with the rotated
 vectors (Cq, z) and (Ck, z)). With `recompute=True` the backward recomputes each block's weights
 from Q and K and the saved log-sum-exp (softmax) instead of keeping them: attention then needs
-O(N · block · Ck) memory instead of O(N · Cq · Ck), the flash-attention trade of a third more
-GEMM work for linear memory. With `recompute=False` the weights are kept (faster backward).
+O(block) memory instead of O(N · Cq · Ck), the flash-attention trade of one more QKᵀ GEMM and
+exponential pass for linear memory. With `recompute=False` the weights are kept (faster
+backward).
 
 Masks follow `ChunkedAttention` exactly: softmax masks padded keys with −inf except in a chunk of
 padding only, causal rows see keys up to themselves, and a causal row with no valid key keeps its
@@ -30,6 +33,7 @@ QKᵀ by the number of valid keys (or i + 1 under the causal mask, or Ck).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -39,15 +43,30 @@ from torch.autograd.function import once_differentiable
 from megalab.nn.attention import LAPLACE_MU, LAPLACE_SIGMA, laplace
 
 BIAS_KINDS = ("dense", "toeplitz", "lowrank")
-# Elements of one block's (N, block, Ck) logits: 2^24 floats = 64 MB, a few such live at once.
-BLOCK_ELEMENTS = 1 << 24
+# Elements of one block's (samples, rows, Ck) logits: 2^20 floats = 4 MiB in float32. Whole
+# samples up to 1K x 1K keys, blocks of 2^20 / Ck rows beyond (256 rows at 4K keys); chunks run
+# many samples per block. Measured on the 2-core development machine (Mega's full attention
+# alone, fwd + bwd, z = 64, v = 256, CPU time): against one block of all samples (2^24 elements,
+# 64 MB at 4K), 1.07x (recompute) / 1.0x (keep) at 1K (B = 8) and 1.34x / 1.14x at 4K (B = 2);
+# 2^18 or 2^19 were 5-10% slower at 1K: the GEMMs over a block's rows (dV, dK) want many rows.
+# On MKL alone it loses at 2K (B = 4): 0.95x / 0.94x against one block of all four samples.
+BLOCK_ELEMENTS = 1 << 20
 
 
-def query_block(n: int, cq: int, ck: int, block_elements: int | None = None) -> int:
-    """Queries per block so that one (n, block, ck) tensor holds about `block_elements`
-    (default `BLOCK_ELEMENTS`)."""
+def block_shape(
+    n: int, cq: int, ck: int, block: int | None = None, block_elements: int | None = None
+) -> tuple[int, int]:
+    """(samples, queries) of one block: about `block_elements` (default `BLOCK_ELEMENTS`) logits.
+
+    A span whose (Cq, Ck) logits exceed the budget runs one sample at a time in blocks of rows;
+    a shorter one (chunks) runs whole chunks, several samples per block. `block` fixes the rows.
+    """
     elements = BLOCK_ELEMENTS if block_elements is None else block_elements
-    return max(1, min(cq, elements // max(1, n * ck)))
+    rows = block if block is not None else elements // max(1, ck)
+    rows = max(1, min(cq, rows))
+    if rows < cq:
+        return 1, rows
+    return max(1, min(n, elements // max(1, cq * ck))), cq
 
 
 class _Spec:
@@ -61,16 +80,17 @@ class _Spec:
         scale: float | None,
         bias_kind: str,
         positions: int,
-        block: int,
+        block: tuple[int, int],
         recompute: bool,
     ) -> None:
         self.fn, self.causal, self.q_offset, self.scale = fn, causal, q_offset, scale
-        self.bias_kind, self.positions, self.block, self.recompute = (
-            bias_kind,
-            positions,
-            block,
-            recompute,
-        )
+        self.bias_kind, self.positions, self.recompute = bias_kind, positions, recompute
+        self.samples, self.block = block
+
+    def blocks(self, n: int, cq: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """Row blocks (i0, i1), each with its sample blocks (n0, n1)."""
+        samples = [(n0, min(n, n0 + self.samples)) for n0 in range(0, n, self.samples)]
+        return [(i0, min(cq, i0 + self.block), samples) for i0 in range(0, cq, self.block)]
 
 
 def _bias_block(spec: _Spec, b1: Tensor, b2: Tensor | None, i0: int, i1: int, ck: int) -> Tensor:
@@ -161,6 +181,67 @@ def _laplace_grad(x: Tensor) -> Tensor:
     )
 
 
+def _sl(t: Tensor | None, n0: int, n1: int) -> Tensor | None:
+    return None if t is None else t[n0:n1]
+
+
+def _scratch(buf: Tensor, shape: tuple[int, int, int]) -> Tensor:
+    """A (samples, rows, Ck) view at the start of a flat block-sized buffer."""
+    return buf[: shape[0] * shape[1] * shape[2]].view(shape)
+
+
+def _onednn_linear() -> Any:
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return None
+
+
+_LINEAR = _onednn_linear()
+# Blocks of one sample in float32 on CPU run their GEMMs on oneDNN (`mkldnn._linear_pointwise`,
+# IEEE float32, any operand strides) instead of `bmm` (MKL): on the AMD development machine MKL
+# runs its AVX2 kernels at ~100 GFLOP/s on one core, oneDNN its AVX-512 kernels at 180-250
+# GFLOP/s on the attention's shapes (docs/benchmarks.md). Off with MEGALAB_ONEDNN_ATTENTION=0 or
+# `torch.backends.mkldnn.flags(enabled=False)`; float64 (no oneDNN kernel) and chunks (many small
+# samples per block) use `bmm`.
+ONEDNN = os.environ.get("MEGALAB_ONEDNN_ATTENTION", "1") != "0"
+# ... and only for blocks of at least this many logits (64 rows x 1K keys): oneDNN compiles and
+# caches a kernel per GEMM shape (~0.6 MB each, up to its primitive cache's 1,024), which pays
+# for itself on training-sized blocks but would make token-by-token decoding, whose key count
+# changes every step, 4x slower and grow the process by ~0.5 GB over 600 steps (measured).
+ONEDNN_MIN_ELEMENTS = 1 << 16
+
+
+def _use_onednn(t: Tensor, samples: int, rows: int, ck: int) -> bool:
+    return (
+        ONEDNN
+        and samples == 1
+        and rows * ck >= ONEDNN_MIN_ELEMENTS
+        and _LINEAR is not None
+        and t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and bool(torch.backends.mkldnn.enabled)
+    )
+
+
+def _mm(a: Tensor, b: Tensor, dnn: bool, out: Tensor | None = None) -> Tensor:
+    """a @ b for (n, M, K) and (n, K, N) of any strides (into `out` when given); n = 1 with
+    oneDNN."""
+    if not dnn:
+        return torch.bmm(a, b, out=out)
+    r = _LINEAR(a[0], b[0].T, None, "none", [], "").unsqueeze(0)  # x Wᵀ with W = bᵀ
+    return r if out is None else out.copy_(r)
+
+
+def _mm_add_(c: Tensor, a: Tensor, b: Tensor, dnn: bool) -> None:
+    """c += a @ b."""
+    if dnn:
+        c.add_(_mm(a, b, dnn))
+    else:
+        c.baddbmm_(a, b)
+
+
 class _MegaAttention(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -176,40 +257,53 @@ class _MegaAttention(torch.autograd.Function):
     ) -> Tensor:
         N, cq, _ = q.shape
         ck = k.shape[1]
+        softmax = spec.fn == "softmax"
+        dnn = _use_onednn(q, spec.samples, spec.block, k.shape[1])
         out = q.new_empty(N, cq, v.shape[-1])
+        qs = _scaled_queries(spec, q)
         kT = k.transpose(1, 2)
-        keep: list[Tensor] = []
-        lse = q.new_empty(N, cq) if spec.fn == "softmax" and spec.recompute else None
-        for i0 in range(0, cq, spec.block):
-            i1 = min(cq, i0 + spec.block)
-            s = _logits(spec, q, kT, b1, b2, i0, i1, ck, valid)
-            allowed = _allowed(spec, key_ok, valid, i0, i1, ck, q.device)
-            if spec.fn == "softmax":
-                s = _mask_fill(s, allowed)
-                if lse is not None:
-                    lse[:, i0:i1] = torch.logsumexp(s, dim=-1)
-                w = torch.softmax(s, dim=-1)
-                kept = w  # the backward needs the weights P
-            else:
-                w = _activate(spec, s, allowed)
-                kept = s  # the backward needs the logits (for f') and makes A from them
-            if not spec.recompute:
-                keep.append(kept)
-            out[:, i0:i1] = torch.bmm(w, v)
+        # Kept for the backward: the weights P (softmax) or the logits S (laplace/relu2, for f'),
+        # written block by block; or, recomputing, the log-sum-exp of every softmax row.
+        keep = None if spec.recompute else q.new_empty(N, cq, ck)
+        lse = q.new_empty(N, cq) if softmax and spec.recompute else None
+        buf_s = q.new_empty(spec.samples * spec.block * ck)
+        buf_p = q.new_empty(spec.samples * spec.block * ck) if softmax else None
+        for i0, i1, samples in spec.blocks(N, cq):
+            bias = _bias_block(spec, b1, b2, i0, i1, ck).to(q.dtype)
+            for n0, n1 in samples:
+                shape = (n1 - n0, i1 - i0, ck)
+                kept = None if keep is None else keep[n0:n1, i0:i1]
+                sbuf = _scratch(buf_s, shape) if softmax or kept is None else kept
+                s = _logits(spec, qs, kT, bias, n0, n1, i0, i1, _sl(valid, n0, n1), dnn, sbuf)
+                allowed = _allowed(spec, _sl(key_ok, n0, n1), _sl(valid, n0, n1), i0, i1, ck,
+                                   q.device)  # fmt: skip
+                if softmax:
+                    s = _mask_fill(s, allowed)
+                    assert buf_p is not None
+                    w = torch.softmax(s, dim=-1, out=_scratch(buf_p, shape) if kept is None
+                                      else kept)  # fmt: skip
+                    if lse is not None:
+                        # log Σ_j exp(S_ij) = max_j S_ij − log max_j P_ij: two cheap row maxima
+                        # instead of a second exponential pass (every row has a key it may see).
+                        lse[n0:n1, i0:i1] = s.amax(dim=-1).sub_(w.amax(dim=-1).log_())
+                else:
+                    w = _activate(spec, s, allowed)  # the logits s stay for f' (kept or not)
+                _mm(w, v[n0:n1], dnn, out=out[n0:n1, i0:i1])
         ctx.spec = spec
-        saved = [] if spec.recompute else keep
-        ctx.n_keep = len(saved)
-        ctx.save_for_backward(q, k, v, key_ok, valid, b1, b2, out, lse, *saved)
+        ctx.save_for_backward(q, k, v, key_ok, valid, b1, b2, out, lse, keep)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         spec: _Spec = ctx.spec
-        q, k, v, key_ok, valid, b1, b2, out, lse, *keep = ctx.saved_tensors
-        cq = q.shape[1]
+        q, k, v, key_ok, valid, b1, b2, out, lse, keep = ctx.saved_tensors
+        N, cq, _ = q.shape
         ck = k.shape[1]
+        softmax = spec.fn == "softmax"
+        dnn = _use_onednn(q, spec.samples, spec.block, k.shape[1])
         grad = grad.contiguous()
+        qs = _scaled_queries(spec, q)
         kT, vT = k.transpose(1, 2), v.transpose(1, 2)
         dq = torch.empty_like(q)
         dk = torch.zeros_like(k)
@@ -218,59 +312,89 @@ class _MegaAttention(torch.autograd.Function):
         db1 = torch.zeros_like(b1) if need_bias else None
         db2 = torch.zeros_like(b2) if need_bias and b2 is not None else None
         # softmax: rowsum(dS-free term) D_i = Σ_j P_ij (dO_i · V_j) = dO_i · O_i
-        delta = (grad * out).sum(-1, keepdim=True) if spec.fn == "softmax" else None
-        for n_block, i0 in enumerate(range(0, cq, spec.block)):
-            i1 = min(cq, i0 + spec.block)
-            g = grad[:, i0:i1]
-            dp = torch.bmm(g, vT)  # dO Vᵀ: (N, rows, Ck)
-            allowed = _allowed(spec, key_ok, valid, i0, i1, ck, q.device)
-            if spec.fn == "softmax":
-                if spec.recompute:
-                    p = _mask_fill(_logits(spec, q, kT, b1, b2, i0, i1, ck), allowed)
-                    p = p.sub_(lse[:, i0:i1, None]).exp_()
+        delta = (grad * out).sum(-1, keepdim=True) if softmax else None
+        tau_inv = spec.scale if softmax and spec.scale is not None else 1.0
+        buf_dp = q.new_empty(spec.samples * spec.block * ck)
+        buf_s = q.new_empty(spec.samples * spec.block * ck) if keep is None else None
+        for i0, i1, samples in spec.blocks(N, cq):
+            bias = None
+            if keep is None:
+                bias = _bias_block(spec, b1, b2, i0, i1, ck).to(q.dtype)
+            # Σ_samples dS of these rows: the bias gradient
+            ds_sum = q.new_zeros(i1 - i0, ck) if need_bias else None
+            for n0, n1 in samples:
+                shape = (n1 - n0, i1 - i0, ck)
+                g = grad[n0:n1, i0:i1]
+                dp = _mm(g, vT[n0:n1], dnn, None if dnn else _scratch(buf_dp, shape))  # dO Vᵀ
+                val = _sl(valid, n0, n1)
+                allowed = _allowed(spec, _sl(key_ok, n0, n1), val, i0, i1, ck, q.device)
+                if keep is None:
+                    assert bias is not None and buf_s is not None
+                    s = _logits(spec, qs, kT, bias, n0, n1, i0, i1, val, dnn,
+                                _scratch(buf_s, shape))  # fmt: skip
                 else:
-                    p = keep[n_block]
-                dv.baddbmm_(p.transpose(1, 2), g)
-                assert delta is not None  # computed above for softmax
-                ds = dp.sub_(delta[:, i0:i1]).mul_(p)  # P ⊙ (dP − D)
-                assert spec.scale is not None, "softmax has its scale set at the start"
-                scale = spec.scale
-            else:
-                s = keep[n_block] if keep else _logits(spec, q, kT, b1, b2, i0, i1, ck, valid)
-                deriv = _laplace_grad(s) if spec.fn == "laplace" else 2 * torch.relu(s)
-                dv.baddbmm_(_activate(spec, s, allowed).transpose(1, 2), g)
-                ds = dp.mul_(deriv)
-                if allowed is not None:
-                    ds = ds.masked_fill_(~allowed, 0.0)
-                n = _divisor(spec, valid, i0, i1, ck, q)
-                scale = 1.0
-            if need_bias:
-                _bias_grad(spec, ds.sum(0), b1, b2, db1, db2, i0, i1, ck)
-            if spec.fn != "softmax":
-                ds = ds / n  # ∂S/∂(QKᵀ) = 1/n
-            dq[:, i0:i1] = torch.bmm(ds, k).mul_(scale)
-            dk.baddbmm_(ds.transpose(1, 2), q[:, i0:i1], alpha=scale)
+                    s = keep[n0:n1, i0:i1]
+                if softmax:
+                    if keep is None:
+                        assert lse is not None  # recomputing: P = exp(S − lse)
+                        p = _mask_fill(s, allowed).sub_(lse[n0:n1, i0:i1, None]).exp_()
+                    else:
+                        p = s
+                    _mm_add_(dv[n0:n1], p.transpose(1, 2), g, dnn)
+                    assert delta is not None  # computed above for softmax
+                    ds = dp.sub_(delta[n0:n1, i0:i1]).mul_(p)  # P ⊙ (dP − D)
+                else:
+                    deriv = _laplace_grad(s) if spec.fn == "laplace" else 2 * torch.relu(s)
+                    _mm_add_(dv[n0:n1], _activate(spec, s, allowed).transpose(1, 2), g, dnn)
+                    ds = dp.mul_(deriv)
+                    if allowed is not None:
+                        ds = ds.masked_fill_(~allowed, 0.0)
+                if ds_sum is not None:
+                    ds_sum.add_(ds[0] if n1 - n0 == 1 else ds.sum(0))
+                if not softmax:
+                    ds = ds.div_(_divisor(spec, val, i0, i1, ck, q))  # ∂S/∂(QKᵀ) = 1/n
+                # dQ = dS K τ⁻¹; dK = dSᵀ Q τ⁻¹ = dSᵀ (Q τ⁻¹)
+                dq_blk = _mm(ds, k[n0:n1], dnn, out=dq[n0:n1, i0:i1])
+                if tau_inv != 1.0:
+                    dq_blk.mul_(tau_inv)
+                _mm_add_(dk[n0:n1], ds.transpose(1, 2), qs[n0:n1, i0:i1], dnn)
+            if ds_sum is not None:
+                _bias_grad(spec, ds_sum, b1, b2, db1, db2, i0, i1, ck)
         return dq, dk, dv, None, None, db1, db2, None
+
+
+def _scaled_queries(spec: _Spec, q: Tensor) -> Tensor:
+    """Q τ⁻¹ for softmax (the scale applied once, not on every block of logits), else Q."""
+    if spec.fn != "softmax" or spec.scale == 1.0:
+        return q
+    assert spec.scale is not None, "softmax has its scale set at the start"
+    return q * spec.scale
 
 
 def _logits(
     spec: _Spec,
-    q: Tensor,
+    qs: Tensor,
     kT: Tensor,
-    b1: Tensor,
-    b2: Tensor | None,
+    bias: Tensor,
+    n0: int,
+    n1: int,
     i0: int,
     i1: int,
-    ck: int,
-    valid: Tensor | None = None,
+    valid: Tensor | None,
+    dnn: bool,
+    out: Tensor,
 ) -> Tensor:
-    """S for rows i0:i1: QKᵀ·τ⁻¹ + b (softmax) or QKᵀ/n + b (laplace, relu2)."""
-    bias = _bias_block(spec, b1, b2, i0, i1, ck).to(q.dtype)
+    """S for samples n0:n1, rows i0:i1: (Q τ⁻¹) Kᵀ + b (softmax; the bias enters the GEMM, so
+    adding it costs no pass) or QKᵀ/n + b (laplace, relu2; `valid` of n0:n1). Into `out`, except
+    softmax logits from oneDNN (a new tensor: its binary post-op adds the bias)."""
     if spec.fn == "softmax":
-        assert spec.scale is not None, "softmax has its scale set at the start"
-        return torch.baddbmm(bias, q[:, i0:i1], kT, alpha=spec.scale)
-    scores = torch.bmm(q[:, i0:i1], kT)
-    return scores.div_(_divisor(spec, valid, i0, i1, ck, q)).add_(bias)
+        if dnn:
+            assert _LINEAR is not None
+            r = _LINEAR.binary(qs[n0, i0:i1], bias.contiguous(), kT[n0].T, None, "add")
+            return r.unsqueeze(0)
+        return torch.baddbmm(bias, qs[n0:n1, i0:i1], kT[n0:n1], out=out)
+    scores = _mm(qs[n0:n1, i0:i1], kT[n0:n1], dnn, out=out)
+    return scores.div_(_divisor(spec, valid, i0, i1, kT.shape[-1], qs)).add_(bias)
 
 
 def _mask_fill(s: Tensor, allowed: Tensor | None) -> Tensor:
@@ -333,9 +457,9 @@ def mega_attention(
         valid: (N, Ck) bool, True at real keys (None: all real).
         causal: query r sees keys up to r + q_offset.
         scale: softmax's 1/τ (default z^-½).
-        recompute: recompute the weights in the backward (O(N · block · Ck) memory) instead of
+        recompute: recompute the weights in the backward (memory of one block) instead of
             keeping them.
-        block: queries per block (default: `query_block`).
+        block: queries per block (default: `block_shape`, about `BLOCK_ELEMENTS` logits).
     """
     kind, b1, b2 = bias
     if kind not in BIAS_KINDS:
@@ -355,7 +479,7 @@ def mega_attention(
         z**-0.5 if scale is None else scale,
         kind,
         positions,
-        block or query_block(N, cq, ck),
+        block_shape(N, cq, ck, block),
         recompute,
     )
     return _MegaAttention.apply(q, k, v, key_ok, valid, b1, b2, spec)
