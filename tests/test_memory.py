@@ -227,17 +227,24 @@ def test_memory_check_can_be_turned_off(compose_cfg, monkeypatch) -> None:
 
 
 def _census() -> tuple[int, int, int]:
-    """Live tensors, their storages' bytes, and all objects the collector tracks."""
+    """Live tensors, their storages' bytes, and live modules and megalab objects (a model copy
+    or a probe's records). All objects the collector tracks would be too fragile a count in a
+    long process: Python's ABC caches add weak references whenever new classes are checked."""
     gc.collect()
     objects = gc.get_objects()
     tensors = [o for o in objects if issubclass(type(o), torch.Tensor)]
+    ours = sum(
+        1
+        for o in objects
+        if isinstance(o, torch.nn.Module) or str(type(o).__module__).startswith("megalab.")
+    )
     storages = {}
     for t in tensors:
         try:
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         except RuntimeError:  # no data (fake tensors of an earlier torch.compile test)
             continue
-    return len(tensors), sum(storages.values()), len(objects)
+    return len(tensors), sum(storages.values()), ours
 
 
 def _rss() -> int:
@@ -246,7 +253,7 @@ def _rss() -> int:
 
 def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
     """A process that plans many runs (a multirun, this test suite) keeps no probe behind: no
-    tensor, no object beyond a few log records, no draw from the random state, and (Linux) no
+    tensor, no module or megalab object, no draw from the random state, and (Linux) no
     resident memory: the model copy and the probes' autograd graphs are freed, the heap pages
     they used are returned."""
     task = hydra.utils.instantiate(_cfg(compose_cfg).task)
@@ -257,9 +264,10 @@ def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
         plan = plan_memory(_cfg(compose_cfg), task, exact=True)  # every probe, at full length
         assert plan is not None
     assert torch.equal(torch.get_rng_state(), rng)
+    del plan  # the last plan's record is the caller's
     tensors, nbytes, objects = _census()
     assert (tensors, nbytes) == before[:2]  # each plan had left 656 tensors (12.5 MB) alive
-    assert objects - before[2] < 200  # and 1,178 objects
+    assert objects == before[2]  # and the model copy's modules
     if not Path("/proc/self/statm").exists():
         return
     # Probes that peak at a few hundred MB (the batch of 16 at L=1024 is estimated at 0.34 GB):
@@ -270,7 +278,9 @@ def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
     rss = _rss()
     plan = plan_memory(_cfg(compose_cfg, *long), task, exact=True)
     assert plan is not None and plan.train_peak(16) > 256 * 2**20
-    assert _rss() - rss < 24 * 2**20
+    # The heap is trimmed when the probes grew it by more than TRIM_ABOVE; below that it is kept
+    # for the next steps to reuse.
+    assert _rss() - rss < memory.TRIM_ABOVE + 8 * 2**20
 
 
 def test_the_heap_is_trimmed_after_a_plan_that_grew_the_process(monkeypatch) -> None:
