@@ -64,6 +64,12 @@ def test_tensor_parallel_mesh_and_bad_dtype_are_refused() -> None:
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2: megalab has no tensor"):
         _data_parallel_mesh(Mesh())
+    # Refused when the trainer is built, before any process starts, naming what to use instead.
+    with pytest.raises(ValueError, match="tensor_parallel_size=4") as err:
+        block_sharded_strategy(tensor_parallel_size=4)
+    for layout in ("tensor_parallel_size=1", "trainer=model_parallel", "trainer=fsdp_blocks",
+                   "trainer=chunk_parallel"):  # fmt: skip
+        assert layout in str(err.value)
     with pytest.raises(ValueError, match="unknown dtype 'bf16'"):
         block_sharded_strategy(param_dtype="bf16")
 
