@@ -20,6 +20,9 @@ CASES = [
     ("llama", "causal_gqa_maxlen", 12, False),
     ("llama", "causal_gqa_maxlen", 12, True),
     ("mega", "causal_softmax_rotary", 16, True),
+    # Megalodon: complex CEMA parameters, timestep norms, chunked attention with two heads.
+    ("megalodon", "chunked_swiglu_two_heads", 16, False),
+    ("megalodon", "chunked_swiglu_two_heads", 16, True),
 ]
 
 
