@@ -278,21 +278,33 @@ bench: $(REPRO_INSTALL) ## Run the Mega benchmark suite (FULL=1: all lengths) an
 # and 32K context (sweeps/megalodon_vs_llama.yaml), one seed by default; then the Fig. 4 ratios
 # (tables/megalodon/fig4_throughput.yaml) and the loss curves beside the tokens/s
 # (megalab.curves: curves.png, curves.md). SMOKE=1: the PG-19 fixture (400-token vocabulary),
-# windows of 64 tokens for the 4K pair and 512 for the 32K pair (the same 8x), 2 CPU steps.
-VS_LLAMA_SMOKE := ++data.vocab_size=400 ++data.tokenizer_sample_books=null
-VS_LLAMA_ctx4k := megalodon/pg19_100m,llama/pg19
-VS_LLAMA_ctx32k := megalodon/pg19_100m_32k,llama/pg19_32k
-# $(call vs_llama,<ctx4k|ctx32k: the pair and its folder>,<smoke window>)
+# windows of 64 tokens for the 4K pair and 512 for the 32K pair (the same 8x), 2 CPU steps, and
+# both models shrunk alike to 2 layers of width 64 (the ~100M ones take minutes per CPU step):
+# Megalodon with the presets' ratios (z = D/4, v = 2D, SwiGLU 1.5 D, 32 channels per norm group)
+# and a 64-token chunk (one chunk at the 4K pair's window, eight at the 32K pair's, as 4,096 at
+# 4K and 32K), Llama with 4 heads of 16 and a SwiGLU of 3 D (layers of 106,272 / 106,816
+# parameters). About 2 minutes on 2 CPU cores (4 runs of ~30 s, mostly start-up).
+VS_LLAMA_SMOKE := ++data.vocab_size=400 ++data.tokenizer_sample_books=null \
+	++model.d_model=64 ++model.backbone.num_layers=2
+VS_LLAMA_SMOKE_megalodon := ++model.backbone.z_dim=16 ++model.backbone.v_dim=128 \
+	++model.backbone.ffn_dim=96 ++model.backbone.norm_groups=2 ++model.backbone.chunk_size=64
+VS_LLAMA_SMOKE_llama := ++model.backbone.num_heads=4 ++model.backbone.ffn_dim=192
+VS_LLAMA_ctx4k := megalodon/pg19_100m llama/pg19
+VS_LLAMA_ctx32k := megalodon/pg19_100m_32k llama/pg19_32k
+# $(call vs_llama,<ctx4k|ctx32k: the pair and its folder>,<smoke window>): one sweep per model
+# (into <folder>/<megalodon|llama>), each with its model's SMOKE=1 sizes
 define vs_llama
-	$(REPRO_PY) -m megalab.sweep sweeps/megalodon_vs_llama.yaml --only experiment=$(VS_LLAMA_$(1)) \
-		--out "$$dir/$(1)" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) \
-		$(ARGS) $(if $(SMOKE),$(VS_LLAMA_SMOKE) ++data.max_len=$(2) ++data.eval_max_len=$(2)) || status=1;
+	$(foreach e,$(VS_LLAMA_$(1)),$(REPRO_PY) -m megalab.sweep sweeps/megalodon_vs_llama.yaml \
+		--only experiment=$(e) --out "$$dir/$(1)/$(firstword $(subst /, ,$(e)))" --seeds "$(SEEDS)" \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) \
+		$(if $(SMOKE),$(VS_LLAMA_SMOKE) $(VS_LLAMA_SMOKE_$(firstword $(subst /, ,$(e)))) \
+		++data.max_len=$(2) ++data.eval_max_len=$(2)) || status=1;)
 endef
 
 .PHONY: reproduce-megalodon-vs-llama
 
 reproduce-megalodon-vs-llama: SEEDS = 1
-reproduce-megalodon-vs-llama: $(REPRO_INSTALL) ## Megalodon Fig. 1 + 4 in miniature: Megalodon vs Llama (~100M) on PG-19 at 4K and 32K, loss curves and tokens/s
+reproduce-megalodon-vs-llama: $(REPRO_INSTALL) ## Megalodon Fig. 1 + 4 in miniature: Megalodon vs Llama (~100M) on PG-19 at 4K and 32K, loss curves and tokens/s (SMOKE=1: ~2 min)
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
 	$(call vs_llama,ctx4k,64) \
 	$(call vs_llama,ctx32k,512) \

@@ -92,3 +92,133 @@ def test_trainer_option_trains_like_one_process(fixture_data_dir: Path, tmp_path
     assert two["global_step"] == 2
     for key in ("train/loss_step", "val/loss", "test/loss"):
         assert abs(one["metrics"][key] - two["metrics"][key]) < 1e-4, key
+
+
+# Megalodon and Llama through `trainer=chunk_parallel_cpu` as users launch them, shrunk to 2
+# layers of width 64 so that a 2-process run takes seconds of compute (fixture data as
+# tests/test_experiments.py; dropout off so that 2 processes and 1 draw nothing at random).
+_PG19 = ["data.max_len=64", "data.eval_max_len=64", "data.train_len_unit=10",
+         "data.vocab_size=400", "data.tokenizer_sample_books=null"]  # fmt: skip
+_MEGALODON_SMALL = ["model.d_model=64", "model.backbone.num_layers=2", "model.backbone.z_dim=16",
+                    "model.backbone.v_dim=128", "model.backbone.ffn_dim=96",
+                    "model.backbone.norm_groups=2", "model.backbone.chunk_size=16"]  # fmt: skip
+TRAINER_CASES = {
+    # The ~100M comparison config (plain embedding, stateless windows); 4 chunks of 16 per
+    # 64-token window, 2 per rank.
+    "megalodon/pg19_100m": [*_PG19, *_MEGALODON_SMALL],
+    # WikiText-103: adaptive input and softmax (bands without a token in a rank's slice leave
+    # parameters unused there) and evaluation streams that carry their state (run whole on
+    # every rank), random windows of 20 to 60 tokens for training.
+    "megalodon/wikitext103": [
+        "data.max_len=64",
+        "data.eval_max_len=64",
+        "data.train_len_unit=10",
+        "data.vocab_size=61056",
+        *_MEGALODON_SMALL,
+        "model.backbone.dropout=0.0",
+        "model.backbone.attention_dropout=0.0",
+        "model.backbone.hidden_dropout=0.0",
+        "model.adaptive_input.dropout=0.0",
+        "task.head.dropout=0.0",
+    ],
+    "llama/pg19": [
+        *_PG19,
+        "model.d_model=64",
+        "model.backbone.num_layers=2",
+        "model.backbone.num_heads=4",
+        "model.backbone.ffn_dim=192",
+    ],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", sorted(TRAINER_CASES))
+def test_experiment_trains_chunk_parallel_like_one_process(
+    experiment: str, fixture_data_dir: Path, tmp_path: Path
+) -> None:
+    """`python -m megalab.train experiment=<...> trainer=chunk_parallel_cpu` trains 2 steps
+    with the losses of `trainer=cpu` (about 20 s per run: two processes start)."""
+    import json
+    import math
+
+    from conftest import FAST, run_cli
+
+    metrics = {}
+    for trainer in ("cpu", "chunk_parallel_cpu"):
+        out = tmp_path / trainer
+        proc = run_cli("-m", "megalab.train", *FAST, f"experiment={experiment}",
+                       *TRAINER_CASES[experiment], f"trainer={trainer}",
+                       f"paths.data_dir={fixture_data_dir}", f"hydra.run.dir={out}")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        record = json.loads((out / "metrics.json").read_text())
+        assert record["global_step"] == 2
+        metrics[trainer] = record["metrics"]
+    for key in ("train/loss_step", "train/loss_epoch", "val/loss", "test/loss"):
+        one, two = metrics["cpu"][key], metrics["chunk_parallel_cpu"][key]
+        assert math.isfinite(two) and abs(one - two) < 1e-4, (key, one, two)
+
+
+def _build(compose_cfg, *overrides: str):
+    from megalab.train import build
+
+    cfg = compose_cfg(*overrides, "trainer=chunk_parallel_cpu", "logger=none")
+    return build(cfg)
+
+
+def test_streams_carried_across_training_batches_fail_before_processes_start(
+    compose_cfg,
+) -> None:
+    """Megalodon on PG-19 carries its state from one training segment to the next: chunk
+    parallelism cannot (the last slice's state would start the next batch's first slice), and
+    says so while building the run, before any process starts."""
+    with pytest.raises(ValueError, match="carries the state from one training batch") as err:
+        _build(compose_cfg, "experiment=megalodon/pg19", *_PG19, *_MEGALODON_SMALL)
+    assert "data.sampler=random" in str(err.value) and "trainer=ddp" in str(err.value)
+    with pytest.raises(TypeError, match=r"not one \(use task=language_modeling"):
+        _build(compose_cfg, "experiment=megalodon/lra_listops", "model.d_model=16",
+               "model.backbone.num_layers=1")  # fmt: skip
+
+
+def test_adaptive_bands_make_ddp_look_for_unused_parameters(compose_cfg) -> None:
+    """With adaptive input/softmax bands the strategy turns DDP's unused-parameter search on
+    (a band without a token in a rank's slice is unused there); without them it stays off."""
+    objs = _build(compose_cfg, "experiment=megalodon/wikitext103",
+                  *TRAINER_CASES["megalodon/wikitext103"])  # fmt: skip
+    assert objs["trainer"].strategy._ddp_kwargs["find_unused_parameters"] is True
+    objs = _build(
+        compose_cfg, "experiment=megalodon/pg19_100m", *TRAINER_CASES["megalodon/pg19_100m"]
+    )
+    assert objs["trainer"].strategy._ddp_kwargs["find_unused_parameters"] is False
+
+
+def test_a_new_exchange_replaces_the_hooks_of_the_previous_one() -> None:
+    """Lightning sets the strategy up again for every fit/validate/test: the task keeps the
+    hooks of the newest exchange only (two sets would exchange every state twice, and a paused
+    exchange would leave the other one running)."""
+
+    class Exchange:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def install(self, backbone: torch.nn.Module) -> list:
+            def hook(module, args, output) -> None:
+                self.calls += 1
+
+            return [backbone.register_forward_hook(hook)]
+
+    task = build_lm("megalodon", "chunked_swiglu_two_heads")
+    first, second = Exchange(), Exchange()
+    task.use_chunk_parallel(first)
+    task.use_chunk_parallel(second)
+    x = torch.randn(1, 8, task.backbone.d_model, dtype=torch.float64)
+    task.backbone(x)
+    assert (first.calls, second.calls) == (0, 1) and task.chunk_parallel is second
+
+
+def test_a_backbone_without_the_hook_is_refused_when_the_run_is_built() -> None:
+    from megalab.parallel.lightning import ChunkParallelStrategy
+
+    task = build_lm("transformer_xl", "long_memory")
+    with pytest.raises(TypeError, match="TransformerXL cannot run chunk-parallel"):
+        ChunkParallelStrategy(chunk_parallel_size=2).check(task)
+    ChunkParallelStrategy(chunk_parallel_size=2).check(build_lm("llama", "causal_gqa_maxlen"))

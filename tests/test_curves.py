@@ -154,25 +154,64 @@ def test_fig4_table_pairs_the_comparison_experiments() -> None:
 needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 
 
+def _make_dry_run(*args: str) -> list[str]:
+    """The sweep commands `make -n reproduce-megalodon-vs-llama` would run, one per line."""
+    cmd = ["make", "--no-print-directory", "-n", "-C", str(ROOT), "reproduce-megalodon-vs-llama",
+           "REPRO_INSTALL=", f"BIN={Path(sys.executable).parent}", *args]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [c for c in proc.stdout.split(";") if "megalab.sweep" in c]
+
+
+@needs_make
+def test_vs_llama_smoke_shrinks_both_models_and_the_full_target_keeps_the_configs() -> None:
+    """SMOKE=1 runs each experiment as its own sweep with its model's tiny sizes (both models
+    2 layers of width 64, Megalodon's chunk a window of the 4K pair); without SMOKE the four
+    experiments run exactly as configured."""
+    smoke = _make_dry_run("SMOKE=1")
+    full = _make_dry_run()
+    experiments = ["megalodon/pg19_100m", "llama/pg19", "megalodon/pg19_100m_32k", "llama/pg19_32k"]
+    for commands in (smoke, full):
+        assert [c.split("--only experiment=")[1].split()[0] for c in commands] == experiments
+    for command in full:
+        assert "++" not in command and "--smoke" not in command
+    for command, window in zip(smoke, (64, 64, 512, 512), strict=True):
+        assert "--smoke" in command and f"++data.max_len={window} " in command
+        assert "++model.d_model=64" in command and "++model.backbone.num_layers=2" in command
+        megalodon = "experiment=megalodon/" in command
+        assert ("++model.backbone.chunk_size=64" in command) == megalodon
+        assert ("++model.backbone.num_heads=4" in command) == (not megalodon)
+
+
 @needs_make
 @pytest.mark.slow
 def test_make_reproduce_megalodon_vs_llama_smoke(tmp_path: Path) -> None:
-    """The whole target on fixtures: four ~100M runs of 2 CPU steps (minutes), the Fig. 4
-    table and the curves."""
+    """The whole target on fixtures: four runs of 2 CPU steps of the shrunk models (about
+    2 minutes), the Fig. 4 table and the curves of both models side by side."""
     env = {**os.environ, "MEGALAB_ROOT": str(ROOT), "WANDB_MODE": "offline",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # fmt: skip
     cmd = ["make", "--no-print-directory", "-C", str(ROOT), "reproduce-megalodon-vs-llama",
            "SMOKE=1", "REPRO_INSTALL=", f"REPRO_ROOT={tmp_path}",
            f"BIN={Path(sys.executable).parent}"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (folder,) = (tmp_path / "reproduce-megalodon-vs-llama").iterdir()
-    assert len(list(folder.rglob("metrics.json"))) == 4
+    records = [json.loads(p.read_text()) for p in folder.rglob("metrics.json")]
+    assert sorted(r["experiment"] for r in records) == [
+        "llama/pg19", "llama/pg19_32k", "megalodon/pg19_100m", "megalodon/pg19_100m_32k"
+    ]  # fmt: skip
+    for record in records:  # the shrunk models, trained 2 steps to a finite loss
+        assert record["params"]["total"] < 200_000, record["experiment"]
+        assert record["global_step"] == 2 and math.isfinite(record["metrics"]["train/loss_step"])
     table = (folder / "table.md").read_text()
     ours = table[table.index("| Megalodon | paper | ≈0.94 | ≈1.32 |") :].splitlines()[1]
     assert all(c.strip()[0].isdigit() for c in ours.split("|")[3:-1]), ours
     text = (folder / "curves.md").read_text()
-    for experiment, context in (("megalodon/pg19_100m", "64"), ("llama/pg19_32k", "512")):
+    contexts = {"megalodon/pg19_100m": "64", "llama/pg19": "64",
+                "megalodon/pg19_100m_32k": "512", "llama/pg19_32k": "512"}  # fmt: skip
+    for experiment, context in contexts.items():
         row = next(line for line in text.splitlines() if line.startswith(f"| {experiment} |"))
-        assert row.split("|")[4].strip() == context
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert cells[3] == context and float(cells[8].replace(",", "")) > 0, row
+    assert "**Smoke runs" in text
     assert (folder / "curves.png").stat().st_size > 20_000

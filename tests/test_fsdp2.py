@@ -20,6 +20,9 @@ CASES = [
     ("llama", "causal_gqa_maxlen", 12, False),
     ("llama", "causal_gqa_maxlen", 12, True),
     ("mega", "causal_softmax_rotary", 16, True),
+    # Megalodon: complex CEMA parameters, timestep norms, chunked attention with two heads.
+    ("megalodon", "chunked_swiglu_two_heads", 16, False),
+    ("megalodon", "chunked_swiglu_two_heads", 16, True),
 ]
 
 
@@ -64,6 +67,12 @@ def test_tensor_parallel_mesh_and_bad_dtype_are_refused() -> None:
 
     with pytest.raises(ValueError, match="tensor_parallel_size=2: megalab has no tensor"):
         _data_parallel_mesh(Mesh())
+    # Refused when the trainer is built, before any process starts, naming what to use instead.
+    with pytest.raises(ValueError, match="tensor_parallel_size=4") as err:
+        block_sharded_strategy(tensor_parallel_size=4)
+    for layout in ("tensor_parallel_size=1", "trainer=model_parallel", "trainer=fsdp_blocks",
+                   "trainer=chunk_parallel"):  # fmt: skip
+        assert layout in str(err.value)
     with pytest.raises(ValueError, match="unknown dtype 'bf16'"):
         block_sharded_strategy(param_dtype="bf16")
 

@@ -59,6 +59,9 @@ def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
     trainer = run_utils.instantiate_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers or False
     )
+    check = getattr(trainer.strategy, "check", None)  # chunk parallelism: before processes start
+    if callable(check):
+        check(task, datamodule)
     return {
         "datamodule": datamodule,
         "task": task,

@@ -58,6 +58,10 @@ def _check_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
 class AdaptiveInput(nn.Module):
     """Adaptive input embedding, usable as the LM task's encoder: `forward(tokens, mask)`."""
 
+    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
+    # training must look for unused parameters (megalab.parallel.lightning reads this).
+    data_dependent_parameters = True
+
     def __init__(
         self,
         vocab_size: int,
@@ -145,6 +149,10 @@ class AdaptiveSoftmax(nn.Module):
         factor: width divisor per band (tail i has width d_model // factor**(i+1)).
         dropout: adaptive-softmax dropout.  tie_proj: when tied, share the tail projections too.
     """
+
+    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
+    # training must look for unused parameters (megalab.parallel.lightning reads this).
+    data_dependent_parameters = True
 
     def __init__(
         self,

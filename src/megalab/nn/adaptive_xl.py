@@ -85,6 +85,10 @@ class AdaptiveEmbedding(nn.Module):
         init_std, proj_init_std: the trainer's initialisation scales.
     """
 
+    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
+    # training must look for unused parameters (megalab.parallel.lightning reads this).
+    data_dependent_parameters = True
+
     def __init__(
         self,
         vocab_size: int,
@@ -163,6 +167,10 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             div_val > 1).
         init_std, proj_init_std: the trainer's initialisation scales.
     """
+
+    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
+    # training must look for unused parameters (megalab.parallel.lightning reads this).
+    data_dependent_parameters = True
 
     def __init__(
         self,

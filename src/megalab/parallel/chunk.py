@@ -190,6 +190,7 @@ class ChunkParallel:
         self.next_rank = ranks[self.index + 1] if self.index < self.size - 1 else None
         self._pending: list[tuple[Any, list[Tensor]]] = []
         self._anchor: Tensor | None = None
+        self.active = True  # False: the hooks stand aside (see `paused`)
 
     # -- slices ---------------------------------------------------------------------------------
     def bounds(self, length: int) -> tuple[int, int]:
@@ -270,6 +271,16 @@ class ChunkParallel:
 
     # -- hooks on a backbone --------------------------------------------------------------------
     @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside the block the installed hooks do nothing: every rank runs the whole sequence
+        on its own (evaluation that carries state from segment to segment)."""
+        active, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = active
+
+    @contextmanager
     def attach(self, backbone: nn.Module) -> Iterator[None]:
         """Run `backbone` chunk-parallel inside the block (see `install`)."""
         handles = self.install(backbone)
@@ -295,6 +306,8 @@ class ChunkParallel:
         stateless: list[bool] = []
 
         def backbone_pre(module, args, kwargs):
+            if not link.active:
+                return None
             link.wait()
             args, kwargs = list(args), dict(kwargs)
             x = args[0] if args else kwargs["x"]
@@ -309,13 +322,15 @@ class ChunkParallel:
             return tuple(args), kwargs
 
         def backbone_post(module, args, kwargs, out: BackboneOutput):
+            if not link.active:
+                return None
             if stateless.pop():
                 return BackboneOutput(out.y, None, out.aux)
             return out
 
         def layer_pre(index: int):
             def hook(module, args, kwargs):
-                if link.prev_rank is None:
+                if link.prev_rank is None or not link.active:
                     return None
                 args, kwargs = list(args), dict(kwargs)
                 x = args[0] if args else kwargs["x"]
@@ -330,7 +345,7 @@ class ChunkParallel:
 
         def layer_post(index: int):
             def hook(module, args, kwargs, out):
-                if link.next_rank is None:
+                if link.next_rank is None or not link.active:
                     return None
                 y, state = out
                 return link.send_state(index, state, y), state

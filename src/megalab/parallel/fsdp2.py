@@ -12,7 +12,8 @@ Unlike FSDP1 (`FullyShardedDataParallel`, Lightning's `FSDPStrategy`), FSDP2 run
 processes with gloo, which is how it is tested here (2 ranks equal 1 rank on the whole batch,
 tests/test_fsdp2.py). Tensor parallelism (`tensor_parallel_size` > 1) needs a plan per model
 (which projections split by columns or rows, attention heads per rank); megalab has none yet, so
-a mesh with a tensor-parallel dimension larger than 1 is refused with a message.
+`tensor_parallel_size` > 1 is refused when the strategy is built (and a mesh with such a
+dimension when the model is sharded), with a message naming the layouts to use instead.
 """
 
 from __future__ import annotations
@@ -89,14 +90,24 @@ def _blocks(module: nn.Module, classes: tuple[type, ...]) -> list[nn.Module]:
     return units
 
 
+def _no_tensor_parallel(size: Any) -> None:
+    """Refuse a tensor-parallel size > 1, saying what shards or splits the work instead."""
+    if isinstance(size, int) and size > 1:
+        raise ValueError(
+            f"tensor_parallel_size={size}: megalab has no tensor-parallel plan for its models "
+            "yet (which projections split by columns or rows, attention heads per rank). "
+            "Use trainer.strategy.tensor_parallel_size=1: FSDP2 then shards parameters, "
+            "gradients and optimizer state over all processes (trainer=model_parallel); or "
+            "FSDP1 per block (trainer=fsdp_blocks, GPUs); or, for long sequences of a "
+            "language model, chunk parallelism (trainer=chunk_parallel: each process takes a "
+            "slice of every sequence). docs/cluster.md lists what each layout supports."
+        )
+
+
 def _data_parallel_mesh(mesh: Any) -> Any:
     names = tuple(mesh.mesh_dim_names or ())
-    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
-        raise ValueError(
-            f"tensor_parallel_size={mesh['tensor_parallel'].size()}: megalab has no tensor-"
-            "parallel plan for its models yet; use trainer.strategy.tensor_parallel_size=1 "
-            "(FSDP2 over all processes) or trainer=fsdp_blocks"
-        )
+    if "tensor_parallel" in names:
+        _no_tensor_parallel(mesh["tensor_parallel"].size())
     return mesh["data_parallel"] if "data_parallel" in names else mesh
 
 
@@ -121,6 +132,7 @@ def block_sharded_strategy(
     tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout) carrying
     the options the task's `configure_model` hands to `shard_blocks` (dtypes by name:
     "bfloat16", "float32")."""
+    _no_tensor_parallel(kwargs.get("tensor_parallel_size", 1))  # before any process starts
     strategy = BlockShardedStrategy(**kwargs)
     strategy.megalab_shard_options = {  # type: ignore[attr-defined]
         "activation_checkpointing": activation_checkpointing,

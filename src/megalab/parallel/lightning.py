@@ -8,17 +8,22 @@ ranks of a group read the same rows of data (the DataModule shards by data-paral
 (`megalab.parallel.chunk`), and the backbone exchanges its carried state with the neighbours.
 Each rank's loss is its slice's summed NLL over the group's token count, times cp: DDP's mean of
 the gradients over all dp · cp processes is then exactly the data-parallel mean of the
-whole-sequence gradients. Language modelling with stateless batches only (each batch starts
-its streams afresh: `task.carry_state=false`), as the authors train.
+whole-sequence gradients. Language modelling on training batches that each start from a fresh
+state (`data.sampler=random`, or `task.carry_state=false`), as the authors train; with
+`task.carry_state=true` the evaluation streams carry their state and run whole on every rank
+(`use_chunk_parallel`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, cast
 
 from lightning.pytorch.strategies import DDPStrategy
 
 from megalab.parallel.chunk import ChunkParallel, new_chunk_parallel
+
+log = logging.getLogger(__name__)
 
 
 class ChunkParallelStrategy(DDPStrategy):
@@ -43,13 +48,40 @@ class ChunkParallelStrategy(DDPStrategy):
         super().setup_distributed()
         self.chunk = new_chunk_parallel(self.chunk_parallel_size, self._process_group_backend)
 
-    def setup(self, trainer: Any) -> None:
-        task = self.lightning_module
+    def check(self, task: Any, datamodule: Any = None) -> None:
+        """Raise if `task` cannot train chunk-parallel (megalab.train calls it before any
+        process starts): a language model whose training batches start from a fresh state."""
         if not hasattr(task, "use_chunk_parallel"):
             raise TypeError(
                 f"chunk parallelism splits the sequences of a language model; "
-                f"{type(task).__name__} is not one (use task=language_modeling)"
+                f"{type(task).__name__} is not one (use task=language_modeling, or "
+                "trainer=ddp / model_parallel for this task)"
             )
+        backbone = getattr(task, "backbone", None)
+        if getattr(backbone, "carried_modules", None) is None:
+            raise TypeError(
+                f"{type(backbone).__name__} cannot run chunk-parallel: it has no "
+                "carried_modules() (the sub-modules that carry state along time; Mega, "
+                "Megalodon and Llama have them); use trainer=ddp for it"
+            )
+        task.check_chunk_parallel(datamodule)
+        # Each rank sees a slice of the batch: a band of an adaptive input or softmax that has
+        # no token in this rank's slice leaves its parameters out of the graph there. DDP must
+        # then look for them (the other ranks' gradients are averaged with this rank's zero:
+        # still the whole-sequence gradient), or it stops with "parameters that were not used".
+        if not self._ddp_kwargs.get("find_unused_parameters") and any(
+            getattr(m, "data_dependent_parameters", False) for m in task.modules()
+        ):
+            log.info(
+                "chunk parallel: %s uses some parameters only for some tokens (adaptive "
+                "input/softmax bands); DDP looks for unused parameters",
+                type(task).__name__,
+            )
+            self._ddp_kwargs["find_unused_parameters"] = True
+
+    def setup(self, trainer: Any) -> None:
+        task = self.lightning_module
+        self.check(task, getattr(trainer, "datamodule", None))
         assert self.chunk is not None
         cast(Any, task).use_chunk_parallel(self.chunk)  # checked with hasattr above
         super().setup(trainer)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
@@ -194,16 +195,41 @@ class LanguageModelingTask(SequenceTask):
         return self.backbone.initial_state(batch_size, like)
 
     # -- chunk parallelism ----------------------------------------------------------------------
+    def check_chunk_parallel(self, datamodule: Any) -> None:
+        """Fail before any process starts where chunk parallelism cannot run this task.
+
+        Every training batch must start from a fresh state: the ranks of a group run the
+        slices of one batch as a wavefront, and carrying the last slice's final state into the
+        first slice of the next batch (`data.sampler=stream` with `task.carry_state=true`,
+        truncated BPTT over contiguous streams) is not implemented. `carry_state=true` with
+        `data.sampler=random` (every window starts afresh: Megalodon on WikiText-103) trains
+        chunk-parallel and evaluates as one process would (`_step`)."""
+        if not self.carry_state:
+            return
+        sampling = getattr(datamodule, "train_sampling", None)
+        if sampling != "random":
+            raise ValueError(
+                "chunk parallelism trains on batches that each start from a fresh state, but "
+                f"this run carries the state from one training batch to the next "
+                f"(task.carry_state=true, data.sampler={sampling}): set data.sampler=random "
+                "(independent windows, as the authors' chunk-parallel pretraining) or "
+                "task.carry_state=false, or train these streams without chunk parallelism "
+                "(trainer=ddp / ddp_cpu)"
+            )
+
     def use_chunk_parallel(self, chunk: Any) -> None:
         """Run as one rank of a chunk-parallel group (`megalab.parallel`): take this rank's
-        slice of every batch, exchange the backbone's state with the neighbours, and scale the
-        loss so that data-parallel averaging gives the whole-sequence gradient."""
-        if self.carry_state:
-            raise ValueError(
-                "chunk parallelism trains on stateless batches: set task.carry_state=false "
-                "(and data.sampler=random)"
-            )
-        chunk.install(self.backbone)
+        slice of every training batch, exchange the backbone's state with the neighbours, and
+        scale the loss so that data-parallel averaging gives the whole-sequence gradient.
+        Evaluation is sliced too, unless it carries state from segment to segment
+        (`carry_state`): then every rank of a group scores the whole segments, as one process."""
+        trainer = self._trainer
+        self.check_chunk_parallel(getattr(trainer, "datamodule", None))
+        # Every fit/validate/test sets the strategy up again with a new exchange: the hooks of
+        # the previous one go, or each layer would exchange its state twice.
+        for handle in getattr(self, "_chunk_hooks", []):
+            handle.remove()
+        self._chunk_hooks = chunk.install(self.backbone)
         self.chunk_parallel = chunk
 
     def _slice_batch(self, batch: Batch) -> Batch:
@@ -228,6 +254,10 @@ class LanguageModelingTask(SequenceTask):
 
     def _step(self, batch: Batch, split: str) -> Tensor:
         cp = getattr(self, "chunk_parallel", None)
+        if cp is not None and split != "train" and self.carry_state:
+            # Evaluation over carried streams: the whole segments on every rank (the group's
+            # ranks score the same tokens, which leaves the synced loss ratios unchanged).
+            cp = None
         if cp is not None:
             batch = self._slice_batch(batch)
         states = self._state[split]
@@ -240,7 +270,9 @@ class LanguageModelingTask(SequenceTask):
             state = state_to(state, batch["inputs"].device)
         if state is None and self.carry_state:
             state = self.initial_state(batch["inputs"].shape[0])
-        out = self(batch["inputs"], batch.get("mask"), state)
+        chunk = getattr(self, "chunk_parallel", None)
+        with chunk.paused() if chunk is not None and cp is None else nullcontext():
+            out = self(batch["inputs"], batch.get("mask"), state)
         if self.carry_state:
             states[group] = detach_state(out.state) if split == "train" else out.state
         nll = self.head.nll(out.y, batch["targets"])
