@@ -222,3 +222,17 @@ def test_a_backbone_without_the_hook_is_refused_when_the_run_is_built() -> None:
     with pytest.raises(TypeError, match="TransformerXL cannot run chunk-parallel"):
         ChunkParallelStrategy(chunk_parallel_size=2).check(task)
     ChunkParallelStrategy(chunk_parallel_size=2).check(build_lm("llama", "causal_gqa_maxlen"))
+
+
+def test_plain_ddp_also_looks_for_unused_adaptive_bands(compose_cfg) -> None:
+    """Data parallelism has the same hazard (a rank's batch without a token of some band): the
+    run turns the search on for models with adaptive bands and leaves it off for the rest."""
+    from megalab.train import build
+
+    def ddp(*overrides: str):
+        return build(compose_cfg(*overrides, "trainer=ddp_cpu", "logger=none"))["trainer"]
+
+    trainer = ddp("experiment=megalodon/wikitext103", *TRAINER_CASES["megalodon/wikitext103"])
+    assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
+    trainer = ddp("experiment=megalodon/pg19_100m", *TRAINER_CASES["megalodon/pg19_100m"])
+    assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is False

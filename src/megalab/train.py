@@ -25,6 +25,7 @@ from omegaconf import DictConfig  # noqa: E402
 from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
+from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import RunInterrupted  # noqa: E402
@@ -62,6 +63,7 @@ def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
     check = getattr(trainer.strategy, "check", None)  # chunk parallelism: before processes start
     if callable(check):
         check(task, datamodule)
+    find_unused_data_dependent_parameters(trainer.strategy, task)
     return {
         "datamodule": datamodule,
         "task": task,

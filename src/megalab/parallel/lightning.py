@@ -26,6 +26,26 @@ from megalab.parallel.chunk import ChunkParallel, new_chunk_parallel
 log = logging.getLogger(__name__)
 
 
+def find_unused_data_dependent_parameters(strategy: Any, task: Any) -> None:
+    """Turn DDP's unused-parameter search on for a model with data-dependent parameters.
+
+    A band of an adaptive input or softmax that has no token in a rank's batch (or, chunk
+    parallel, in its slice of the sequence) leaves its parameters out of that rank's graph; DDP
+    then stops with "parameters that were not used" unless it looks for them (the other ranks'
+    gradients are averaged with this rank's zero: still the whole batch's gradient). Models
+    without such parameters keep the faster setting.
+    """
+    if not isinstance(strategy, DDPStrategy) or strategy._ddp_kwargs.get("find_unused_parameters"):
+        return
+    if any(getattr(m, "data_dependent_parameters", False) for m in task.modules()):
+        log.info(
+            "%s uses some parameters only for some tokens (adaptive input/softmax bands): DDP "
+            "looks for unused parameters",
+            type(task).__name__,
+        )
+        strategy._ddp_kwargs["find_unused_parameters"] = True
+
+
 class ChunkParallelStrategy(DDPStrategy):
     """DDP over groups of `chunk_parallel_size` ranks that split every sequence along time."""
 
@@ -65,19 +85,7 @@ class ChunkParallelStrategy(DDPStrategy):
                 "Megalodon and Llama have them); use trainer=ddp for it"
             )
         task.check_chunk_parallel(datamodule)
-        # Each rank sees a slice of the batch: a band of an adaptive input or softmax that has
-        # no token in this rank's slice leaves its parameters out of the graph there. DDP must
-        # then look for them (the other ranks' gradients are averaged with this rank's zero:
-        # still the whole-sequence gradient), or it stops with "parameters that were not used".
-        if not self._ddp_kwargs.get("find_unused_parameters") and any(
-            getattr(m, "data_dependent_parameters", False) for m in task.modules()
-        ):
-            log.info(
-                "chunk parallel: %s uses some parameters only for some tokens (adaptive "
-                "input/softmax bands); DDP looks for unused parameters",
-                type(task).__name__,
-            )
-            self._ddp_kwargs["find_unused_parameters"] = True
+        find_unused_data_dependent_parameters(self, task)
 
     def setup(self, trainer: Any) -> None:
         task = self.lightning_module
