@@ -54,7 +54,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -466,22 +466,14 @@ def _measure(
             p2 = Probe(2, 2 * p1.saved, 0)
         if e2 is None:
             e2 = Probe(2, 0, 2 * e1.peak)
-        plan = MemoryPlan(
-            device=str(device),
-            max_len=L,
-            per_process_batch=per_process,
-            accumulate=accumulate,
-            micro_batch=per_process // max(1, accumulate),
-            budget=budget,
-            params=n_params,
-            optimizer_bytes=float(TRAIN_BYTES_PER_PARAM * n_params - bytes_params),
+        plan = replace(
+            bound,  # the same run; the per-example terms now measured at the full length
             saved_per_example=float(max(0, p2.saved - p1.saved)),
             saved_fixed=float(max(0, 2 * p1.saved - p2.saved)),
             work_per_example=float(max(0, e2.peak - e1.peak)),
             work_fixed=float(max(0, 2 * e1.peak - e2.peak)),
-            eval_batch=eval_batch,
             measured_work={1: float(e1.peak), 2: float(e2.peak)},
-            overhead=allocator_overhead(device),
+            bound_length=None,
         )
 
         if max(plan.train_peak(plan.micro_batch), plan.eval_peak(eval_batch)) > budget / 2:
