@@ -8,8 +8,14 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pytest
 import torch
+
+# Without CUDA, Triton's interpreter runs the fused kernels on CPU tensors (megalab.kernels): it
+# must be set before any kernel module is imported, since Triton reads it when a kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig

@@ -1,0 +1,121 @@
+"""Fused GPU kernels written in Triton, each beside the PyTorch code it replaces.
+
+The PyTorch code stays the reference and the CPU path: a kernel runs only where it is chosen,
+
+- automatically, when Triton is importable, every tensor it touches is on CUDA and the kernel is
+  switched on (all are by default);
+- on the CPU, only inside `forced(...)` and under Triton's interpreter (`TRITON_INTERPRET=1`, set
+  before Triton is imported): that is how the test suite checks every kernel without a GPU.
+
+Switches, for a run or a test: `MEGALAB_KERNELS=0` turns every kernel off, `MEGALAB_KERNELS=
+timestep_norm,ema` turns on only those, `MEGALAB_KERNELS=-attention` all but those; in Python,
+`with megalab.kernels.disabled("attention"): ...`. An unknown name is refused with the list.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+__all__ = [
+    "KERNELS",
+    "disabled",
+    "enabled",
+    "forced",
+    "interpreting",
+    "triton_available",
+    "use_kernel",
+]
+
+#: Every fused kernel megalab has, by the name its switch takes.
+KERNELS: tuple[str, ...] = ("timestep_norm", "ema", "attention", "elementwise")
+
+_disabled: set[str] = set()
+_forced: set[str] = set()
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when the `triton` package can be imported (the `gpu` extra installs it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _check(names: tuple[str, ...]) -> None:
+    unknown = [n for n in names if n not in KERNELS]
+    if unknown:
+        raise ValueError(f"unknown kernel name(s) {unknown}: megalab's kernels are {list(KERNELS)}")
+
+
+def _env_switch() -> set[str]:
+    """The kernels `MEGALAB_KERNELS` turns on (all when unset)."""
+    raw = os.environ.get("MEGALAB_KERNELS", "").strip()
+    if raw in ("", "1", "auto", "on"):
+        return set(KERNELS)
+    if raw in ("0", "off", "none"):
+        return set()
+    items = tuple(s.strip() for s in raw.split(",") if s.strip())
+    _check(tuple(s.lstrip("-") for s in items))
+    if all(s.startswith("-") for s in items):
+        return set(KERNELS) - {s[1:] for s in items}
+    if any(s.startswith("-") for s in items):
+        raise ValueError(
+            f"MEGALAB_KERNELS={raw!r} mixes names to keep and names to drop: give either "
+            "'a,b' (only these) or '-a,-b' (all but these)"
+        )
+    return set(items)
+
+
+def enabled(name: str) -> bool:
+    """Whether kernel `name` is switched on (environment and `disabled` together)."""
+    _check((name,))
+    return name in _env_switch() and name not in _disabled
+
+
+def use_kernel(name: str, *tensors: torch.Tensor) -> bool:
+    """Whether to run kernel `name` on `tensors` instead of its PyTorch reference."""
+    if not enabled(name) or not triton_available():
+        return False
+    if name in _forced and interpreting():
+        return True
+    return bool(tensors) and all(t.is_cuda for t in tensors)
+
+
+@contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """Run the PyTorch reference instead of the named kernels (all when none is named)."""
+    names = names or KERNELS
+    _check(names)
+    before = set(_disabled)
+    _disabled.update(names)
+    try:
+        yield
+    finally:
+        _disabled.clear()
+        _disabled.update(before)
+
+
+@contextmanager
+def forced(*names: str) -> Iterator[None]:
+    """Run the named kernels on CPU tensors too, under Triton's interpreter (tests only).
+
+    Outside the interpreter this changes nothing: Triton cannot compile for the CPU.
+    """
+    names = names or KERNELS
+    _check(names)
+    before = set(_forced)
+    _forced.update(names)
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(before)
