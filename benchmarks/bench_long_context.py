@@ -103,9 +103,9 @@ def build(name: str, d: int, layers: int, chunk: int, device: str) -> Backbone:
     import hydra
     from omegaconf import OmegaConf
 
-    from megalab.utils.paths import CONFIG_DIR
+    from megalab.utils.paths import group_config
 
-    model = OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml")
+    model = group_config("model", name)
     cfg = OmegaConf.create({"model": model, "data": {"max_len": 1 << 20, "vocab_size": 256,
                             "d_input": None, "pad_id": None, "num_classes": None}})  # fmt: skip
     cfg.model.d_model = d

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from megalab.nn.embedding import SequenceEncoder
 from megalab.tasks.language_modeling import LanguageModelingTask, LinearLMHead
-from megalab.utils.paths import CONFIG_DIR
+from megalab.utils.paths import CONFIG_DIR, group_config
 
 VOCAB = 32
 DATA_SPEC = {"vocab_size": VOCAB, "d_input": None, "pad_id": None, "max_len": 64, "num_classes": 4}
@@ -31,9 +31,7 @@ VARIANTS: dict[str, dict[str, list[str]]] = {
 
 def build_backbone(name: str, variant: str, dtype: torch.dtype = torch.float64, seed: int = 0):
     """The tiny backbone of a model config variant, parameters perturbed off the init."""
-    cfg = OmegaConf.create(
-        {"model": OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml"), "data": DATA_SPEC}
-    )
+    cfg = OmegaConf.create({"model": group_config("model", name), "data": DATA_SPEC})
     for override in TINY + VARIANTS.get(name, {}).get(variant, []):
         key, value = override.split("=", 1)
         OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)

@@ -20,8 +20,8 @@ from megalab.train import train
 MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
 # Size presets of a model config above (same classes and code path, only wider and deeper):
 # they train at a small width, in the slow suite; their family runs in the default suite.
-PRESETS = {"llama_200m": "llama", "llama_1_3b": "llama", "llama_7b": "llama"}
-SMALL = ["model.d_model=64", "model.backbone.num_layers=2"]
+PRESETS = {"llama_100m": "llama", "llama_200m": "llama", "llama_1_3b": "llama", "llama_7b": "llama"}
+SMALL = ["model.d_model=64", "model.backbone.num_layers=2", "model.backbone.num_heads=4"]
 CASES = [pytest.param(m, marks=pytest.mark.slow) if m in PRESETS else m for m in MODELS]
 FP32_OPS = ("_fft_r2c", "_fft_c2r", "_fft_c2c", "native_layer_norm", "rsqrt", "native_batch_norm")
 LM = ["data=enwik8", "task=language_modeling", "data.max_len=64", "data.eval_max_len=64",

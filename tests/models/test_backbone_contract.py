@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from megalab.models.base import BackboneOutput, BackboneProtocol
 from megalab.models.state import pack_state, select_state, unpack_state
-from megalab.utils.paths import CONFIG_DIR
+from megalab.utils.paths import CONFIG_DIR, group_config
 
 DT = torch.float64
 # What model configs interpolate from `${data.*}`.
@@ -52,9 +52,7 @@ IDS = [f"{n}-{v}" for n, v in CASES]
 
 def build(name: str, variant: str, dtype: torch.dtype = DT, seed: int = 0) -> Any:
     """The tiny backbone of a model config variant, parameters perturbed, in eval mode."""
-    cfg = OmegaConf.create(
-        {"model": OmegaConf.load(CONFIG_DIR / "model" / f"{name}.yaml"), "data": DATA_SPEC}
-    )
+    cfg = OmegaConf.create({"model": group_config("model", name), "data": DATA_SPEC})
     for override in TINY + VARIANTS.get(name, {}).get(variant, []):
         key, value = override.split("=", 1)
         OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)

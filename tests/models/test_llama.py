@@ -23,12 +23,13 @@ from megalab.utils.paths import CONFIG_DIR
 DT = torch.float64
 
 
-def compose_model(name: str, vocab_size: int = 32_000):
+def compose_model(name: str, vocab_size: int = 32_000, experiment: str | None = None):
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
             "train",
             overrides=[
+                *([f"experiment={experiment}"] if experiment else []),
                 f"model={name}",
                 "data=pg19",
                 "task=language_modeling",
@@ -50,14 +51,31 @@ def compose_model(name: str, vocab_size: int = 32_000):
         ("llama_200m", 219_702_272),
     ],
 )
-def test_preset_parameter_counts_on_the_meta_device(name: str, expected: int) -> None:
-    cfg = compose_model(name)
+@pytest.mark.parametrize("experiment", [None, "llama/pg19", "llama/pg19_32k"])
+def test_preset_parameter_counts_on_the_meta_device(
+    name: str, expected: int, experiment: str | None
+) -> None:
+    """A preset's sizes win over an experiment's (docs/cluster.md: `experiment=llama/pg19
+    model=llama_1_3b task.tie_weights=false` is the 1.36B model)."""
+    cfg = compose_model(name, experiment=experiment)
     with torch.device("meta"):
         task = hydra.utils.instantiate(cfg.task)
     assert isinstance(task, LanguageModelingTask)
     total = sum(p.numel() for p in task.parameters())
     assert total == expected
     assert count_parameters(task.backbone.config, 32_000) == expected
+
+
+def test_llama_pg19_experiment_is_its_100m_preset() -> None:
+    """experiment=llama/pg19 takes its sizes from model=llama_100m: 109.5M with the tied head."""
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=llama/pg19"])
+    GlobalHydra.instance().clear()
+    assert (cfg.model.d_model, cfg.model.backbone.num_layers) == (768, 12)
+    with torch.device("meta"):
+        task = hydra.utils.instantiate(cfg.task)
+    assert round(sum(p.numel() for p in task.parameters()) / 1e5) == 1095
 
 
 def test_ffn_width_follows_metas_rule() -> None:

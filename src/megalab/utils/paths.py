@@ -8,12 +8,16 @@
 - `resource_dir(name)`: the paper tables (`tables/`) and sweep files (`sweeps/`): the project's
   own folder when it has one, else the copy an installed wheel carries (`megalab/resources/`,
   written by the build hook in `setup.py`).
+- `group_config(group, name)`: one config of a group as Hydra composes it, for code that builds a
+  model from its file without composing a whole run (the contract tests, the benchmarks).
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 CONFIG_DIR = Path(os.environ.get("MEGALAB_CONFIG_DIR", str(PACKAGE_DIR / "configs")))
@@ -49,3 +53,30 @@ def resource_dir(name: str) -> Path:
     if not own.is_dir() and packaged.is_dir():
         return packaged
     return own
+
+
+def group_config(group: str, name: str) -> DictConfig:
+    """`<group>/<name>.yaml` with its defaults merged in, as Hydra composes a group option.
+
+    A preset extends its base through a defaults list of configs of the same group (model/
+    llama_7b.yaml: `defaults: [llama, _self_]`); `_self_` goes last when not listed, as in Hydra.
+    """
+    cfg = OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml")
+    assert isinstance(cfg, DictConfig)
+    defaults = list(cfg.pop("defaults", None) or [])
+    if "_self_" not in defaults:
+        defaults.append("_self_")
+    parts = []
+    for entry in defaults:
+        if entry == "_self_":
+            parts.append(cfg)
+        elif isinstance(entry, str) and "/" not in entry and ":" not in entry:
+            parts.append(group_config(group, entry))
+        else:
+            raise ValueError(
+                f"{group}/{name}.yaml: defaults entry {entry!r} is not a config of the same group "
+                "(only `- <name>` of another file in that folder, and `_self_`, are read here)"
+            )
+    merged = OmegaConf.merge(*parts)
+    assert isinstance(merged, DictConfig)
+    return merged
