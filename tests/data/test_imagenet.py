@@ -46,6 +46,24 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+def test_cli_subset_with_other_class_count_names_its_own_flag(folder: Path, capsys) -> None:
+    """`megalab-data imagenet` on a 3-class folder: one message naming --num-classes."""
+    from megalab.data.cli import main
+
+    root = folder.parent / "cli_root"
+    (root / "imagenet").mkdir(parents=True, exist_ok=True)
+    for split in ("train", "val"):
+        link = root / "imagenet" / split
+        if not link.exists():
+            link.symlink_to(folder / split)
+    assert main(["imagenet", "--root", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert "set --num-classes 3 for this subset" in err and "data.num_classes" not in err
+    assert "Traceback" not in err
+    assert main(["imagenet", "--root", str(root), "--num-classes", "3"]) == 0
+    assert "3 classes" in capsys.readouterr().out
+
+
 def module(root: Path, **kwargs) -> ImageNetDataModule:
     kwargs = {"num_classes": 3, "batch_size": 4, **NO_TIMM, **kwargs}
     dm = ImageNetDataModule(root, **kwargs)

@@ -37,7 +37,7 @@ def _check(err: str) -> str:
     assert "Retrying in" not in err, err
     message = err[err.index("Dataset 'LRA Text (IMDB)' is not available") :]
     assert err.count("thrown while requesting") == message.count("thrown while requesting") <= 1
-    assert message.rstrip().endswith("put the files at the same relative paths there."), err
+    assert message.rstrip().endswith("`--out /your/folder` and put them there."), err
     assert "Traceback" not in err
     return message
 
@@ -66,4 +66,7 @@ def test_offline_hub_prints_one_message_last(tmp_path: Path, monkeypatch, capfd)
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["imdb", "--out", str(tmp_path / "imdb")]) == 1
-    assert "offline mode is on" in _check(capfd.readouterr().err)
+    message = _check(capfd.readouterr().err)
+    assert "offline mode is on" in message
+    # imdb and cifar10 take --out (the dataset's folder); they have no --root flag
+    assert "--out /your/folder" in message and "--root" not in message

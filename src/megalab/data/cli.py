@@ -167,16 +167,29 @@ def _verify(args: argparse.Namespace) -> None:
         raise SystemExit(1)
 
 
-# Hints written for `megalab-train` name Hydra keys; here the same setting is a flag.
-_FLAG_FOR = (
-    ("`paths.data_dir=/your/data/root`", "`--root /your/data/root`"),
-    ("the `paths.data_dir` setting", "the --root flag"),
-    ("paths.data_dir", "--root"),
-)
+# Hints written for `megalab-train` name Hydra keys; here the same setting is a flag: `--root`
+# (the data root) for most commands, `--out` (the dataset's own folder) for the others.
+_FLAG_FOR = {
+    "root": (
+        ("`paths.data_dir=/your/data/root`", "`--root /your/data/root`"),
+        ("the `paths.data_dir` setting", "the --root flag"),
+        ("paths.data_dir", "--root"),
+        ("data.num_classes=", "--num-classes "),
+    ),
+    "out": (
+        (
+            "The data root is the `paths.data_dir` setting; to keep data elsewhere, run with "
+            "`paths.data_dir=/your/data/root` and put the files at the same relative paths there.",
+            "The files go to the --out folder; to keep them elsewhere, run with "
+            "`--out /your/folder` and put them there.",
+        ),
+    ),
+}
 
 
-def _for_this_command(message: str) -> str:
-    for key, flag in _FLAG_FOR:
+def _for_this_command(message: str, args: argparse.Namespace) -> str:
+    """`message` with the Hydra keys it names replaced by this command's own flags."""
+    for key, flag in _FLAG_FOR["root" if hasattr(args, "root") else "out"]:
         message = message.replace(key, flag)
     return message
 
@@ -291,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         found = None if full_errors() else actionable(err)
         if found is None:
             raise
-        print_error(_for_this_command(str(found)))
+        print_error(_for_this_command(str(found), args))
         return 1
     return 0
 

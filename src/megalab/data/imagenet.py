@@ -39,6 +39,7 @@ from megalab.data.base import (
     SequenceDataModule,
     ShardedSampler,
 )
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ extract_ILSVRC.sh), or (2) use the Hub copy with `data.source=hub` / `megalab-da
 --from-hub` after accepting its terms at https://huggingface.co/datasets/ILSVRC/imagenet-1k."""
 
 
-class ImageNetFormatError(ValueError):
+class ImageNetFormatError(UserError, ValueError):
     """An ImageNet folder, file or setting that cannot be used; the message names it."""
 
 

@@ -29,6 +29,14 @@ _PACKAGE_DIR = str(Path(__file__).resolve().parents[1])
 _state = {"task_started": False}
 
 
+class UserError(Exception):
+    """Base of the errors whose message is the whole story for a user (bad input, not a bug).
+
+    An error class defined anywhere in megalab derives from it to be shown as one message; the
+    classes listed in `user_error_types` predate it.
+    """
+
+
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception classes whose message is the whole story for a user."""
     from megalab.config_schema import ConfigError
@@ -47,6 +55,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from megalab.utils.safe_config import UnsafeConfigError
 
     types: list[type[BaseException]] = [
+        UserError,
         ConfigError,
         DatasetMissingError,
         DownloadError,
