@@ -85,6 +85,27 @@ def test_round_trip_matches_transformers(tmp_path: Path, tied: bool) -> None:
         torch.testing.assert_close(reloaded(tokens).logits, ref, rtol=0, atol=0)
 
 
+def test_eval_tests_a_converted_checkpoint(compose_cfg, fixture_data_dir: Path, tmp_path: Path):
+    """`python -m megalab.eval ckpt_path=<from-hf run>/checkpoints/hf.ckpt` (docs/long_context.md)
+    tests the converted model: the checkpoint is a verified Lightning checkpoint."""
+    from megalab.eval import evaluate, merge_run_config
+    from megalab.utils.checkpointing import verify_checkpoint
+
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    lm = ["data.max_len=64", "data.eval_max_len=64", "data.sha256=null", "data.valid_size=3000",
+          "data.test_size=3000", f"paths.data_dir={fixture_data_dir}"]  # fmt: skip
+    ckpt = hf_to_run(tmp_path / "hf", tmp_path / "run", data="enwik8", overrides=lm)
+    assert verify_checkpoint(ckpt)
+    cfg = compose_cfg(f"ckpt_path={ckpt}", f"paths.output_dir={tmp_path / 'eval'}", config="eval")
+    record = evaluate(merge_run_config(cfg, []))  # as megalab.eval's main does
+    assert record["metrics"]["test/loss"] > 0
+    assert json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())["metrics"]
+
+
 def test_incremental_decoding_matches_transformers_generate(tmp_path: Path) -> None:
     """Greedy decoding with megalab's KV cache gives transformers' greedy tokens."""
     from megalab.generate import sample_tokens

@@ -40,11 +40,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+import lightning
 from torch import Tensor
 
 from megalab.convert.common import load_checkpoint
 from megalab.models.llama import LlamaConfig
+from megalab.utils.checkpointing import write_checkpoint
 
 __all__ = [
     "from_hf_state_dict",
@@ -313,7 +314,18 @@ def hf_to_run(
     (run_dir / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     ckpt = run_dir / "checkpoints" / "hf.ckpt"
     ckpt.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"state_dict": task.state_dict(), "source": str(hf_folder)}, ckpt)
+    # A checkpoint as Lightning writes one at step 0 (its version key is what `trainer.test`
+    # reads first), with megalab's checksum, so `megalab.eval` and resuming verify it.
+    write_checkpoint(
+        {
+            "state_dict": task.state_dict(),
+            "pytorch-lightning_version": lightning.__version__,
+            "epoch": 0,
+            "global_step": 0,
+            "source": str(hf_folder),
+        },
+        ckpt,
+    )
     return ckpt
 
 
