@@ -1,3 +1,14 @@
 """megalab: long-sequence models of the Mega family, exact and tested."""
 
+from __future__ import annotations
+
+from typing import Any
+
 __version__ = "0.1.0"
+
+
+def from_pretrained(name_or_path: str, revision: str | None = None) -> Any:
+    """Load a model `megalab-export` wrote, from a folder or a Hub id (`megalab.export`)."""
+    from megalab.export import from_pretrained as load
+
+    return load(name_or_path, revision=revision)

@@ -333,6 +333,11 @@ class SequenceDataModule(L.LightningDataModule):
         """The collate function for `split` (a padded-sequence collator by default)."""
         return SequenceCollator(self.spec.pad_id if self.spec.pad_id is not None else 0)
 
+    def tokenizer_files(self) -> dict[str, Path]:
+        """The files that turn text into this data's token ids, by the name an exported model
+        keeps them under (`megalab-export`); none for bytes, characters, pixels or audio."""
+        return {}
+
     # -- Lightning ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if not self.datasets:

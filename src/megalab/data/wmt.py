@@ -661,6 +661,11 @@ class WMT16EnDeDataModule(SequenceDataModule):
         path = self._ready() / f"{split}.raw.{self.target_lang}"
         return path.read_text(encoding="utf-8").split("\n")[:-1]
 
+    def tokenizer_files(self) -> dict[str, Path]:
+        """The joint BPE and the dictionary of the prepared data (fairseq's dict.txt)."""
+        cache = self.cache_path()
+        return {"bpe.json": cache / "bpe.json", "dict.txt": cache / "dict.txt"}
+
     def _ready(self) -> Path:
         cache = self.cache_path()
         if not prepared(cache):

@@ -157,6 +157,18 @@ class PG19DataModule(LMStreamDataModule):
         }
         return cache_dir(self.cache_root, "tokenizer", params) / "tokenizer.json"
 
+    def tokenizer_files(self) -> dict[str, Path]:
+        """The given tokenizer.json, or the one trained for this data (its cached file)."""
+        name = self.tokenizer_name
+        if name is not None and Path(name).expanduser().is_file():
+            return {"tokenizer.json": Path(name).expanduser()}
+        if name is not None:
+            raise DatasetMissingError(
+                f"PG-19: the tokenizer {name!r} is a Hub name, not a file: export the model "
+                "with --without-tokenizer and name that tokenizer in its card"
+            )
+        return {"tokenizer.json": self.tokenizer_path()}
+
     def _sample_texts(self) -> tuple[Iterator[str], int]:
         n = self.source.num_rows("train")
         k = self.tokenizer_sample_books

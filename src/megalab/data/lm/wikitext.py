@@ -130,6 +130,10 @@ class WikiText103DataModule(LMStreamDataModule):
     def cache(self) -> Path:
         return cache_dir(self.cache_root, "tokens", {"source": self.source.fingerprint()})
 
+    def tokenizer_files(self) -> dict[str, Path]:
+        """The prepared vocabulary, one word per line (id = line number)."""
+        return {"vocab.txt": self.cache() / "vocab.txt"}
+
     def vocabulary(self) -> list[str]:
         """The prepared vocabulary (id = position)."""
         return (self.cache() / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]

@@ -1,0 +1,234 @@
+"""Shareable models: `megalab-export` and `megalab.from_pretrained`, offline.
+
+Every model config makes the round trip export -> from_pretrained with identical weights and
+outputs; a trained run's card shows its metrics; a Hub id resolves from a pre-filled cache with
+the Hub offline; the upload goes through a mocked Hub client; a stranger's folder builds only
+megalab's classes and holds no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning
+import pytest
+import torch
+from omegaconf import OmegaConf, open_dict
+
+import megalab
+from conftest import CONFIG_DIR
+from megalab.export import ExportError, export_run, from_pretrained, main
+from megalab.train import train
+from megalab.utils.checkpointing import write_checkpoint
+from megalab.utils.safe_config import UnsafeConfigError
+
+MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
+SEQ2SEQ = sorted(f"seq2seq/{p.stem}" for p in (CONFIG_DIR / "model" / "seq2seq").glob("*.yaml"))
+LM = ["data=enwik8", "task=language_modeling", "data.max_len=64", "data.eval_max_len=64",
+      "data.sha256=null", "data.valid_size=3000", "data.test_size=3000"]  # fmt: skip
+SMALL = ["model.d_model=64", "model.backbone.num_layers=2"]
+
+
+def _model_overrides(compose_cfg, model: str) -> list[str]:
+    """A small configuration of `model` on a task and fixture data it fits."""
+    if model.startswith("seq2seq/"):
+        return [f"model={model}", "task=seq2seq", "data=wmt16_en_de", "model.d_model=32",
+                "model.encoder_decoder.encoder_layers=1",
+                "model.encoder_decoder.decoder_layers=1"]  # fmt: skip
+    base = [f"model={model}", *SMALL]
+    if model.startswith("llama_"):
+        base.append("model.backbone.num_heads=4")
+    model_cfg = compose_cfg(*base).model
+    if not model_cfg.backbone.get("causal", False):
+        return base
+    head = ["task.head=${model.lm_head}"] if "lm_head" in model_cfg else []
+    return [*base, *LM, *head]
+
+
+def _fake_run(cfg: Any, run: Path, seed: int = 0) -> Any:
+    """A run folder as megalab-train leaves it: its config and a checksummed checkpoint of a
+    task whose weights are moved off their initialisation."""
+    torch.manual_seed(seed)
+    task = hydra.utils.instantiate(cfg.task)
+    with torch.no_grad():
+        for p in task.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    (run / ".hydra").mkdir(parents=True, exist_ok=True)
+    saved = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(saved, dict)
+    saved.pop("hydra", None)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    (run / ".hydra" / "overrides.yaml").write_text("- model=test\n")
+    state = {"state_dict": task.state_dict(), "global_step": 7,
+             "pytorch-lightning_version": lightning.__version__}  # fmt: skip
+    write_checkpoint(state, run / "checkpoints" / "last.ckpt")
+    return task.eval()
+
+
+def _same_outputs(a: Any, b: Any, cfg: Any) -> None:
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
+        assert torch.equal(x, y), name
+    if cfg.task._target_.endswith("Seq2SeqTask"):
+        return  # weights above; its forward needs the data's text pipeline
+    vocab = int(cfg.data.vocab_size or 0)
+    g = torch.Generator().manual_seed(1)
+    if vocab:
+        x = torch.randint(1, vocab, (2, 24), generator=g)
+    else:
+        x = torch.randn(2, 24, int(cfg.data.d_input), generator=g)
+    mask = torch.ones(2, 24, dtype=torch.bool)
+    mask[1, 20:] = False
+    with torch.no_grad():
+        torch.testing.assert_close(b.encode(x, mask).y, a.encode(x, mask).y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model", MODELS + SEQ2SEQ)
+def test_every_model_config_round_trips(compose_cfg, tmp_path: Path, model: str) -> None:
+    cfg = compose_cfg(*_model_overrides(compose_cfg, model))
+    task = _fake_run(cfg, tmp_path / "run")
+    out = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last",
+                     with_tokenizer=not model.startswith("seq2seq/"))  # fmt: skip
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == [
+        "README.md", "config.json", "model.safetensors"
+    ]  # fmt: skip
+    header = (out / "model.safetensors").read_bytes()[:9]
+    assert header[8:9] == b"{", "safetensors: an 8-byte length, then a JSON header (no pickle)"
+    loaded = from_pretrained(out)
+    assert not loaded.training
+    _same_outputs(task, loaded, cfg)
+
+
+def test_trained_run_card_shows_its_metrics(compose_cfg, tmp_path: Path) -> None:
+    cfg = compose_cfg()
+    train(cfg)
+    run = tmp_path / "run"
+    record = json.loads((run / "metrics.json").read_text())
+    out = export_run(run, tmp_path / "export")  # the best checkpoint, by default
+    card = (out / "README.md").read_text()
+    config = json.loads((out / "config.json").read_text())
+    for key, value in record["metrics"].items():
+        if isinstance(value, float):
+            assert f"| `{key}` | {value:.4f} |" in card, key
+    assert f"{record['params']['total']:,} parameters" in card
+    assert "Touvron" not in card and "Vaswani et al. 2017" in card  # the model's own paper
+    assert config["megalab_version"] == megalab.__version__
+    assert config["command"].startswith("python -m megalab.train")
+    assert Path(record["best_checkpoint"]).name == config["checkpoint"]["file"]
+    loaded = megalab.from_pretrained(str(out))
+    reference = hydra.utils.instantiate(cfg.task)
+    best = torch.load(record["best_checkpoint"], weights_only=True)
+    reference.load_state_dict(best["state_dict"])
+    _same_outputs(reference.eval(), loaded, cfg)
+
+
+def test_tokenizer_files_travel_with_the_model(compose_cfg, tmp_path: Path) -> None:
+    """WikiText-103's vocabulary is exported beside the weights (`tokenizer/vocab.txt`)."""
+    cfg = compose_cfg("model=transformer_xl", *SMALL, "data=wikitext103", "task=language_modeling",
+                      "data.max_len=64", "data.eval_max_len=64", "data.vocab_size=61056",
+                      "task.head=${model.lm_head}")  # fmt: skip
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.prepare_data()
+    _fake_run(cfg, tmp_path / "run")
+    out = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last")
+    vocab = datamodule.tokenizer_files()["vocab.txt"]
+    assert (out / "tokenizer" / "vocab.txt").read_bytes() == vocab.read_bytes()
+    assert json.loads((out / "config.json").read_text())["tokenizer"] == ["vocab.txt"]
+
+
+def _export(compose_cfg, tmp_path: Path) -> tuple[Path, Any, Any]:
+    cfg = compose_cfg("model=mega", *SMALL)
+    task = _fake_run(cfg, tmp_path / "run")
+    return export_run(tmp_path / "run", tmp_path / "export", checkpoint="last"), task, cfg
+
+
+def test_hub_id_resolves_from_the_cache_offline(
+    compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`from_pretrained("user/name")` with HF_HUB_OFFLINE=1 takes the cached snapshot."""
+    import huggingface_hub.constants
+
+    out, task, cfg = _export(compose_cfg, tmp_path)
+    cache = tmp_path / "hub"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--someone--tiny-mega"
+    shutil.copytree(out, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    _same_outputs(task, from_pretrained("someone/tiny-mega", cache_dir=str(cache)), cfg)
+    with pytest.raises(ExportError, match="could not be fetched"):
+        from_pretrained("someone/not-cached", cache_dir=str(cache))
+
+
+def test_push_to_hub_uploads_the_folder(
+    compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import huggingface_hub
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+
+    class FakeApi:
+        def create_repo(self, **kwargs: Any) -> None:
+            calls.append(("create_repo", kwargs))
+
+        def upload_folder(self, **kwargs: Any) -> Any:
+            calls.append(("upload_folder", kwargs))
+            return type("Info", (), {"commit_url": "https://hub.example/commit/1"})()
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    cfg = compose_cfg("model=mega", *SMALL)
+    _fake_run(cfg, tmp_path / "run")
+    out = tmp_path / "export"
+    argv = [str(tmp_path / "run"), str(out), "--checkpoint", "last"]
+    assert main([*argv, "--push-to-hub", "someone/tiny-mega", "--private"]) == 0
+    assert calls[0] == ("create_repo", {"repo_id": "someone/tiny-mega", "private": True,
+                                        "exist_ok": True})  # fmt: skip
+    assert calls[1][0] == "upload_folder"
+    assert calls[1][1]["folder_path"] == str(out) and calls[1][1]["repo_id"] == "someone/tiny-mega"
+    assert "uploaded: https://hub.example/commit/1" in capsys.readouterr().out
+
+
+def test_a_strangers_folder_builds_only_megalab_classes(compose_cfg, tmp_path: Path) -> None:
+    out, _, _ = _export(compose_cfg, tmp_path)
+    record = json.loads((out / "config.json").read_text())
+    marker = tmp_path / "ran"
+    record["task"]["backbone"] = {"_target_": "os.system", "command": f"touch {marker}"}
+    (out / "config.json").write_text(json.dumps(record))
+    with pytest.raises(UnsafeConfigError):
+        from_pretrained(out)
+    record["task"]["backbone"] = {"_target_": "megalab.models.mega.Mega", "d_model": "${oc.env:X}"}
+    (out / "config.json").write_text(json.dumps(record))
+    with pytest.raises(ExportError, match="interpolation"):
+        from_pretrained(out)
+    (out / "config.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ExportError, match="not a megalab export"):
+        from_pretrained(out)
+    assert not marker.exists()
+
+
+def test_export_refuses_a_run_without_config_in_one_message(tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "is not a megalab run folder" in err and "Traceback" not in err
+
+
+def test_llama_exports_for_transformers(compose_cfg, tmp_path: Path) -> None:
+    """`megalab-export --format hf` writes a folder transformers loads, with equal logits."""
+    transformers = pytest.importorskip("transformers", reason="the hf format needs transformers")
+    cfg = compose_cfg("model=llama", *SMALL, "model.backbone.num_heads=4", *LM,
+                      "task.tie_weights=false")  # fmt: skip
+    with open_dict(cfg):
+        cfg.data.vocab_size = 256
+    task = _fake_run(cfg, tmp_path / "run")
+    argv = [str(tmp_path / "run"), str(tmp_path / "hf"), "--checkpoint", "last", "--format", "hf"]
+    assert main(argv) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = task.head.proj(task(tokens).y)
+        torch.testing.assert_close(hf(tokens).logits, ours, rtol=1e-5, atol=1e-5)
