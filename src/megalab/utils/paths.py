@@ -58,8 +58,9 @@ def resource_dir(name: str) -> Path:
 def group_config(group: str, name: str) -> DictConfig:
     """`<group>/<name>.yaml` with its defaults merged in, as Hydra composes a group option.
 
-    A preset extends its base through a defaults list of configs of the same group (model/
-    llama_7b.yaml: `defaults: [llama, _self_]`); `_self_` goes last when not listed, as in Hydra.
+    A preset extends its base through a defaults list of other configs of the group:
+    `- llama` (the same folder), `- /model/megalodon@_here_` (a path from the config root,
+    merged at this node); `_self_` goes last when not listed, as in Hydra.
     """
     cfg = OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml")
     assert isinstance(cfg, DictConfig)
@@ -70,13 +71,20 @@ def group_config(group: str, name: str) -> DictConfig:
     for entry in defaults:
         if entry == "_self_":
             parts.append(cfg)
-        elif isinstance(entry, str) and "/" not in entry and ":" not in entry:
-            parts.append(group_config(group, entry))
-        else:
+            continue
+        path, _, package = str(entry).partition("@")
+        if not isinstance(entry, str) or package not in ("", "_here_") or ":" in path:
             raise ValueError(
-                f"{group}/{name}.yaml: defaults entry {entry!r} is not a config of the same group "
-                "(only `- <name>` of another file in that folder, and `_self_`, are read here)"
+                f"{group}/{name}.yaml: defaults entry {entry!r} is not another config of a "
+                "group merged at this node (`- name`, `- /group/name@_here_` and `_self_` are "
+                "read here)"
             )
+        if path.startswith("/"):
+            other_group, _, other = path.strip("/").rpartition("/")
+            parts.append(group_config(other_group, other))
+        else:
+            folder = str(Path(group, name).parent)
+            parts.append(group_config(folder, path))
     merged = OmegaConf.merge(*parts)
     assert isinstance(merged, DictConfig)
     return merged
