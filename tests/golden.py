@@ -1,7 +1,7 @@
 """Golden data produced by the authors' implementations: where it is, and how to compare.
 
-The golden directory is `$MEGALAB_GOLDEN_DIR`, else `<repo>/../shared/golden`, else
-`/work/shared/golden`; each model has a subfolder (`mega`, `seqboat`, `megalodon`, `lamemo`)
+The golden directory is `$MEGALAB_GOLDEN_DIR`, else `../shared/golden` beside the checkout
+(`<repo>/../shared/golden`); each model has a subfolder (`mega`, `seqboat`, `megalodon`, `lamemo`)
 with a README describing its cases. Without the data a golden test skips, except under
 `MEGALAB_REQUIRE_GOLDEN=1` (set by `.ci/run`), where it fails.
 """
@@ -23,7 +23,6 @@ def golden_dir(model: str) -> Path | None:
     candidates = [
         os.environ.get("MEGALAB_GOLDEN_DIR"),
         REPO.parent / "shared" / "golden",
-        "/work/shared/golden",
     ]
     for c in candidates:
         if c and (Path(c) / model).is_dir():
@@ -37,7 +36,7 @@ def load_case(model: str, name: str) -> dict[str, Any]:
     if folder is None:
         msg = (
             f"{model} golden data not found: set MEGALAB_GOLDEN_DIR or provide ../shared/golden "
-            "next to the repository (or /work/shared/golden)"
+            "next to the repository"
         )
         if os.environ.get("MEGALAB_REQUIRE_GOLDEN") == "1":  # CI: a skipped golden test fails
             pytest.fail(msg)
