@@ -14,7 +14,6 @@ timestep_norm,ema` turns on only those, `MEGALAB_KERNELS=-attention` all but tho
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -39,10 +38,13 @@ _disabled: set[str] = set()
 _forced: set[str] = set()
 
 
-@functools.cache
+# Looked up once, at import: a plain constant is what `torch.compile` traces best.
+_TRITON = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """True when the `triton` package can be imported (the `gpu` extra installs it)."""
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON
 
 
 def interpreting() -> bool:
