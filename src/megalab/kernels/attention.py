@@ -123,6 +123,14 @@ if triton is not None:
     _SIGMA = tl.constexpr(LAPLACE_SIGMA)
 
     @triton.jit
+    def _mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """a @ b accumulated in float32; with UPCAST (bf16/fp16 in the interpreter, whose
+        half-precision `tl.dot` gives wrong sums in Triton 3.9) on float32 copies of a and b."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
     def _scores(
         q,
         k,
@@ -144,9 +152,10 @@ if triton is not None:
         CAUSAL: tl.constexpr,
         EMPTY_CAUSAL: tl.constexpr,
         PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):
         """S (BM, BN) in float32 of a query tile against a key tile, and the keys each row sees."""
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = _mm(q, tl.trans(k), PRECISION, UPCAST) * scale
         pos = offs_m + q_offset  # the queries' key positions
         in_range = (offs_m[:, None] < Cq) & (offs_n[None, :] < Ck)
         if HAS_BIAS:
@@ -199,7 +208,7 @@ if triton is not None:
         stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         pid_m, pid_b, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -232,7 +241,7 @@ if triton is not None:
             )
             s, allowed = _scores(
                 q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
-                positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION,
+                positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
             )  # fmt: skip
             if FN == 0:
                 s = tl.where(allowed, s, float("-inf"))
@@ -244,7 +253,7 @@ if triton is not None:
                 m_i = m_new
             else:
                 p = tl.where(allowed, _activate(s, FN), 0.0)
-            acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            acc += _mm(p.to(v.dtype), v, PRECISION, UPCAST)
         if FN == 0:
             l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows past Cq only
             acc = acc / l_i[:, None]
@@ -261,11 +270,12 @@ if triton is not None:
         q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck, q_offset,
         positions, scale, FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
     ):  # fmt: skip
         """The recomputed weights P (softmax: from the saved lse), the logits S and the mask."""
         s, allowed = _scores(
             q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
-            positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION,
+            positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
         )  # fmt: skip
         if FN == 0:
             lse = tl.load(LSE + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
@@ -281,7 +291,7 @@ if triton is not None:
         stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dV = Pᵀ dO for one key block and value tile, looping over query blocks."""
@@ -314,9 +324,9 @@ if triton is not None:
             p, _s, _allowed = _weights(
                 q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
                 q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-                PRECISION,
+                PRECISION, UPCAST,
             )  # fmt: skip
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+            dv += _mm(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
         tl.store(
             DV + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
             dv.to(DV.dtype.element_ty),
@@ -327,7 +337,7 @@ if triton is not None:
     def _grad_scores(
         p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA,
         svn, svh, svm, sve, sdn, sdh, sdm, sde, Cq, Ck, E,
-        FN: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+        FN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dS of a tile: dP = dO Vᵀ over every value tile, then the softmax or f' chain rule."""
@@ -344,7 +354,7 @@ if triton is not None:
                 mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
                 other=0.0,
             )
-            dp += tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            dp += _mm(do, tl.trans(v), PRECISION, UPCAST)
         if FN == 0:
             delta = tl.load(DELTA + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
             return p * (dp - delta[:, None])
@@ -357,7 +367,7 @@ if triton is not None:
         stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dK = dSᵀ Q τ⁻¹ for one key block, and the Toeplitz bias gradient of its tiles."""
@@ -384,13 +394,13 @@ if triton is not None:
             p, s, allowed = _weights(
                 q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
                 q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-                PRECISION,
+                PRECISION, UPCAST,
             )  # fmt: skip
             ds = _grad_scores(
                 p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
-                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, BLOCK_M, BLOCK_N, BLOCK_E,
+                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
             )  # fmt: skip
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+            dk += _mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
             if HAS_BIAS:  # dw[M − 1 + j − (i + offset)] += dS_ij, along the diagonals
                 idx = positions - 1 + offs_n[None, :] - (offs_m + q_offset)[:, None]
                 tl.atomic_add(DW + idx, ds, mask=(offs_m[:, None] < Cq) & (offs_n[None, :] < Ck))
@@ -407,7 +417,7 @@ if triton is not None:
         stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dQ = dS K τ⁻¹ for one query block, looping over key blocks."""
@@ -434,13 +444,13 @@ if triton is not None:
             p, s, allowed = _weights(
                 q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
                 q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-                PRECISION,
+                PRECISION, UPCAST,
             )  # fmt: skip
             ds = _grad_scores(
                 p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
-                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, BLOCK_M, BLOCK_N, BLOCK_E,
+                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
             )  # fmt: skip
-            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+            dq += _mm(ds.to(k.dtype), k, PRECISION, UPCAST)
         tl.store(
             DQ + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
             (dq * scale).to(DQ.dtype.element_ty),
@@ -477,7 +487,8 @@ class _Spec:
         self.block_e = min(32 if interp else 128, max(16, triton.next_power_of_2(e)))
         fp32 = dtype == torch.float32
         tf32 = fp32 and not interp and torch.backends.cuda.matmul.allow_tf32
-        self.precision = "tf32" if tf32 else ("ieee" if fp32 else "tf32")
+        self.precision = "tf32" if tf32 else "ieee"
+        self.upcast = interp and not fp32
         # Causal rows see no key after themselves, except Megalodon's empty rows (every key).
         self.bounded = causal and (self.empty_causal or not has_valid or fn != "softmax")
 
@@ -490,6 +501,7 @@ class _Spec:
             "EMPTY_CAUSAL": self.empty_causal,
             "BOUNDED": self.bounded,
             "PRECISION": self.precision,
+            "UPCAST": self.upcast,
             "BLOCK_M": self.block_m,
             "BLOCK_N": self.block_n,
             "BLOCK_Z": self.block_z,
@@ -499,6 +511,22 @@ class _Spec:
 
 def _strides(t: Tensor) -> tuple[int, ...]:
     return tuple(t.stride())
+
+
+def _dense(t: Tensor) -> Tensor:
+    """`t` if its elements fill its memory without gaps or overlap (any dimension order, as
+    Megalodon's transposed heads), else a contiguous copy: the gradients are written with the
+    input's strides."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride != expected:
+            return t.contiguous()
+        expected *= size
+    return t
+
+
+def _like(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -538,7 +566,7 @@ class _FlashAttention(torch.autograd.Function):
         N, H, Cq, Z = q.shape
         Ck, E = k.shape[2], v.shape[3]
         do = grad.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dk, dv = _like(q), _like(k), _like(v)  # the strides of q, k, v (dense)
         dummy = q.new_empty(1, dtype=torch.float32)
         need_bias = w is not None and ctx.needs_input_grad[3]
         dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_bias else None
@@ -645,6 +673,7 @@ def flash_attention(
     )  # fmt: skip
     if bias is not None:
         bias = bias.contiguous()
+    q, k, v = _dense(q), _dense(k), _dense(v)
     out: Tensor = _FlashAttention.apply(q, k, v, bias, valid, first, spec)
     return out
 
