@@ -211,7 +211,7 @@ if triton is not None:
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
-        pid_m, pid_b, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_b, pid_m, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n, h = pid_b // H, pid_b % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_z = tl.arange(0, BLOCK_Z)
@@ -295,7 +295,7 @@ if triton is not None:
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dV = Pᵀ dO for one key block and value tile, looping over query blocks."""
-        pid_n, pid_b, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_b, pid_n, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n, h = pid_b // H, pid_b % H
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_z = tl.arange(0, BLOCK_Z)
@@ -371,7 +371,7 @@ if triton is not None:
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dK = dSᵀ Q τ⁻¹ for one key block, and the Toeplitz bias gradient of its tiles."""
-        pid_n, pid_b = tl.program_id(0), tl.program_id(1)
+        pid_b, pid_n = tl.program_id(0), tl.program_id(1)
         n, h = pid_b // H, pid_b % H
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_z = tl.arange(0, BLOCK_Z)
@@ -421,7 +421,7 @@ if triton is not None:
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         """dQ = dS K τ⁻¹ for one query block, looping over key blocks."""
-        pid_m, pid_b = tl.program_id(0), tl.program_id(1)
+        pid_b, pid_m = tl.program_id(0), tl.program_id(1)
         n, h = pid_b // H, pid_b % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_z = tl.arange(0, BLOCK_Z)
@@ -481,13 +481,17 @@ class _Spec:
         self.empty_causal = empty_rows == "causal"
         interp = device.type != "cuda"
         # Small tiles in the interpreter (its cost grows with the tile), tensor-core tiles on GPU.
-        self.block_m = 16 if interp else 64
-        self.block_n = 16 if interp else 64
+        # Untuned first choices on GPU (speed not yet measured): 64-row blocks, 32 for Q/K
+        # wider than 256 (the 'rotary' bias's extra columns at z = 256), more warps for wide tiles.
         self.block_z = max(16, triton.next_power_of_2(z))
         self.block_e = min(32 if interp else 128, max(16, triton.next_power_of_2(e)))
+        self.block_m = 16 if interp else (32 if self.block_z > 256 else 64)
+        self.block_n = self.block_m
+        self.num_warps = 8 if max(self.block_z, self.block_e) >= 128 else 4
         fp32 = dtype == torch.float32
         tf32 = fp32 and not interp and torch.backends.cuda.matmul.allow_tf32
-        self.precision = "tf32" if tf32 else "ieee"
+        # float32 products in IEEE unless PyTorch allows TF32 for matmuls (bf16/fp16: tensor cores)
+        self.precision = "ieee" if fp32 and not tf32 else "tf32"
         self.upcast = interp and not fp32
         # Causal rows see no key after themselves, except Megalodon's empty rows (every key).
         self.bounded = causal and (self.empty_causal or not has_valid or fn != "softmax")
@@ -506,6 +510,7 @@ class _Spec:
             "BLOCK_N": self.block_n,
             "BLOCK_Z": self.block_z,
             "BLOCK_E": self.block_e,
+            "num_warps": self.num_warps,
         }
 
 
@@ -546,7 +551,8 @@ class _FlashAttention(torch.autograd.Function):
         o = v.new_empty(N, H, Cq, E)
         lse = q.new_empty(N * H, Cq, dtype=torch.float32) if spec.fn == "softmax" else None
         dummy = q.new_empty(1, dtype=torch.float32)
-        grid = (triton.cdiv(Cq, spec.block_m), N * H, triton.cdiv(E, spec.block_e))
+        # batch·head on the first grid axis (up to 2³¹ − 1 programs; the others take 65,535)
+        grid = (N * H, triton.cdiv(Cq, spec.block_m), triton.cdiv(E, spec.block_e))
         _fwd_kernel[grid](
             q, k, v, dummy if w is None else w, dummy if valid is None else valid,
             dummy if first is None else first, o, dummy if lse is None else lse,
@@ -583,16 +589,16 @@ class _FlashAttention(torch.autograd.Function):
                  spec.positions, spec.scale)  # fmt: skip
         meta = spec.meta()
         grid_n = triton.cdiv(Ck, spec.block_n)
-        _bwd_dv_kernel[(grid_n, N * H, triton.cdiv(E, spec.block_e))](
+        _bwd_dv_kernel[(N * H, grid_n, triton.cdiv(E, spec.block_e))](
             q, k, *tensors, do, dv, *_strides(q), *_strides(k), *_strides(do), *_strides(dv),
             *sizes, **meta,
         )  # fmt: skip
-        _bwd_dk_kernel[(grid_n, N * H)](
+        _bwd_dk_kernel[(N * H, grid_n)](
             q, k, v, *tensors, dummy if delta is None else delta, do, dk,
             dummy if dw is None else dw, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *sizes, **meta,
         )  # fmt: skip
-        _bwd_dq_kernel[(triton.cdiv(Cq, spec.block_m), N * H)](
+        _bwd_dq_kernel[(N * H, triton.cdiv(Cq, spec.block_m))](
             q, k, v, *tensors, dummy if delta is None else delta, do, dq, *_strides(q),
             *_strides(k), *_strides(v), *_strides(do), *sizes, **meta,
         )  # fmt: skip
