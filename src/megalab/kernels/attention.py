@@ -480,15 +480,18 @@ class _Spec:
         self.positions, self.has_bias, self.has_valid = positions, has_bias, has_valid
         self.empty_causal = empty_rows == "causal"
         interp = device.type != "cuda"
-        # Small tiles in the interpreter (its cost grows with the tile), tensor-core tiles on GPU.
-        # Untuned first choices on GPU (speed not yet measured): 64-row blocks, 32 for Q/K
-        # wider than 256 (the 'rotary' bias's extra columns at z = 256), more warps for wide tiles.
+        fp32 = dtype == torch.float32
+        # Small tiles in the interpreter (its cost grows with the tile). On GPU, untuned first
+        # choices (speed not yet measured) that fit shared memory, by the bytes of a Q/K row and
+        # a value-tile row: compiled for sm_90, 64-row blocks take 114 KB in bf16 at z = 256,
+        # 32-row blocks 143 KB in float32 at z = 256, 16-row blocks 118 KB in float32 at z = 512
+        # (the 'rotary' bias's extra columns); 8 warps for wide tiles.
         self.block_z = max(16, triton.next_power_of_2(z))
         self.block_e = min(32 if interp else 128, max(16, triton.next_power_of_2(e)))
-        self.block_m = 16 if interp else (32 if self.block_z > 256 else 64)
-        self.block_n = self.block_m
+        row_bytes = dtype.itemsize * (self.block_z + self.block_e)
+        rows = 64 if row_bytes <= 768 else (32 if row_bytes <= 1536 else 16)
+        self.block_m = self.block_n = 16 if interp else rows
         self.num_warps = 8 if max(self.block_z, self.block_e) >= 128 else 4
-        fp32 = dtype == torch.float32
         tf32 = fp32 and not interp and torch.backends.cuda.matmul.allow_tf32
         # float32 products in IEEE unless PyTorch allows TF32 for matmuls (bf16/fp16: tensor cores)
         self.precision = "ieee" if fp32 and not tf32 else "tf32"
