@@ -309,3 +309,64 @@ def test_tiny_megalodon_equals_reference_with_the_kernel(
     want = _model_grads(model, x, mask, False, monkeypatch)
     assert len(got) == len(want) == 1 + len(list(model.parameters()))
     _close(got, want, rtol=1e-4, atol=1e-5)
+
+
+_COMPILE = """
+import json, sys
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from megalab.kernels import attention as A
+
+POINTERS = {"Q": "q", "K": "q", "V": "q", "DO": "q", "DQ": "q", "DK": "q", "DV": "q", "OUT": "q",
+            "W": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DW": "*fp32", "VALID": "*i8",
+            "FIRST": "*i32"}
+shared = {}
+for dtype, z, e in json.loads(sys.argv[1]):
+    dt = getattr(torch, dtype)
+    spec = A._Spec("softmax", 1.0, True, 0, 64, "causal", True, True, z, e,
+                   torch.device("cuda"), dt)
+    meta = spec.meta()
+    warps = meta.pop("num_warps")
+    for kernel in (A._fwd_kernel, A._bwd_dv_kernel, A._bwd_dk_kernel, A._bwd_dq_kernel):
+        names = kernel.arg_names
+        sig = {}
+        for n in names:
+            if n in meta:
+                sig[n] = "constexpr"
+            elif n in POINTERS:
+                p = POINTERS[n]
+                sig[n] = {"float32": "*fp32", "bfloat16": "*bf16"}[dtype] if p == "q" else p
+            else:
+                sig[n] = "fp32" if n == "scale" else "i32"
+        consts = {(names.index(n),): v for n, v in meta.items()}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        shared[f"{kernel.__name__} {dtype} z={z}"] = c.metadata.shared
+print(json.dumps(shared))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_within_shared_memory() -> None:
+    """The GPU kernels compile (no GPU needed: Triton's own ptxas) for an H100 and their tiles
+    fit its 227 KB of shared memory per block, at Mega's widest shapes: z = 256 (d = 1024), with
+    the 'rotary' bias's extra columns z = 512, value tiles of 128."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    shapes = [["bfloat16", 256, 2048], ["float32", 256, 2048], ["float32", 512, 2048],
+              ["bfloat16", 64, 96], ["float32", 128, 512]]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, json.dumps(shapes)],
+        env=env, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(shared) == 4 * len(shapes)
+    too_big = {k: v for k, v in shared.items() if v > 227 * 1024}
+    assert not too_big, f"tiles over the H100's shared memory per block: {too_big}"
