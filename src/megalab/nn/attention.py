@@ -245,10 +245,19 @@ class ChunkedAttention(nn.Module):
         """q (B, K, Cq, z), k (B, K, Ck, z), v (B, K, Ck, v), valid (B, K, Ck); query r is at
         key position r + q_offset of its chunk.
 
-        The fused kernel computes it (with the bias gradient) unless attention dropout is active
-        or autocast / half precision is on: those take `_attend_unfused`.
+        On CUDA the Triton kernel computes it (`megalab.kernels.attention`; SDPA over value
+        groups for softmax with `MEGALAB_ATTENTION_GPU=sdpa`). Elsewhere the fused kernel does
+        (with the bias gradient) unless attention dropout is active or autocast / half precision
+        is on: those take `_attend_unfused`.
         """
         dropout = self.training and self.dropout > 0
+        from megalab.kernels import attention as gpu  # imports this module
+
+        # The GPU paths have no attention dropout: with it, the reference paths run.
+        if not dropout and gpu.use_attention_kernel(q, k, v):
+            if self.attention_activation == "softmax" and gpu.gpu_path() == "sdpa":
+                return self._attend_unfused(q, k, v, valid, q_offset, value_groups=True)
+            return self._attend_kernel(q, k, v, valid, q_offset)
         half = q.dtype not in (torch.float32, torch.float64)
         if dropout or half or torch.is_autocast_enabled(q.device.type):
             return self._attend_unfused(q, k, v, valid, q_offset)
@@ -276,11 +285,40 @@ class ChunkedAttention(nn.Module):
         )
         return o.view(B, K, Cq, -1)
 
-    def _attend_unfused(
+    def _attend_kernel(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
     ) -> Tensor:
+        """`_attend` on the Triton kernel (`megalab.kernels.attention.mega_attention_kernel`)."""
+        from megalab.kernels.attention import mega_attention_kernel
+
+        B, K, Cq = q.shape[:3]
+        Ck = k.shape[2]
+        o = mega_attention_kernel(
+            q.reshape(B * K, Cq, -1),
+            k.reshape(B * K, Ck, -1),
+            v.reshape(B * K, Ck, -1),
+            self.rel_pos_bias.factors(Cq, Ck, q_offset),
+            fn=self.attention_activation,
+            valid=None if valid is None else valid.reshape(B * K, Ck),
+            causal=self.causal,
+            q_offset=q_offset,
+            scale=self.z_dim**-0.5,
+            positions=getattr(self.rel_pos_bias, "max_positions", 0),
+        )
+        return o.view(B, K, Cq, -1)
+
+    def _attend_unfused(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        valid: Tensor | None,
+        q_offset: int,
+        value_groups: bool = False,
+    ) -> Tensor:
         """`_attend` from PyTorch ops (SDPA's math kernel for softmax): attention dropout and
-        half precision."""
+        half precision; with `value_groups` (no dropout), softmax as SDPA calls over value groups
+        of at most 256 columns (`megalab.kernels.attention.sdpa_value_groups`)."""
         Cq, Ck = q.shape[2], k.shape[2]
         bias = self.rel_pos_bias(Cq, Ck, q_offset)  # (Cq, Ck)
         causal = None
@@ -301,6 +339,12 @@ class ChunkedAttention(nn.Module):
                     # padding) would be all −inf (NaN in the code): keep its causal keys instead.
                     allowed = allowed | (~allowed.any(dim=-1, keepdim=True) & causal)
             attn_mask = bias if allowed is None else bias.masked_fill(~allowed, float("-inf"))
+            if value_groups:
+                from megalab.kernels.attention import sdpa_value_groups
+
+                return sdpa_value_groups(
+                    q, k, v, attn_mask=attn_mask.to(q.dtype), scale=self.z_dim**-0.5
+                )
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask.to(q.dtype), dropout_p=p, scale=self.z_dim**-0.5
             )

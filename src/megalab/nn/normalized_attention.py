@@ -24,6 +24,8 @@ dropped attends to nothing (zero output), where a plain softmax would give NaN.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -127,7 +129,10 @@ class NormalizedAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
     ) -> Tensor:
         """q (B, K, Cq, H, d), k (B, K, Ck, H, d), v (B, K, Ck, H, e), valid (B, K, Ck); query r
-        is at position r + q_offset of its chunk (the rotation's position too)."""
+        is at position r + q_offset of its chunk (the rotation's position too).
+
+        On CUDA the Triton kernel runs it (rotary applied before it), or SDPA over value groups
+        with `MEGALAB_ATTENTION_GPU=sdpa`; elsewhere SDPA."""
         Cq, Ck = q.shape[2], k.shape[2]
         dev = q.device
         rot = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -140,6 +145,25 @@ class NormalizedAttention(nn.Module):
         k = apply_rope(k, pos_k, inv_freq, interleaved=True).flatten(0, 1).transpose(1, 2)
         v = v.flatten(0, 1).transpose(1, 2)
         p = self.dropout if self.training else 0.0
+        from megalab.kernels import attention as gpu  # Triton is imported on first use
+
+        sdpa: Callable[..., Tensor] = F.scaled_dot_product_attention
+        # The GPU paths (`megalab.kernels.attention`) have no DropKey: with it, SDPA runs below.
+        if p == 0.0 and gpu.use_attention_kernel(q, k, v):
+            if gpu.gpu_path() == "triton":
+                dtype = gpu.compute_dtype(q, v)
+                o = gpu.flash_attention(
+                    q.to(dtype),
+                    k.to(dtype),
+                    v.to(dtype),
+                    scale=1.0,
+                    valid=None if valid is None else valid.flatten(0, 1),
+                    causal=self.causal,
+                    q_offset=q_offset,
+                    empty_rows="all",
+                )
+                return o.transpose(1, 2).unflatten(0, (B, K))
+            sdpa = gpu.sdpa_value_groups
         allowed = None
         if valid is not None:
             allowed = valid.flatten(0, 1)[:, None, None, :]  # (B·K, 1, 1, Ck)
@@ -148,10 +172,10 @@ class NormalizedAttention(nn.Module):
             allowed = causal if allowed is None else allowed & causal
         if p == 0.0:
             if allowed is None:
-                o = F.scaled_dot_product_attention(q, k, v, scale=1.0)
+                o = sdpa(q, k, v, scale=1.0)
                 return o.transpose(1, 2).unflatten(0, (B, K))
             if valid is None and q_offset == 0 and Cq == Ck:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
+                o = sdpa(q, k, v, is_causal=True, scale=1.0)
                 return o.transpose(1, 2).unflatten(0, (B, K))
         shape = (*q.shape[:-1], Ck)  # (B·K, H, Cq, Ck)
         allowed = torch.ones(shape, dtype=torch.bool, device=dev) if allowed is None else allowed
@@ -164,7 +188,7 @@ class NormalizedAttention(nn.Module):
         # Rows without any allowed key are padded queries (e.g. a chunk of padding): let them
         # attend everywhere so nothing is NaN; their outputs are discarded.
         allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=1.0)
+        o = sdpa(q, k, v, attn_mask=allowed, scale=1.0)
         if alive is not None:
             o = o * alive.to(o.dtype)
         return o.transpose(1, 2).unflatten(0, (B, K))

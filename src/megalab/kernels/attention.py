@@ -1,0 +1,759 @@
+"""Flash-style Triton attention for Mega and Megalodon: O = f(S) V with S = Q Kᵀ τ⁻¹ + b.
+
+The PyTorch code stays the reference and the CPU path (`megalab.nn.attention`,
+`megalab.nn.fused_attention`, `megalab.nn.normalized_attention`); this kernel runs where
+`megalab.kernels.use_kernel("attention", q, k, v)` chooses it (CUDA, or forced under Triton's
+interpreter in tests). Q/K are narrow (Mega's z = d/4) and V wide (up to 2d): the value columns
+are tiled, every program recomputing S for its value tile, so no program holds a whole value row.
+
+Forward, one program per (query block, batch·head, value tile), looping over key blocks:
+
+    softmax:        online softmax (running row max m and sum l), O = Σ_j exp(S_ij − m_i) V_j / l_i;
+                    only the row log-sum-exp lse = m + log l is kept for the backward
+    laplace/relu2:  no normaliser: O = Σ_j f(S_ij) V_j directly, block by block
+
+Backward (FlashAttention-2: nothing but Q, K, V, O, dO and lse is read; P is recomputed):
+
+    P = exp(S − lse) (softmax) or f(S) (laplace/relu2), masked
+    dP = dO Vᵀ (a loop over the value tiles),  D = rowsum(dO ⊙ O)
+    dS = P ⊙ (dP − D) (softmax) or dP ⊙ f'(S) (laplace/relu2), masked
+    dV = Pᵀ dO,  dK = dSᵀ Q τ⁻¹,  dQ = dS K τ⁻¹,  dw[M − 1 + j − i] += Σ_batch dS_ij
+
+in three kernels: dV (per key block and value tile), dK with the bias gradient (per key block;
+the Toeplitz weights' gradient accumulated along diagonals with atomic adds) and dQ (per query
+block). All accumulation is in float32; inputs are float32 (IEEE products, or TF32 where PyTorch
+allows it for matmuls) or bf16/fp16.
+
+Masks follow the reference exactly. Padded keys (`valid` False) and, with `causal`, keys after
+the query are excluded; a softmax row that would have no key left ("empty": no valid key, or
+with `causal` none up to the query) keeps its causal keys (`empty_rows="causal"`, Mega, where
+the code leaves a chunk of padding unmasked) or every key (`empty_rows="all"`, Megalodon's
+padded queries, whose outputs are discarded). laplace/relu2 multiply the weights by the masks.
+
+Mega's learned biases: the 'simple' Toeplitz bias b[i, j] = w[M − 1 + j − (i + offset)] is read
+from w in the kernel; the 'rotary' bias b = R_a R_bᵀ is an inner product, so it enters as extra
+Q/K columns ([Q τ⁻¹ | R_a] [K | R_b]ᵀ), its gradient by autograd. laplace/relu2 divide QKᵀ by the
+row's key count n; Q is divided by n before the kernel (`mega_attention_kernel`).
+
+`sdpa_value_groups` is the alternative GPU path for softmax: `scaled_dot_product_attention` on
+value-column groups of at most 256 (PyTorch's flash and cuDNN kernels refuse wider value heads),
+selected with `MEGALAB_ATTENTION_GPU=sdpa`; the Triton kernel is the default. Which is faster
+has to be measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from megalab import kernels
+from megalab.nn.attention import LAPLACE_MU, LAPLACE_SIGMA
+
+try:
+    import triton  # type: ignore[import-untyped]
+    import triton.language as tl  # type: ignore[import-untyped]
+except ImportError:  # the reference path needs no Triton (`use_kernel` is then False)
+    triton = None
+
+__all__ = [
+    "FUNCTIONS",
+    "GPU_PATHS",
+    "flash_attention",
+    "gpu_path",
+    "mega_attention_kernel",
+    "sdpa_value_groups",
+    "use_attention_kernel",
+]
+
+FUNCTIONS = ("softmax", "laplace", "relu2")
+EMPTY_ROWS = ("causal", "all")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: GPU attention paths for softmax: the Triton kernel, or SDPA over value-column groups.
+GPU_PATHS = ("triton", "sdpa")
+#: Widest value group `sdpa_value_groups` gives one SDPA call (flash/cuDNN's head-width limit).
+SDPA_VALUE_GROUP = 256
+
+
+def gpu_path() -> str:
+    """The GPU path for softmax attention, from `MEGALAB_ATTENTION_GPU` (default "triton")."""
+    path = os.environ.get("MEGALAB_ATTENTION_GPU", "triton").strip() or "triton"
+    if path not in GPU_PATHS:
+        raise ValueError(
+            f"MEGALAB_ATTENTION_GPU={path!r} is not a GPU attention path: use one of {GPU_PATHS}"
+        )
+    return path
+
+
+def sdpa_value_groups(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    group: int = SDPA_VALUE_GROUP,
+) -> Tensor:
+    """`scaled_dot_product_attention` (no dropout) with the values cut into column groups of at
+    most `group`, one call each, concatenated: every call has a head width flash/cuDNN accept.
+
+    The weights are recomputed per group (one more QKᵀ per group); a learned bias enters as the
+    float `attn_mask`, with its gradient.
+    """
+    if v.shape[-1] <= group:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        )
+    outs = [
+        F.scaled_dot_product_attention(
+            q, k, vg, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+        )
+        for vg in v.split(group, dim=-1)
+    ]
+    return torch.cat(outs, dim=-1)
+
+
+if triton is not None:
+    # Compile-time constants of the kernels (Triton reads globals only as constexpr).
+    _MU = tl.constexpr(LAPLACE_MU)
+    _SIGMA = tl.constexpr(LAPLACE_SIGMA)
+
+    @triton.jit
+    def _mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """a @ b accumulated in float32; with UPCAST (bf16/fp16 in the interpreter, whose
+        half-precision `tl.dot` gives wrong sums in Triton 3.9) on float32 copies of a and b."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _scores(
+        q,
+        k,
+        offs_m,
+        offs_n,
+        n,
+        W,
+        VALID,
+        FIRST,
+        stride_valid,
+        Cq,
+        Ck,
+        q_offset,
+        positions,
+        scale,
+        FN: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr,
+        EMPTY_CAUSAL: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """S (BM, BN) in float32 of a query tile against a key tile, and the keys each row sees."""
+        s = _mm(q, tl.trans(k), PRECISION, UPCAST) * scale
+        pos = offs_m + q_offset  # the queries' key positions
+        in_range = (offs_m[:, None] < Cq) & (offs_n[None, :] < Ck)
+        if HAS_BIAS:
+            idx = positions - 1 + offs_n[None, :] - pos[:, None]
+            s += tl.load(W + idx, mask=in_range, other=0.0).to(tl.float32)
+        allowed = in_range
+        causal = offs_n[None, :] <= pos[:, None]
+        if HAS_VALID:
+            key = tl.load(VALID + n * stride_valid + offs_n, mask=offs_n < Ck, other=0) != 0
+            if FN == 0:
+                first = tl.load(FIRST + n)  # the first valid key (Ck: none)
+                if CAUSAL:
+                    empty = pos < first
+                else:
+                    empty = (offs_m * 0 + first) >= Ck
+                allowed = allowed & (key[None, :] | empty[:, None])
+                if CAUSAL:
+                    if EMPTY_CAUSAL:
+                        allowed = allowed & causal
+                    else:
+                        allowed = allowed & (causal | empty[:, None])
+            else:
+                allowed = allowed & key[None, :]
+                if CAUSAL:
+                    allowed = allowed & causal
+        elif CAUSAL:
+            allowed = allowed & causal
+        return s, allowed
+
+    @triton.jit
+    def _activate(s, FN: tl.constexpr):
+        """f(S) for laplace (FN 1) or relu2 (FN 2)."""
+        if FN == 1:
+            return 0.5 * (1.0 + tl.erf((s - _MU) / (_SIGMA * 1.4142135623730951)))
+        r = tl.maximum(s, 0.0)
+        return r * r
+
+    @triton.jit
+    def _derivative(s, FN: tl.constexpr):
+        """f'(S): exp(−(S − μ)²/(2σ²)) / (σ√(2π)) (laplace) or 2 relu(S) (relu2)."""
+        if FN == 1:
+            x = s - _MU
+            return tl.exp(-(x * x) / (2.0 * _SIGMA * _SIGMA)) / (_SIGMA * 2.5066282746310002)
+        return 2.0 * tl.maximum(s, 0.0)
+
+    @triton.jit
+    def _fwd_kernel(
+        Q, K, V, W, VALID, FIRST, OUT, LSE,
+        sqn, sqh, sqm, sqz, skn, skh, skm, skz, svn, svh, svm, sve, son, soh, som, soe,
+        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        pid_b, pid_m, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n, h = pid_b // H, pid_b % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_z = tl.arange(0, BLOCK_Z)
+        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        q = tl.load(
+            Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
+            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
+            other=0.0,
+        )
+        acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
+        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        hi = Ck
+        if BOUNDED:  # no row sees a key after its own position
+            hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(
+                K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
+                mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
+                other=0.0,
+            )
+            v = tl.load(
+                V + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
+                mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
+                other=0.0,
+            )
+            s, allowed = _scores(
+                q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
+                positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
+            )  # fmt: skip
+            if FN == 0:
+                s = tl.where(allowed, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            else:
+                p = tl.where(allowed, _activate(s, FN), 0.0)
+            acc += _mm(p.to(v.dtype), v, PRECISION, UPCAST)
+        if FN == 0:
+            l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows past Cq only
+            acc = acc / l_i[:, None]
+            if pid_e == 0:
+                tl.store(LSE + pid_b * Cq + offs_m, m_i + tl.log(l_i), mask=offs_m < Cq)
+        tl.store(
+            OUT + n * son + h * soh + offs_m[:, None] * som + offs_e[None, :] * soe,
+            acc.to(OUT.dtype.element_ty),
+            mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
+        )
+
+    @triton.jit
+    def _weights(
+        q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck, q_offset,
+        positions, scale, FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):  # fmt: skip
+        """The recomputed weights P (softmax: from the saved lse), the logits S and the mask."""
+        s, allowed = _scores(
+            q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
+            positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
+        )  # fmt: skip
+        if FN == 0:
+            lse = tl.load(LSE + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
+            p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
+        else:
+            p = tl.where(allowed, _activate(s, FN), 0.0)
+        return p, s, allowed
+
+    @triton.jit
+    def _bwd_dv_kernel(
+        Q, K, W, VALID, FIRST, LSE, DO, DV,
+        sqn, sqh, sqm, sqz, skn, skh, skm, skz, sdn, sdh, sdm, sde, svn, svh, svm, sve,
+        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        """dV = Pᵀ dO for one key block and value tile, looping over query blocks."""
+        pid_b, pid_n, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n, h = pid_b // H, pid_b % H
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_z = tl.arange(0, BLOCK_Z)
+        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        k = tl.load(
+            K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
+            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
+            other=0.0,
+        )
+        dv = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
+        lo = 0
+        if BOUNDED:  # queries before the block's first key do not see it
+            lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
+        for start_m in range(lo, Cq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = tl.load(
+                Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
+                mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
+                other=0.0,
+            )
+            do = tl.load(
+                DO + n * sdn + h * sdh + offs_m[:, None] * sdm + offs_e[None, :] * sde,
+                mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
+                other=0.0,
+            )
+            p, _s, _allowed = _weights(
+                q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
+                q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
+                PRECISION, UPCAST,
+            )  # fmt: skip
+            dv += _mm(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
+        tl.store(
+            DV + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
+            dv.to(DV.dtype.element_ty),
+            mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
+        )
+
+    @triton.jit
+    def _grad_scores(
+        p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA,
+        svn, svh, svm, sve, sdn, sdh, sdm, sde, Cq, Ck, E,
+        FN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        """dS of a tile: dP = dO Vᵀ over every value tile, then the softmax or f' chain rule."""
+        dp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start_e in range(0, E, BLOCK_E):
+            offs_e = start_e + tl.arange(0, BLOCK_E)
+            do = tl.load(
+                DO + n * sdn + h * sdh + offs_m[:, None] * sdm + offs_e[None, :] * sde,
+                mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
+                other=0.0,
+            )
+            v = tl.load(
+                V + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
+                mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
+                other=0.0,
+            )
+            dp += _mm(do, tl.trans(v), PRECISION, UPCAST)
+        if FN == 0:
+            delta = tl.load(DELTA + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
+            return p * (dp - delta[:, None])
+        return tl.where(allowed, dp * _derivative(s, FN), 0.0)
+
+    @triton.jit
+    def _bwd_dk_kernel(
+        Q, K, V, W, VALID, FIRST, LSE, DELTA, DO, DK, DW,
+        sqn, sqh, sqm, sqz, skn, skh, skm, skz, svn, svh, svm, sve, sdn, sdh, sdm, sde,
+        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        """dK = dSᵀ Q τ⁻¹ for one key block, and the Toeplitz bias gradient of its tiles."""
+        pid_b, pid_n = tl.program_id(0), tl.program_id(1)
+        n, h = pid_b // H, pid_b % H
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_z = tl.arange(0, BLOCK_Z)
+        k = tl.load(
+            K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
+            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
+            other=0.0,
+        )
+        dk = tl.zeros((BLOCK_N, BLOCK_Z), dtype=tl.float32)
+        lo = 0
+        if BOUNDED:
+            lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
+        for start_m in range(lo, Cq, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            q = tl.load(
+                Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
+                mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
+                other=0.0,
+            )
+            p, s, allowed = _weights(
+                q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
+                q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
+                PRECISION, UPCAST,
+            )  # fmt: skip
+            ds = _grad_scores(
+                p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
+                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
+            )  # fmt: skip
+            dk += _mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+            if HAS_BIAS:  # dw[M − 1 + j − (i + offset)] += dS_ij, along the diagonals
+                idx = positions - 1 + offs_n[None, :] - (offs_m + q_offset)[:, None]
+                tl.atomic_add(DW + idx, ds, mask=(offs_m[:, None] < Cq) & (offs_n[None, :] < Ck))
+        tl.store(
+            DK + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
+            (dk * scale).to(DK.dtype.element_ty),
+            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
+        )
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, K, V, W, VALID, FIRST, LSE, DELTA, DO, DQ,
+        sqn, sqh, sqm, sqz, skn, skh, skm, skz, svn, svh, svm, sve, sdn, sdh, sdm, sde,
+        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
+    ):  # fmt: skip
+        """dQ = dS K τ⁻¹ for one query block, looping over key blocks."""
+        pid_b, pid_m = tl.program_id(0), tl.program_id(1)
+        n, h = pid_b // H, pid_b % H
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_z = tl.arange(0, BLOCK_Z)
+        q = tl.load(
+            Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
+            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
+            other=0.0,
+        )
+        dq = tl.zeros((BLOCK_M, BLOCK_Z), dtype=tl.float32)
+        hi = Ck
+        if BOUNDED:
+            hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
+        for start_n in range(0, hi, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            k = tl.load(
+                K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
+                mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
+                other=0.0,
+            )
+            p, s, allowed = _weights(
+                q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
+                q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
+                PRECISION, UPCAST,
+            )  # fmt: skip
+            ds = _grad_scores(
+                p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
+                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
+            )  # fmt: skip
+            dq += _mm(ds.to(k.dtype), k, PRECISION, UPCAST)
+        tl.store(
+            DQ + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
+            (dq * scale).to(DQ.dtype.element_ty),
+            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
+        )
+
+
+class _Spec:
+    """The non-tensor settings of one call (kept on the autograd context)."""
+
+    def __init__(
+        self,
+        fn: str,
+        scale: float,
+        causal: bool,
+        q_offset: int,
+        positions: int,
+        empty_rows: str,
+        has_bias: bool,
+        has_valid: bool,
+        z: int,
+        e: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.fn, self.scale, self.causal, self.q_offset = fn, scale, causal, q_offset
+        self.positions, self.has_bias, self.has_valid = positions, has_bias, has_valid
+        self.empty_causal = empty_rows == "causal"
+        interp = device.type != "cuda"
+        fp32 = dtype == torch.float32
+        # Small tiles in the interpreter (its cost grows with the tile). On GPU, untuned first
+        # choices (speed not yet measured) that fit shared memory, by the bytes of a Q/K row and
+        # a value-tile row: compiled for sm_90, 64-row blocks take 114 KB in bf16 at z = 256,
+        # 32-row blocks 143 KB in float32 at z = 256, 16-row blocks 118 KB in float32 at z = 512
+        # (the 'rotary' bias's extra columns); 8 warps for wide tiles.
+        self.block_z = max(16, triton.next_power_of_2(z))
+        self.block_e = min(32 if interp else 128, max(16, triton.next_power_of_2(e)))
+        row_bytes = dtype.itemsize * (self.block_z + self.block_e)
+        rows = 64 if row_bytes <= 768 else (32 if row_bytes <= 1536 else 16)
+        self.block_m = self.block_n = 16 if interp else rows
+        self.num_warps = 8 if max(self.block_z, self.block_e) >= 128 else 4
+        tf32 = fp32 and not interp and torch.backends.cuda.matmul.allow_tf32
+        # float32 products in IEEE unless PyTorch allows TF32 for matmuls (bf16/fp16: tensor cores)
+        self.precision = "ieee" if fp32 and not tf32 else "tf32"
+        self.upcast = interp and not fp32
+        # Causal rows see no key after themselves, except Megalodon's empty rows (every key).
+        self.bounded = causal and (self.empty_causal or not has_valid or fn != "softmax")
+
+    def meta(self) -> dict[str, Any]:
+        return {
+            "FN": FUNCTIONS.index(self.fn),
+            "HAS_BIAS": self.has_bias,
+            "HAS_VALID": self.has_valid,
+            "CAUSAL": self.causal,
+            "EMPTY_CAUSAL": self.empty_causal,
+            "BOUNDED": self.bounded,
+            "PRECISION": self.precision,
+            "UPCAST": self.upcast,
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "BLOCK_Z": self.block_z,
+            "BLOCK_E": self.block_e,
+            "num_warps": self.num_warps,
+        }
+
+
+def _strides(t: Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def _dense(t: Tensor) -> Tensor:
+    """`t` if its elements fill its memory without gaps or overlap (any dimension order, as
+    Megalodon's transposed heads), else a contiguous copy: the gradients are written with the
+    input's strides."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n > 1):
+        if stride != expected:
+            return t.contiguous()
+        expected *= size
+    return t
+
+
+def _like(t: Tensor) -> Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        w: Tensor | None,
+        valid: Tensor | None,
+        first: Tensor | None,
+        spec: _Spec,
+    ) -> Tensor:
+        N, H, Cq, Z = q.shape
+        Ck, E = k.shape[2], v.shape[3]
+        o = v.new_empty(N, H, Cq, E)
+        lse = q.new_empty(N * H, Cq, dtype=torch.float32) if spec.fn == "softmax" else None
+        dummy = q.new_empty(1, dtype=torch.float32)
+        # batch·head on the first grid axis (up to 2³¹ − 1 programs; the others take 65,535)
+        grid = (N * H, triton.cdiv(Cq, spec.block_m), triton.cdiv(E, spec.block_e))
+        _fwd_kernel[grid](
+            q, k, v, dummy if w is None else w, dummy if valid is None else valid,
+            dummy if first is None else first, o, dummy if lse is None else lse,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            0 if valid is None else valid.stride(0), H, Cq, Ck, Z, E, spec.q_offset,
+            spec.positions, spec.scale, **spec.meta(),
+        )  # fmt: skip
+        ctx.spec = spec
+        ctx.save_for_backward(q, k, v, w, valid, first, o, lse)
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        spec: _Spec = ctx.spec
+        q, k, v, w, valid, first, o, lse = ctx.saved_tensors
+        N, H, Cq, Z = q.shape
+        Ck, E = k.shape[2], v.shape[3]
+        do = grad.contiguous()
+        dq, dk, dv = _like(q), _like(k), _like(v)  # the strides of q, k, v (dense)
+        dummy = q.new_empty(1, dtype=torch.float32)
+        need_bias = w is not None and ctx.needs_input_grad[3]
+        dw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_bias else None
+        delta = None
+        if spec.fn == "softmax":  # D_i = rowsum(dO_i ⊙ O_i)
+            delta = (do.float() * o.float()).sum(-1).reshape(N * H, Cq)
+        tensors = (
+            dummy if w is None else w,
+            dummy if valid is None else valid,
+            dummy if first is None else first,
+            dummy if lse is None else lse,
+        )
+        sizes = (0 if valid is None else valid.stride(0), H, Cq, Ck, Z, E, spec.q_offset,
+                 spec.positions, spec.scale)  # fmt: skip
+        meta = spec.meta()
+        grid_n = triton.cdiv(Ck, spec.block_n)
+        _bwd_dv_kernel[(N * H, grid_n, triton.cdiv(E, spec.block_e))](
+            q, k, *tensors, do, dv, *_strides(q), *_strides(k), *_strides(do), *_strides(dv),
+            *sizes, **meta,
+        )  # fmt: skip
+        _bwd_dk_kernel[(N * H, grid_n)](
+            q, k, v, *tensors, dummy if delta is None else delta, do, dk,
+            dummy if dw is None else dw, *_strides(q), *_strides(k), *_strides(v),
+            *_strides(do), *sizes, **meta,
+        )  # fmt: skip
+        _bwd_dq_kernel[(N * H, triton.cdiv(Cq, spec.block_m))](
+            q, k, v, *tensors, dummy if delta is None else delta, do, dq, *_strides(q),
+            *_strides(k), *_strides(v), *_strides(do), *sizes, **meta,
+        )  # fmt: skip
+        db = None if dw is None or w is None else dw.to(w.dtype)
+        return dq, dk, dv, db, None, None, None
+
+
+def flash_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    fn: str = "softmax",
+    scale: float = 1.0,
+    bias: Tensor | None = None,
+    positions: int = 0,
+    valid: Tensor | None = None,
+    causal: bool = False,
+    q_offset: int = 0,
+    empty_rows: str = "causal",
+) -> Tensor:
+    """O = f(Q Kᵀ · scale + b) V on the Triton kernel, for (N, H, Cq, z) queries.
+
+    Args:
+        q, k: (N, H, Cq, z), (N, H, Ck, z); v: (N, H, Ck, E), all of one dtype (float32, bf16
+            or fp16) on one device; any strides.
+        fn: softmax | laplace | relu2 (laplace/relu2 take no normaliser: scale Q beforehand).
+        bias: Mega's 'simple' weights w (2M − 1,), b[i, j] = w[M − 1 + j − (i + q_offset)],
+            with `positions` = M; shared by every sample and head.
+        valid: (N, Ck) bool, True at real keys (None: all real); shared by the heads.
+        causal: query r sees keys up to r + q_offset.
+        empty_rows: the keys of a softmax row with none left by the masks: "causal" (Mega) or
+            "all" (Megalodon).
+    """
+    if fn not in FUNCTIONS:
+        raise ValueError(f"unknown attention function {fn!r}; allowed values: {FUNCTIONS}")
+    if empty_rows not in EMPTY_ROWS:
+        raise ValueError(f"empty_rows must be one of {EMPTY_ROWS}, got {empty_rows!r}")
+    if triton is None:
+        raise RuntimeError("the Triton attention kernel needs the `triton` package (gpu extra)")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be (N, H, C, width), got shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    N, H, Cq, Z = q.shape
+    Ck = k.shape[2]
+    if k.shape != (N, H, Ck, Z) or v.shape[:3] != (N, H, Ck):
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} disagree: k must be "
+            "(N, H, Ck, z) like q, and v (N, H, Ck, E)"
+        )
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in DTYPES:
+        raise ValueError(
+            f"q, k, v must share one dtype of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != 2 * positions - 1:
+            raise ValueError(
+                f"the 'simple' bias must be (2M − 1,) with M = positions = {positions}, got "
+                f"{tuple(bias.shape)}"
+            )
+        if positions < Ck or positions < q_offset + Cq:
+            raise ValueError(
+                f"{Ck} keys / query positions up to {q_offset + Cq} exceed the {positions} "
+                "positions of the 'simple' bias: increase max_positions or chunk_size"
+            )
+    first = None
+    if valid is not None:
+        if valid.shape != (N, Ck):
+            raise ValueError(f"valid must be (N, Ck) = {(N, Ck)}, got {tuple(valid.shape)}")
+        valid = valid.to(torch.bool)
+        any_valid = valid.any(dim=-1)
+        first = torch.where(any_valid, valid.to(torch.int8).argmax(dim=-1), Ck).to(torch.int32)
+        valid = valid.to(torch.int8).contiguous()
+    spec = _Spec(
+        fn, float(scale), causal, q_offset, positions, empty_rows, bias is not None,
+        valid is not None, Z, v.shape[3], q.device, q.dtype,
+    )  # fmt: skip
+    if bias is not None:
+        bias = bias.contiguous()
+    q, k, v = _dense(q), _dense(k), _dense(v)
+    out: Tensor = _FlashAttention.apply(q, k, v, bias, valid, first, spec)
+    return out
+
+
+def mega_attention_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    bias: tuple[str, Tensor, Tensor | None],
+    fn: str = "softmax",
+    valid: Tensor | None = None,
+    causal: bool = False,
+    q_offset: int = 0,
+    scale: float | None = None,
+    positions: int = 0,
+) -> Tensor:
+    """Mega's attention on the Triton kernel, with the arguments of
+    `megalab.nn.fused_attention.mega_attention`: (N, Cq, z) queries, (N, Ck, z) keys, (N, Ck, E)
+    values, a "toeplitz" or "lowrank" bias; -> (N, Cq, E) in the dtype of the inputs (under
+    autocast, its dtype).
+    """
+    kind, b1, b2 = bias
+    N, Cq, z = q.shape
+    Ck = k.shape[1]
+    dtype = compute_dtype(q, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    # Q τ⁻¹ (softmax, τ = √z) or Q / n (laplace, relu2: n keys per row), then S = Q Kᵀ + b.
+    if fn == "softmax":
+        q = q * (z**-0.5 if scale is None else scale)
+    elif causal:
+        n = torch.arange(q_offset + 1, q_offset + Cq + 1, device=q.device, dtype=torch.float32)
+        q = (q.float() / n.unsqueeze(1)).to(dtype)
+    elif valid is not None:
+        n = valid.sum(dim=-1).clamp(min=1).to(torch.float32)
+        q = (q.float() / n[:, None, None]).to(dtype)
+    else:
+        q = q / Ck
+    w = None
+    if kind == "toeplitz":
+        w = b1
+    elif kind == "lowrank":
+        assert b2 is not None
+        # ⟨Q_i, K_j⟩ + ⟨R_a,i, R_b,j⟩ = ⟨[Q_i | R_a,i], [K_j | R_b,j]⟩
+        q = torch.cat([q, b1.to(dtype).expand(N, Cq, -1)], dim=-1)
+        k = torch.cat([k, b2.to(dtype).expand(N, Ck, -1)], dim=-1)
+    else:
+        raise ValueError(f"the attention kernel takes a 'toeplitz' or 'lowrank' bias, got {kind!r}")
+    o = flash_attention(
+        q.unsqueeze(1),
+        k.unsqueeze(1),
+        v.unsqueeze(1),
+        fn=fn,
+        scale=1.0,
+        bias=w,
+        positions=positions,
+        valid=valid,
+        causal=causal,
+        q_offset=q_offset,
+        empty_rows="causal",
+    )
+    return o.squeeze(1)
+
+
+def compute_dtype(q: Tensor, v: Tensor) -> torch.dtype:
+    """The kernel's input dtype: autocast's where it is on, else the promotion of q's and v's."""
+    if torch.is_autocast_enabled(q.device.type):
+        return torch.get_autocast_dtype(q.device.type)
+    return torch.promote_types(q.dtype, v.dtype)
+
+
+def use_attention_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether attention on q, k, v runs on a GPU path (`kernels.use_kernel("attention", ...)`
+    and a dtype the kernel takes; float64 keeps the reference)."""
+    return kernels.use_kernel("attention", q, k, v) and compute_dtype(q, v) in DTYPES
