@@ -15,15 +15,22 @@ Decays are passed as log q (D, N): real for a damped EMA (q ∈ (0, 1)), complex
 b ≈ √L, q^l = q^{m·b}·q^j, so a kernel is one batched matmul of a (D, L/b, N) and a (D, N, b)
 factor: O(D·N·√L) exponentials, and autograd keeps only those two small factors. The state
 read-out and the state after a segment use the same split.
+
+On CUDA, `vandermonde_ops` hands the same functions from `megalab.kernels.ema` (Triton kernels
+that hold no (D, N, L) tensor at all); this module stays the reference and the CPU path.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megalab.kernels import use_kernel
 
 
 def next_fast_len(n: int) -> int:
@@ -40,6 +47,25 @@ def next_fast_len(n: int) -> int:
             p35 *= 3
         p5 *= 5
     return best
+
+
+def vandermonde_ops(*tensors: Tensor) -> ModuleType:
+    """Where `ema_kernel`, `state_after`, `state_readout` and `state_decay` come from for `tensors`.
+
+    `megalab.kernels.ema` (Triton) when the `ema` kernel is chosen for them (`megalab.kernels.
+    use_kernel`) and they are float32 or complex64, outside `torch.compile`; else this module.
+    The kernels' `ema_kernel` and `state_readout` return the real part only, which is all any
+    EMA reads (`.real` of a real tensor is itself).
+    """
+    if (
+        all(t.dtype in (torch.float32, torch.complex64) for t in tensors)
+        and not torch.compiler.is_compiling()
+        and use_kernel("ema", *tensors)
+    ):
+        from megalab.kernels import ema
+
+        return ema
+    return sys.modules[__name__]
 
 
 def log_decay(alpha_logit: Tensor, delta_logit: Tensor) -> Tensor:
