@@ -22,7 +22,7 @@ real `apply`, ∂/∂c = conj(Σ_t g_t z_t) and ∂/∂log q = Σ_g conj(c · Σ
 holomorphic `reduce`, ∂/∂x_t = Re Σ_n conj(g_n) z_t (an `apply`) and ∂/∂log q = g · conj(Σ_t x_t
 e_t z_t).
 
-Only float32 (complex64) runs here; `megalab.nn.ema_kernel.vandermonde_ops` picks this module or
+Only float32 (complex64) runs here; `megalab.nn.ema_kernel.ema_ops` picks this module or
 the reference. The convolution itself stays `torch.fft` (cuFFT on a GPU).
 """
 
@@ -38,6 +38,7 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "ema_kernel",
+    "skip_output",
     "state_after",
     "state_decay",
     "state_readout",
@@ -320,3 +321,134 @@ def state_readout(h: Tensor, w_out: Tensor, log_q: Tensor, length: int) -> Tenso
 def state_decay(h: Tensor, log_q: Tensor, length: int) -> Tensor:
     """q^length ⊙ h: (D, N) powers, as cheap in PyTorch as in a kernel."""
     return torch.exp(length * log_q) * h
+
+
+# --------------------------------------------------------------------------------- the output
+@triton.jit
+def _skip_fwd_kernel(
+    y_ptr,  # (B, D, L) float32, any strides: the EMA term
+    x_ptr,  # (B, L, D) any strides, any float dtype: the skip input
+    w_ptr,  # (D,) float32: ω
+    out_ptr,  # (B, L, D) contiguous, the output dtype
+    pre_ptr,  # (B, L, D) contiguous float32: the pre-activation (written when SAVE_PRE)
+    L,
+    D,
+    sy_b,
+    sy_d,
+    sy_t,
+    sx_b,
+    sx_t,
+    sx_d,
+    SILU: tl.constexpr,
+    SAVE_PRE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (t < L)[:, None] & (d < D)[None, :]
+    y = tl.load(y_ptr + b * sy_b + d[None, :] * sy_d + t[:, None] * sy_t, mask=ok, other=0.0)
+    x = tl.load(x_ptr + b * sx_b + t[:, None] * sx_t + d[None, :] * sx_d, mask=ok, other=0.0)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0)
+    pre = y + x.to(tl.float32) * w[None, :]
+    offsets = (b * L + t[:, None]) * D + d[None, :]
+    if SAVE_PRE:
+        tl.store(pre_ptr + offsets, pre, mask=ok)
+    out = pre * tl.sigmoid(pre) if SILU else pre
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _skip_bwd_kernel(
+    g_ptr,  # (B, L, D) any strides: the output's gradient
+    pre_ptr,  # (B, L, D) contiguous float32 (read when SILU)
+    w_ptr,  # (D,) float32
+    dy_ptr,  # (B, D, L) contiguous float32
+    dx_ptr,  # (B, L, D) contiguous, x's dtype
+    L,
+    D,
+    sg_b,
+    sg_t,
+    sg_d,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (t < L)[:, None] & (d < D)[None, :]
+    g = tl.load(g_ptr + b * sg_b + t[:, None] * sg_t + d[None, :] * sg_d, mask=ok, other=0.0)
+    g = g.to(tl.float32)
+    offsets = (b * L + t[:, None]) * D + d[None, :]
+    if SILU:
+        pre = tl.load(pre_ptr + offsets, mask=ok, other=0.0)
+        s = tl.sigmoid(pre)
+        g = g * s * (1.0 + pre * (1.0 - s))  # d/dp p·σ(p)
+    w = tl.load(w_ptr + d, mask=d < D, other=0.0)
+    tl.store(dy_ptr + (b * D + d[None, :]) * L + t[:, None], g, mask=ok)
+    tl.store(dx_ptr + offsets, (g * w[None, :]).to(dx_ptr.dtype.element_ty), mask=ok)
+
+
+_BLOCK_T_SKIP = 32
+_BLOCK_D_SKIP = 32
+
+
+class _SkipOutput(torch.autograd.Function):
+    """act(yᵀ + ω ⊙ x) in one pass; keeps x and, for SiLU, the float32 pre-activation."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        y: Tensor,
+        x: Tensor,
+        omega: Tensor,
+        silu: bool,
+        dtype: torch.dtype,
+        save_pre: bool,
+    ) -> Tensor:
+        B, D, L = y.shape
+        out = torch.empty(B, L, D, device=y.device, dtype=dtype)
+        save_pre = silu and save_pre
+        pre = torch.empty(B, L, D, device=y.device, dtype=torch.float32) if save_pre else out
+        grid = (B, triton.cdiv(L, _BLOCK_T_SKIP), triton.cdiv(D, _BLOCK_D_SKIP))
+        if out.numel():
+            _skip_fwd_kernel[grid](
+                y, x, omega, out, pre, L, D, *y.stride(), *x.stride(),
+                SILU=silu, SAVE_PRE=save_pre, BLOCK_T=_BLOCK_T_SKIP, BLOCK_D=_BLOCK_D_SKIP,
+            )  # fmt: skip
+        ctx.save_for_backward(x, omega, pre if save_pre else None)
+        ctx.silu = silu
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None]:
+        x, omega, pre = ctx.saved_tensors
+        B, L, D = grad.shape
+        dy = torch.empty(B, D, L, device=grad.device, dtype=torch.float32)
+        dx = torch.empty(B, L, D, device=grad.device, dtype=x.dtype)
+        grid = (B, triton.cdiv(L, _BLOCK_T_SKIP), triton.cdiv(D, _BLOCK_D_SKIP))
+        if dy.numel():
+            _skip_bwd_kernel[grid](
+                grad, pre if ctx.silu else dy, omega, dy, dx, L, D, *grad.stride(),
+                SILU=ctx.silu, BLOCK_T=_BLOCK_T_SKIP, BLOCK_D=_BLOCK_D_SKIP,
+            )  # fmt: skip
+        grad_omega = (dy * x.transpose(1, 2)).sum((0, 2))  # Σ_{b,t} ∂pre · x
+        return dy, dx, grad_omega, None, None, None
+
+
+def skip_output(y: Tensor, x: Tensor, omega: Tensor, silu: bool, dtype: torch.dtype) -> Tensor:
+    """act(yᵀ + ω ⊙ x) as (B, L, D) in `dtype`, act = SiLU or the identity; y (B, D, L) float32.
+
+    One read of y and x and one write, where PyTorch runs a cast, a product, a transposed sum, the
+    activation and a cast; the backward writes ∂y in y's (B, D, L) layout for the FFT.
+    """
+    if y.dtype != torch.float32 or omega.dtype != torch.float32:
+        raise ValueError(
+            f"the Triton EMA output takes a float32 EMA term and ω, got {y.dtype} and "
+            f"{omega.dtype}; use megalab.nn.ema_kernel.skip_output for other dtypes"
+        )
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (y, x, omega))
+    return _SkipOutput.apply(y, x, omega, silu, dtype, backward)

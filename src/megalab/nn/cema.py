@@ -47,11 +47,11 @@ from torch import Tensor, nn
 
 from megalab.models.state import register_state
 from megalab.nn.ema_kernel import (
+    ema_ops,
     fft_conv,
     log_decay,
     next_fast_len,
     recurrent_step,
-    vandermonde_ops,
 )
 from megalab.nn.fft_conv import SpectrumCache, fold_directions
 
@@ -140,10 +140,10 @@ class ComplexEMA(nn.Module):
     def kernel(self, length: int, dtype: torch.dtype = torch.float32) -> Tensor:
         """The real (D', length) kernel 𝒦[d, l] = Re(Σ_n η_n α_n q_n^l).
 
-        Built by the Triton `ema` kernel where it is chosen (`vandermonde_ops`).
+        Built by the Triton `ema` kernel where it is chosen (`ema_ops`).
         """
         coefficients = self.coefficients(dtype)
-        return vandermonde_ops(*coefficients).ema_kernel(*coefficients, length).real
+        return ema_ops(*coefficients).ema_kernel(*coefficients, length).real
 
     def _kernel_spectrum(self, n_fft: int, length: int, dtype: torch.dtype) -> Tensor:
         """rfft of the kernel at length n_fft as (D, n_fft//2 + 1), both directions folded in.
@@ -203,14 +203,15 @@ class ComplexEMA(nn.Module):
                 h = None
                 if want_state:
                     p, eta, log_q = self.coefficients(cdt)
-                    ops = vandermonde_ops(xt, log_q)  # Triton or the reference
+                    ops = ema_ops(xt, log_q)  # Triton or the reference
                     h = ops.state_after(xt, p, log_q)  # α Σ_t q^{L−1−t} x_t
                     if h0 is not None:
                         y = y + ops.state_readout(h0, eta, log_q, L).real  # Re Σ_n η q^{t+1} h
                         h = h + ops.state_decay(h0, log_q, L)  # + q^L h
-            y = y + self.omega.to(cdt).unsqueeze(-1) * xt
+            omega = self.omega.to(cdt)  # + ω ⊙ x̃, back to (B, L, D) (fused on CUDA)
+            out = ema_ops(y, omega).skip_output(y, xt.transpose(1, 2), omega, False, x.dtype)
         new_state = CEMAState(h) if want_state else None
-        return y.transpose(1, 2).to(x.dtype), new_state
+        return out, new_state
 
     def initial_state(self, batch_size: int, like: Tensor) -> CEMAState:
         """A zero state h of shape (B, D, N), complex64 (complex128 for float64 `like`)."""

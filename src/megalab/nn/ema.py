@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.nn.ema_kernel import log_decay, next_fast_len, recurrent_step, vandermonde_ops
+from megalab.nn.ema_kernel import ema_ops, log_decay, next_fast_len, recurrent_step
 from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, fold_directions, rfft_lean
 
 __all__ = ["DampedEMA", "log_decay", "next_fast_len"]
@@ -143,10 +143,10 @@ class DampedEMA(nn.Module):
     def kernel(self, length: int) -> Tensor:
         """The (D', length) kernel 𝒦[c, l] = Σ_n η_n/√h · α_n β_n · q_n^l (eq. 26).
 
-        Built by the Triton `ema` kernel where it is chosen (`vandermonde_ops`).
+        Built by the Triton `ema` kernel where it is chosen (`ema_ops`).
         """
         coefficients = self.coefficients()
-        return vandermonde_ops(*coefficients).ema_kernel(*coefficients, length)
+        return ema_ops(*coefficients).ema_kernel(*coefficients, length)
 
     def _kernel_spectrum(self, K: int, n_fft: int, dtype: torch.dtype) -> Tensor:
         """rfft of the kernel at length n_fft as (D, n_fft//2 + 1); both directions folded in.
@@ -193,11 +193,10 @@ class DampedEMA(nn.Module):
             )
         B, L, D = x.shape
         cdt = torch.promote_types(x.dtype, torch.float32)
-        residual = x.to(cdt) * self.omega  # ω ⊙ x on the unmasked input, as in the code
         want_state = state is not None or return_state
         if self.ema_dim == 0:
             new_state = x.new_zeros(B, D, 0) if want_state else None
-            return F.silu(residual).to(x.dtype), new_state
+            return F.silu(x.to(cdt) * self.omega).to(x.dtype), new_state
 
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x.to(cdt).transpose(1, 2)  # (B, D, L): time last for the FFT
@@ -213,7 +212,7 @@ class DampedEMA(nn.Module):
                 new_state = None
                 if want_state:
                     w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())
-                    ops = vandermonde_ops(x_tilde, log_q)  # Triton or the reference
+                    ops = ema_ops(x_tilde, log_q)  # Triton or the reference
                     # Σ_t (α⊙β) x_t q^{L−1−t}: the state after the segment's last token.
                     new_state = ops.state_after(x_tilde, w_in, log_q)
                     if state is not None:
@@ -221,7 +220,8 @@ class DampedEMA(nn.Module):
                         # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
                         y = y + ops.state_readout(h0, w_out, log_q, L)
                         new_state = new_state + ops.state_decay(h0, log_q, L)
-        out = F.silu(y.transpose(1, 2) + residual).to(x.dtype)
+        # SiLU(yᵀ + ω ⊙ x), ω ⊙ x on the unmasked input as in the code (fused on CUDA).
+        out = ema_ops(y, self.omega).skip_output(y, x, self.omega, silu=True, dtype=x.dtype)
         return out, (new_state.to(x.dtype) if new_state is not None else None)
 
     def _fft_conv(self, x: Tensor, K: int, mask: Tensor | None = None) -> Tensor:

@@ -16,7 +16,7 @@ b ≈ √L, q^l = q^{m·b}·q^j, so a kernel is one batched matmul of a (D, L/b,
 factor: O(D·N·√L) exponentials, and autograd keeps only those two small factors. The state
 read-out and the state after a segment use the same split.
 
-On CUDA, `vandermonde_ops` hands the same functions from `megalab.kernels.ema` (Triton kernels
+On CUDA, `ema_ops` hands the same functions from `megalab.kernels.ema` (Triton kernels
 that hold no (D, N, L) tensor at all); this module stays the reference and the CPU path.
 """
 
@@ -49,8 +49,9 @@ def next_fast_len(n: int) -> int:
     return best
 
 
-def vandermonde_ops(*tensors: Tensor) -> ModuleType:
-    """Where `ema_kernel`, `state_after`, `state_readout` and `state_decay` come from for `tensors`.
+def ema_ops(*tensors: Tensor) -> ModuleType:
+    """Where `ema_kernel`, `state_after`, `state_readout`, `state_decay` and `skip_output` come
+    from for `tensors`.
 
     `megalab.kernels.ema` (Triton) when the `ema` kernel is chosen for them (`megalab.kernels.
     use_kernel`) and they are float32 or complex64, outside `torch.compile`; else this module.
@@ -146,6 +147,13 @@ def recurrent_step(x: Tensor, h: Tensor, w_in: Tensor, w_out: Tensor, log_q: Ten
     """One step: h ← w_in x + q h; y = Σ_n w_out h.  x (B, D), h (B, D, N) -> (y, h)."""
     h = w_in * x.unsqueeze(-1).to(w_in.dtype) + torch.exp(log_q) * h
     return (h * w_out).sum(-1), h
+
+
+def skip_output(y: Tensor, x: Tensor, omega: Tensor, silu: bool, dtype: torch.dtype) -> Tensor:
+    """act(yᵀ + ω ⊙ x) as (B, L, D) in `dtype`: y (B, D, L) the EMA term, x (B, L, D) the skip
+    input (cast to y's dtype first), act = SiLU (Mega) or the identity (CEMA)."""
+    out = y.transpose(1, 2) + x.to(y.dtype) * omega.to(y.dtype)
+    return (F.silu(out) if silu else out).to(dtype)
 
 
 def fft_conv(x: Tensor, spec: Tensor, n_fft: int) -> Tensor:
