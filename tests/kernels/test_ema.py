@@ -55,9 +55,10 @@ def run(fn, module: nn.Module, *inputs: Tensor, forced: bool):
         outs = fn(*inputs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     g = torch.Generator().manual_seed(1)
-    loss = sum((torch.view_as_real(o) if o.is_complex() else o).float().mul(
-        torch.randn((torch.view_as_real(o) if o.is_complex() else o).shape, generator=g)).sum()
-        for o in outs)  # fmt: skip
+    loss = torch.zeros((), device=outs[0].device)
+    for o in outs:
+        real = (torch.view_as_real(o) if o.is_complex() else o).float()
+        loss = loss + (real * torch.randn(real.shape, generator=g).to(real.device)).sum()
     loss.backward()
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     grads.update({f"input{i}": t.grad.clone() for i, t in enumerate(inputs) if t.grad is not None})
@@ -208,3 +209,17 @@ def test_tiny_mega_and_megalodon_forward_backward() -> None:
         kernel_run = run(lambda x, model=model: model(x).y, model, x, forced=True)
         reference_run = run(lambda x, model=model: model(x).y, model, x, forced=False)
         assert_same_run(kernel_run, reference_run, tol=1e-4, grad_tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_layers_match_the_reference_at_a_model_size(kind: str) -> None:
+    """On a GPU the kernels are chosen without `forced`; a model-sized layer against PyTorch."""
+    m = ema_module(kind, 256, 16).cuda()
+    x = torch.randn(2, 2048, 256, device="cuda")
+    mask = torch.ones(2, 2048, dtype=torch.bool, device="cuda")
+    mask[1, 1500:] = False
+    assert kernels.use_kernel("ema", x)
+    kernel_run = run(lambda x: m(x, mask)[0], m, x, forced=True)
+    reference_run = run(lambda x: m(x, mask)[0], m, x, forced=False)
+    assert_same_run(kernel_run, reference_run, tol=1e-4, grad_tol=1e-3)

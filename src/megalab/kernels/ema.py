@@ -228,8 +228,10 @@ def _like(grad: Tensor, t: Tensor) -> Tensor:
 
 
 def _as(c: Tensor, like: Tensor) -> Tensor:
-    """c in like's kind: Re c for a real `like` (only the real part reaches a real sum)."""
-    return c.to(like.dtype) if like.is_complex() or not c.is_complex() else c.real.float()
+    """c in like's kind, float32: Re c for a real `like` (only Re c reaches a real sum)."""
+    if like.is_complex():
+        return c.to(torch.complex64)
+    return (c.real if c.is_complex() else c).float()
 
 
 class _Apply(torch.autograd.Function):
