@@ -8,6 +8,8 @@ and Megalodon models, and what autograd keeps for the backward.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -98,6 +100,33 @@ def test_generated_kernel_and_its_gradients(kind: str, D: int, N: int, L: int) -
     reference_run = run(lambda: fn(L), m, forced=False)
     assert kernel_run[0][0].shape == (m.alpha.shape[0], L)
     assert_same_run(kernel_run, reference_run)
+
+
+@pytest.mark.parametrize("kind", ["mega", "cema"])
+def test_extreme_decays_stay_finite_and_exact(kind: str) -> None:
+    """Logits of ±12 make q ≈ 1 (memory longer than L) and q ≈ 0 (log q ≈ −24): the powers
+    exp(t · log q) neither overflow nor lose the lag-0 tap, and against the float64 reference
+    the kernel is as close as the float32 reference (whose coefficients it shares)."""
+    m = ema_module(kind, 8, 4)
+    with torch.no_grad():
+        m.alpha[:, :2] = -12.0
+        m.delta[:, :2] = -12.0
+        m.alpha[:, 2:] = 12.0
+        m.delta[:, 2:] = 12.0
+    kernel_run = run(lambda: m.kernel(300), m, forced=True)
+    reference_run = run(lambda: m.kernel(300), m, forced=False)
+    m64 = copy.deepcopy(m).double()
+    args = (300, torch.float64) if kind == "cema" else (300,)
+    exact_run = run(lambda: m64.kernel(*args), m64, forced=False)
+    assert all(t.isfinite().all() for t in (*kernel_run[0], *kernel_run[1].values()))
+    exact = {"output": exact_run[0][0], **exact_run[1]}
+    kernel = {"output": kernel_run[0][0], **kernel_run[1]}
+    reference = {"output": reference_run[0][0], **reference_run[1]}
+    for name, e in exact.items():
+        scale = e.abs().max().item()
+        err_kernel = (kernel[name].double() - e).abs().max().item() / scale
+        err_reference = (reference[name].double() - e).abs().max().item() / scale
+        assert err_kernel <= 1.5 * err_reference + 1e-5, (name, err_kernel, err_reference)
 
 
 @pytest.mark.parametrize("kind", KINDS)
