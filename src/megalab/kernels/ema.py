@@ -357,7 +357,9 @@ def _skip_fwd_kernel(
     offsets = (b * L + t[:, None]) * D + d[None, :]
     if SAVE_PRE:
         tl.store(pre_ptr + offsets, pre, mask=ok)
-    out = pre * tl.sigmoid(pre) if SILU else pre
+    out = pre
+    if SILU:
+        out = pre * tl.sigmoid(pre)
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
