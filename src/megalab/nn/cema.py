@@ -28,7 +28,9 @@ least float32/complex64, also under bf16 autocast. A carried state h (B, D, N) c
 read-out Re(Σ_n η q^{t+1} h) and is advanced to h ← α Σ_t q^{L−1−t} x_t + q^L h (the code's
 `ema_hidden`), so streaming segment by segment equals one pass; a single token takes the exact
 recurrence. In eval mode without autograd the kernel's spectrum is cached until a parameter
-changes (the code caches the coefficients likewise).
+changes (the code caches the coefficients likewise). On CUDA the kernel, the state read-out and
+the state after a segment come from Triton kernels (`megalab.kernels.ema`, the code's
+`ema_parameters` and `ema_hidden` ops) that keep only (D, N) tensors for the backward.
 
 Bidirectional CEMA (our encoder variant for classification; the authors' Megalodon code has no
 encoder): a second set of rows runs backwards in time, as Mega's bidirectional EMA, both sums
@@ -45,14 +47,11 @@ from torch import Tensor, nn
 
 from megalab.models.state import register_state
 from megalab.nn.ema_kernel import (
-    ema_kernel,
+    ema_ops,
     fft_conv,
     log_decay,
     next_fast_len,
     recurrent_step,
-    state_after,
-    state_decay,
-    state_readout,
 )
 from megalab.nn.fft_conv import SpectrumCache, fold_directions
 
@@ -139,8 +138,12 @@ class ComplexEMA(nn.Module):
         return p, eta, log_q
 
     def kernel(self, length: int, dtype: torch.dtype = torch.float32) -> Tensor:
-        """The real (D', length) kernel 𝒦[d, l] = Re(Σ_n η_n α_n q_n^l)."""
-        return ema_kernel(*self.coefficients(dtype), length).real
+        """The real (D', length) kernel 𝒦[d, l] = Re(Σ_n η_n α_n q_n^l).
+
+        Built by the Triton `ema` kernel where it is chosen (`ema_ops`).
+        """
+        coefficients = self.coefficients(dtype)
+        return ema_ops(*coefficients).ema_kernel(*coefficients, length).real
 
     def _kernel_spectrum(self, n_fft: int, length: int, dtype: torch.dtype) -> Tensor:
         """rfft of the kernel at length n_fft as (D, n_fft//2 + 1), both directions folded in.
@@ -200,13 +203,15 @@ class ComplexEMA(nn.Module):
                 h = None
                 if want_state:
                     p, eta, log_q = self.coefficients(cdt)
-                    h = state_after(xt, p, log_q)  # α Σ_t q^{L−1−t} x_t
+                    ops = ema_ops(xt, log_q)  # Triton or the reference
+                    h = ops.state_after(xt, p, log_q)  # α Σ_t q^{L−1−t} x_t
                     if h0 is not None:
-                        y = y + state_readout(h0, eta, log_q, L).real  # Re Σ_n η q^{t+1} h
-                        h = h + state_decay(h0, log_q, L)  # + q^L h
-            y = y + self.omega.to(cdt).unsqueeze(-1) * xt
+                        y = y + ops.state_readout(h0, eta, log_q, L).real  # Re Σ_n η q^{t+1} h
+                        h = h + ops.state_decay(h0, log_q, L)  # + q^L h
+            omega = self.omega.to(cdt)  # + ω ⊙ x̃, back to (B, L, D) (fused on CUDA)
+            out = ema_ops(y, omega).skip_output(y, xt.transpose(1, 2), omega, False, x.dtype)
         new_state = CEMAState(h) if want_state else None
-        return y.transpose(1, 2).to(x.dtype), new_state
+        return out, new_state
 
     def initial_state(self, batch_size: int, like: Tensor) -> CEMAState:
         """A zero state h of shape (B, D, N), complex64 (complex128 for float64 `like`)."""

@@ -39,6 +39,8 @@ Parameter names follow the paper: our `alpha` (input weight α) is the code's `d
 Speed. The kernel maths lives in `megalab.nn.ema_kernel` (shared with the complex EMA): the
 kernel is never built as the (d, h, L) tensor of powers q^l but as one batched matmul of two
 O(d·h·√L) factors, and the streaming read-out and state update use the same split.
+On CUDA the kernel and the state terms come from Triton kernels (`megalab.kernels.ema`) that
+keep only the (d, h) coefficients for the backward.
 The convolution is one real FFT of length ≥ L + K − 1 (the bidirectional kernel's spectrum is
 FFT(𝒦_fwd) + conj(FFT(𝒦_bwd)), no explicit two-sided kernel), computed in at least float32 like
 the authors' code; float64 inputs stay float64. In eval mode without autograd the kernel's
@@ -53,15 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.nn.ema_kernel import (
-    ema_kernel,
-    log_decay,
-    next_fast_len,
-    recurrent_step,
-    state_after,
-    state_decay,
-    state_readout,
-)
+from megalab.nn.ema_kernel import ema_ops, log_decay, next_fast_len, recurrent_step
 from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, fold_directions, rfft_lean
 
 __all__ = ["DampedEMA", "log_decay", "next_fast_len"]
@@ -147,8 +141,12 @@ class DampedEMA(nn.Module):
         return alpha * self.beta, self.eta * self.scale, log_decay(self.alpha, self.delta)
 
     def kernel(self, length: int) -> Tensor:
-        """The (D', length) kernel 𝒦[c, l] = Σ_n η_n/√h · α_n β_n · q_n^l (eq. 26)."""
-        return ema_kernel(*self.coefficients(), length)
+        """The (D', length) kernel 𝒦[c, l] = Σ_n η_n/√h · α_n β_n · q_n^l (eq. 26).
+
+        Built by the Triton `ema` kernel where it is chosen (`ema_ops`).
+        """
+        coefficients = self.coefficients()
+        return ema_ops(*coefficients).ema_kernel(*coefficients, length)
 
     def _kernel_spectrum(self, K: int, n_fft: int, dtype: torch.dtype) -> Tensor:
         """rfft of the kernel at length n_fft as (D, n_fft//2 + 1); both directions folded in.
@@ -195,11 +193,10 @@ class DampedEMA(nn.Module):
             )
         B, L, D = x.shape
         cdt = torch.promote_types(x.dtype, torch.float32)
-        residual = x.to(cdt) * self.omega  # ω ⊙ x on the unmasked input, as in the code
         want_state = state is not None or return_state
         if self.ema_dim == 0:
             new_state = x.new_zeros(B, D, 0) if want_state else None
-            return F.silu(residual).to(x.dtype), new_state
+            return F.silu(x.to(cdt) * self.omega).to(x.dtype), new_state
 
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x.to(cdt).transpose(1, 2)  # (B, D, L): time last for the FFT
@@ -215,14 +212,16 @@ class DampedEMA(nn.Module):
                 new_state = None
                 if want_state:
                     w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())
+                    ops = ema_ops(x_tilde, log_q)  # Triton or the reference
                     # Σ_t (α⊙β) x_t q^{L−1−t}: the state after the segment's last token.
-                    new_state = state_after(x_tilde, w_in, log_q)
+                    new_state = ops.state_after(x_tilde, w_in, log_q)
                     if state is not None:
                         h0 = state.to(cdt)
                         # y_t += Σ_n η_n q_n^{t+1} h_n ;  h_L += q^L h
-                        y = y + state_readout(h0, w_out, log_q, L)
-                        new_state = new_state + state_decay(h0, log_q, L)
-        out = F.silu(y.transpose(1, 2) + residual).to(x.dtype)
+                        y = y + ops.state_readout(h0, w_out, log_q, L)
+                        new_state = new_state + ops.state_decay(h0, log_q, L)
+        # SiLU(yᵀ + ω ⊙ x), ω ⊙ x on the unmasked input as in the code (fused on CUDA).
+        out = ema_ops(y, self.omega).skip_output(y, x, self.omega, silu=True, dtype=x.dtype)
         return out, (new_state.to(x.dtype) if new_state is not None else None)
 
     def _fft_conv(self, x: Tensor, K: int, mask: Tensor | None = None) -> Tensor:

@@ -15,15 +15,22 @@ Decays are passed as log q (D, N): real for a damped EMA (q ∈ (0, 1)), complex
 b ≈ √L, q^l = q^{m·b}·q^j, so a kernel is one batched matmul of a (D, L/b, N) and a (D, N, b)
 factor: O(D·N·√L) exponentials, and autograd keeps only those two small factors. The state
 read-out and the state after a segment use the same split.
+
+On CUDA, `ema_ops` hands the same functions from `megalab.kernels.ema` (Triton kernels
+that hold no (D, N, L) tensor at all); this module stays the reference and the CPU path.
 """
 
 from __future__ import annotations
 
 import math
+import sys
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from megalab.kernels import use_kernel
 
 
 def next_fast_len(n: int) -> int:
@@ -40,6 +47,26 @@ def next_fast_len(n: int) -> int:
             p35 *= 3
         p5 *= 5
     return best
+
+
+def ema_ops(*tensors: Tensor) -> ModuleType:
+    """Where `ema_kernel`, `state_after`, `state_readout`, `state_decay` and `skip_output` come
+    from for `tensors`.
+
+    `megalab.kernels.ema` (Triton) when the `ema` kernel is chosen for them (`megalab.kernels.
+    use_kernel`) and they are float32 or complex64, outside `torch.compile`; else this module.
+    The kernels' `ema_kernel` and `state_readout` return the real part only, which is all any
+    EMA reads (`.real` of a real tensor is itself).
+    """
+    if (
+        all(t.dtype in (torch.float32, torch.complex64) for t in tensors)
+        and not torch.compiler.is_compiling()
+        and use_kernel("ema", *tensors)
+    ):
+        from megalab.kernels import ema
+
+        return ema
+    return sys.modules[__name__]
 
 
 def log_decay(alpha_logit: Tensor, delta_logit: Tensor) -> Tensor:
@@ -120,6 +147,13 @@ def recurrent_step(x: Tensor, h: Tensor, w_in: Tensor, w_out: Tensor, log_q: Ten
     """One step: h ← w_in x + q h; y = Σ_n w_out h.  x (B, D), h (B, D, N) -> (y, h)."""
     h = w_in * x.unsqueeze(-1).to(w_in.dtype) + torch.exp(log_q) * h
     return (h * w_out).sum(-1), h
+
+
+def skip_output(y: Tensor, x: Tensor, omega: Tensor, silu: bool, dtype: torch.dtype) -> Tensor:
+    """act(yᵀ + ω ⊙ x) as (B, L, D) in `dtype`: y (B, D, L) the EMA term, x (B, L, D) the skip
+    input (cast to y's dtype first), act = SiLU (Mega) or the identity (CEMA)."""
+    out = y.transpose(1, 2) + x.to(y.dtype) * omega.to(y.dtype)
+    return (F.silu(out) if silu else out).to(dtype)
 
 
 def fft_conv(x: Tensor, spec: Tensor, n_fft: int) -> Tensor:
