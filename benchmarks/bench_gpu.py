@@ -1,8 +1,9 @@
 """Speed and memory on one CUDA GPU: blocks at scale, LRA Text (Mega Table 2), Megalodon vs Llama.
 
     python benchmarks/bench_gpu.py [--sections blocks lra_text e2e] [--widths 1024 4096]
-        [--lengths 4096 16384 65536] [--tokens-per-step 65536] [--rounds 3] [--warmup 1]
-        [--time-box 60] [--json benchmarks/results/bench_gpu.json] [--smoke]
+        [--lengths 4096 16384 65536] [--tokens-per-step 65536] [--rounds 3] [--warmup 0]
+        [--time-box 180] [--json benchmarks/results/bench_gpu.json] [--smoke]
+    python benchmarks/bench_gpu.py --render benchmarks/results/bench_gpu.json
 
 Sections (every case forward + backward; one optimizer step where stated):
 
@@ -21,20 +22,21 @@ Sections (every case forward + backward; one optimizer step where stated):
   and an AdamW step on synthetic token ids (no data pipeline).
 
 Protocol (as benchmarks/bench_megalodon.py): every case of a group (a width and length, or a
-section) is built, then runs `--warmup` untimed steps; then `--rounds` rounds run every case
-once, in an order rotated by one case per round, so a drift in the machine falls on every case
-alike. A case reports its median time per step with min-max, tokens per second from the
-median, the peak of allocated GPU memory over its steps (`torch.cuda.max_memory_allocated`),
-and the kernels one step launches (counted with `torch.profiler`; on the CPU, under --smoke,
-the aten operators instead). Ratios against a section's baseline are per round (baseline time /
-case time), median with min-max. Times are wall clock between `torch.cuda.synchronize()`.
+section) is built and runs one untimed step (the warm-up: a case that cannot run fails there,
+alone), and `--warmup` more; then `--rounds` rounds run every case once, in an order rotated by
+one case per round, so a drift in the machine falls on every case alike. A case reports its
+median time per step with min-max, tokens per second from the median, the peak of allocated GPU
+memory over one step (`torch.cuda.max_memory_allocated`), and the kernels one step launches
+(counted with `torch.profiler`; on the CPU, under --smoke, the aten operators instead). Ratios
+against a section's baseline are per round (baseline time / case time), median with min-max.
+Times are wall clock between `torch.cuda.synchronize()` calls.
 
 A case that fails (out of memory, an error) is recorded with its error and the rest still runs;
-a section stops adding cases once it has run past `--time-box` seconds (the rest are recorded as
-skipped). The JSON (settings: device, driver, CUDA, torch and Triton versions; protocol; rows;
-failures) is written after every group, and the Markdown tables are printed (and written to
-`--md`). `--smoke`: tiny sizes on the CPU in seconds (the default test suite runs it), so the
-code is known to run before a GPU is at hand.
+a section starts no new case past its share of `--time-box` seconds (blocks 60%, the others 20%
+each; the rest are recorded as skipped). The JSON (settings: device, driver, CUDA, torch and
+Triton versions; protocol; rows; failures) is written after every group, and the Markdown
+tables are printed (and written to `--md`). `--smoke`: tiny sizes on the CPU in seconds (the
+default test suite runs it), so the code is known to run before a GPU is at hand.
 """
 
 from __future__ import annotations
@@ -339,10 +341,11 @@ def block_case(
 def section_blocks(args: Any, device: torch.device, out: Callable[[list[dict]], None]) -> None:
     start = time.monotonic()
     dtype = torch.bfloat16
-    for d in args.widths:
-        for L in args.lengths:
+    box = SHARES["blocks"] * args.time_box
+    for L in args.lengths:  # both widths at a length before the next length
+        for d in args.widths:
             key = {"d": d, "L": L, "dtype": "bf16-autocast"}
-            if time.monotonic() - start > args.time_box:
+            if time.monotonic() - start > box:
                 out(
                     [{"section": "blocks", "kind": k, **key, "skipped": "time box"} for k in BLOCKS]
                 )
@@ -413,7 +416,7 @@ def section_lra_text(args: Any, device: torch.device, out: Callable[[list[dict]]
     group = Group("lra_text", {"dtype": "float32"}, device, args)
     start = time.monotonic()
     for experiment in LRA_TEXT:
-        if time.monotonic() - start > args.time_box:
+        if time.monotonic() - start > SHARES["lra_text"] * args.time_box:
             group.rows.append({"section": "lra_text", "kind": experiment, "skipped": "time box"})
             continue
         batch = 1 if args.smoke else None
@@ -425,7 +428,7 @@ def section_e2e(args: Any, device: torch.device, out: Callable[[list[dict]], Non
     group = Group("e2e", {"dtype": "bf16-autocast"}, device, args)
     start = time.monotonic()
     for experiment in E2E:
-        if time.monotonic() - start > args.time_box:
+        if time.monotonic() - start > SHARES["e2e"] * args.time_box:
             group.rows.append({"section": "e2e", "kind": experiment, "skipped": "time box"})
             continue
         smoke = [*E2E_SMOKE["*"], *E2E_SMOKE[experiment]] if args.smoke else []
@@ -438,6 +441,8 @@ def section_e2e(args: Any, device: torch.device, out: Callable[[list[dict]], Non
     out(rows)
 
 
+# The share of `--time-box` each section may start cases in.
+SHARES = {"blocks": 0.6, "lra_text": 0.2, "e2e": 0.2}
 SECTIONS: dict[str, tuple[str, Callable[..., None]]] = {
     "blocks": ("Blocks, forward + backward, bf16 autocast (ratios against Llama)", section_blocks),
     "lra_text": (
@@ -524,15 +529,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tokens-per-step", type=int, default=65536)
     ap.add_argument("--chunk", type=int, default=2048, help="Mega-chunk/Megalodon-chunk chunk")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="untimed steps beyond the first, which every case runs when built",
+    )
     ap.add_argument("--e2e-len", type=int, default=2048)
     ap.add_argument("--e2e-batch", type=int, default=4)
     ap.add_argument(
         "--time-box",
         type=float,
-        default=60.0,
-        help="seconds per section after which it starts no new case",
+        default=180.0,
+        help="seconds of the whole benchmark; each section starts no new case past its share",
     )
+    ap.add_argument("--render", type=Path, help="print the tables of a saved JSON, and exit")
     ap.add_argument("--json", type=Path, help="write the record here (after every group)")
     ap.add_argument("--md", type=Path, help="write the Markdown tables here")
     ap.add_argument(
@@ -549,6 +560,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    if args.render:
+        saved: dict[str, Any] = json.loads(args.render.read_text())
+        print(render(saved))
+        return saved
     if args.smoke:
         device = torch.device("cpu")
     elif not torch.cuda.is_available():

@@ -21,7 +21,7 @@ import gpu_check  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str, Path]:
     out = tmp_path_factory.mktemp("bench_gpu")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -41,11 +41,11 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads((out / "b.json").read_text()), (out / "b.md").read_text()
+    return json.loads((out / "b.json").read_text()), (out / "b.md").read_text(), out / "b.json"
 
 
 def test_the_smoke_benchmark_measures_every_case_of_every_section(smoke) -> None:
-    record, markdown = smoke
+    record, markdown, _ = smoke
     assert record["failures"] == [] and record["measured"] is False
     settings = record["settings"]
     assert {"device", "driver", "cuda", "torch", "triton"} <= set(settings)
@@ -70,6 +70,12 @@ def test_the_smoke_benchmark_measures_every_case_of_every_section(smoke) -> None
         assert r["speed_ratio"]["min"] <= r["speed_ratio"]["median"] <= r["speed_ratio"]["max"]
     assert all(r["steps_per_s"] > 0 for r in record["rows"] if r["section"] == "e2e")
     assert "| megalodon_chunk |" in markdown and "### LRA Text" in markdown
+
+
+def test_a_saved_record_renders_to_the_same_tables(smoke) -> None:
+    """What the check shows of a benchmark killed at its budget: the rows it saved."""
+    _, markdown, path = smoke
+    assert gpu_check.rendered_bench(path).strip() == markdown.strip()
 
 
 def test_the_benchmark_refuses_to_measure_without_cuda() -> None:
