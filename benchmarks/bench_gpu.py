@@ -161,7 +161,15 @@ def launches(step: Step, device: torch.device) -> int:
         sync(device)
     events = prof.events()
     if cuda:
-        return sum(1 for e in events if e.device_type == DeviceType.CUDA)
+        # Device-side kernel events (copies and fills are not kernels one launches); where a
+        # profiler build lists none, the runtime's launch calls (cudaLaunchKernel and kin).
+        copies = ("Memcpy", "Memset")
+        kernels = [
+            e for e in events if e.device_type == DeviceType.CUDA and not e.name.startswith(copies)
+        ]
+        if kernels:
+            return len(kernels)
+        return sum(1 for e in events if "LaunchKernel" in e.name)
     return sum(1 for e in events if e.name.startswith("aten::"))
 
 
