@@ -128,6 +128,19 @@ def test_pytest_counts_come_from_junit(tmp_path: Path) -> None:
     assert gpu_check.junit_counts(tmp_path / "missing.xml") is None
 
 
+def test_a_pytest_part_that_only_skipped_did_not_pass() -> None:
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 49}
+    part = {"status": "passed", "returncode": 0, "counts": counts}
+    assert gpu_check.pytest_status(part) == "all skipped"
+    assert gpu_check.pytest_status({**part, "counts": {**counts, "passed": 3}}) == "passed"
+    assert gpu_check.pytest_status({"status": "failed", "returncode": 5, "counts": None}) == (
+        "no tests"
+    )
+    assert gpu_check.pytest_status({**part, "status": "timed out", "returncode": -9}) == (
+        "timed out"
+    )
+
+
 def test_the_gpu_parts_find_their_tests() -> None:
     files = gpu_check.gpu_test_files()
     assert "tests/test_experiments.py" in files and "tests/test_trainers.py" in files
