@@ -14,10 +14,10 @@
    working set, which the backward also needs on top of the saved activations). Memory grows
    linearly in the batch, so the two sizes give the bytes per example and the fixed part. The
    probes run on a copy of the task, on the device the run trains on (`trainer.accelerator`),
-   with its SyncBatchNorms as BatchNorms (`local_batchnorm`). When a step comes near the budget, the working set is
-   also measured at a larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds,
-   not steps) and the line is drawn through it: a blockwise attention's blocks stop growing
-   with the batch.
+   with its SyncBatchNorms as BatchNorms (`local_batchnorm`). When a step comes near the
+   budget, the working set is also measured at a larger batch (at most `PROBE_TOKENS` tokens,
+   so the plan costs seconds, not steps) and the line is drawn through it: a blockwise
+   attention's blocks stop growing with the batch.
 2. It estimates the peak of a step at micro-batch m (the parameters exist already):
        train(m) = parameters × (4 + 8 bytes: gradients, Adam's two moments) + saved(m) + work(m)
        eval(e)  = work(e)
