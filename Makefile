@@ -315,3 +315,31 @@ reproduce-megalodon-vs-llama: $(REPRO_INSTALL) ## Megalodon Fig. 1 + 4 in miniat
 	$(REPRO_PY) -m megalab.curves "$$dir" || status=1; \
 	echo "Runs, table.md, curves.md and curves.png: $$dir"; \
 	exit $$status
+
+# --- One CUDA machine: correctness and speed in one command (docs/gpu.md) ---------------------
+# `make gpu-check` on a machine with CUDA PyTorch: (1) with WHEELS=<dir>, installs megalab's
+# pure-Python dependencies from that folder without network (`make gpu-wheels` fills it on a
+# machine with PyPI) and megalab itself over the image's torch; then runs the GPU tests, the
+# golden tests on CUDA, the Triton kernels' tests compiled, two training steps per model and
+# trainer, and benchmarks/bench_gpu.py, each part time-boxed (benchmarks/gpu_check.py), into
+# benchmarks/results/gpu_check.{json,md}. GPU_PYTHON: the image's interpreter (with its torch).
+WHEELS ?=
+GPU_PYTHON ?= python3
+GPU_WHEELS_DIR ?= gpu-wheels
+GPU_WHEELS_PYTHON ?= 3.12
+
+.PHONY: gpu-check gpu-wheels
+
+gpu-check: ## On a CUDA machine: GPU tests, golden on CUDA, compiled kernels, trainer runs, bench_gpu (< 8 min; WHEELS=dir installs offline)
+	@if [ -n "$(WHEELS)" ]; then \
+		set -e; \
+		$(GPU_PYTHON) -m pip install --quiet --no-index --find-links "$(WHEELS)" \
+			$$([ -f "$(WHEELS)/constraints.txt" ] && echo -c "$(WHEELS)/constraints.txt") \
+			$$($(GPU_PYTHON) benchmarks/gpu_check.py --requirements); \
+		$(GPU_PYTHON) -m pip install --quiet --no-index --find-links "$(WHEELS)" --no-deps -e .; \
+	fi
+	$(GPU_PYTHON) benchmarks/gpu_check.py $(ARGS)
+
+gpu-wheels: ## Download the wheels gpu-check WHEELS= installs (GPU_WHEELS_DIR, Python 3.12 manylinux x86-64; no torch/NVIDIA)
+	$(PYTHON) benchmarks/gpu_check.py --download-wheels $(GPU_WHEELS_DIR) \
+		--python-version $(GPU_WHEELS_PYTHON)

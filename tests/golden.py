@@ -8,7 +8,9 @@ with a README describing its cases. Without the data a golden test skips, except
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,33 @@ def load_case(model: str, name: str) -> dict[str, Any]:
         pytest.skip(msg)
     path = folder / f"{name}.pt"
     assert path.is_file(), f"golden file missing: {path}"
-    return torch.load(path, weights_only=True)
+    return torch.load(path, weights_only=True, map_location=_device)
+
+
+# The device the golden tests run on (`on_device`); None: where the files were saved (the CPU).
+_device: torch.device | None = None
+
+
+@contextlib.contextmanager
+def on_device(device: str | torch.device) -> Iterator[None]:
+    """Run golden tests on `device`, unchanged: every case loads its tensors there, and what a
+    test builds without naming a device (modules, masks) is built there too."""
+    global _device
+    previous = _device
+    _device = torch.device(device)
+    try:
+        with torch.device(_device):
+            yield
+    finally:
+        _device = previous
+
+
+def as_float32(d: dict[str, Any]) -> dict[str, Any]:
+    """A float64 case as a float32 one: its floating tensors rounded to float32, `dtype` set."""
+    out = {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+           for k, v in d.items()}  # fmt: skip
+    out["dtype"] = "float32"
+    return out
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:

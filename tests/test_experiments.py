@@ -199,7 +199,9 @@ def _marks(name: str) -> list[pytest.MarkDecorator]:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_marks(n)) for n in EXPERIMENTS])
 def test_experiment_trains_two_steps(compose_cfg, name: str) -> None:
-    cfg = compose_cfg(f"experiment={name}", *fixture_overrides(compose_cfg, name))
+    # Path-X trains on one GPU with the paper's data parallelism (DDP over NCCL, one process).
+    gpu = ["trainer=ddp", "trainer.devices=1"] if name in GPU_ONLY else []
+    cfg = compose_cfg(f"experiment={name}", *fixture_overrides(compose_cfg, name), *gpu)
     record = train(cfg)
     assert record["global_step"] == 2
     assert record["experiment"] == name

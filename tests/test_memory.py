@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -394,3 +395,74 @@ def test_the_early_failure_is_one_message_without_a_traceback(
     assert "one training example of length 2001 needs about" in err
     assert "GB available on cpu" in err and "checkpoint_activations=true" in err
     assert not (Path(cfg.paths.output_dir) / "checkpoints").exists()
+
+
+@pytest.fixture
+def process_group(tmp_path: Path):
+    """A one-process gloo group, as in a DDP rank: SyncBatchNorm refuses CPU inputs inside one."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_syncbatchnorm_model_is_probed_with_a_local_batchnorm(compose_cfg, process_group) -> None:
+    """Path-X's Mega and SeqBoat use SyncBatchNorm: the probes still run (on the CPU, in a
+    process group), on a copy whose norms are BatchNorms of the same state; the task keeps its
+    SyncBatchNorms."""
+    cfg = _cfg(compose_cfg, "model.backbone.norm_type=syncbatchnorm")
+    task = hydra.utils.instantiate(cfg.task)
+    sync = [m for m in task.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    assert sync
+    with pytest.raises(ValueError, match="SyncBatchNorm expected input tensor to be on GPU"):
+        probe(task, cfg.data, 1, True, torch.device("cpu"))  # what the plan ran before
+    plan = plan_memory(cfg, task, exact=True)
+    assert plan is not None and plan.accumulate == 1 and plan.saved_per_example > 0
+    assert [m for m in task.modules() if isinstance(m, torch.nn.SyncBatchNorm)] == sync
+
+    sync[0].running_mean.fill_(0.5)
+    twin = memory.local_batchnorm(copy.deepcopy(task))
+    norms = [m for m in twin.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert len(norms) == len(sync) and not any(isinstance(m, torch.nn.SyncBatchNorm) for m in norms)
+    assert torch.equal(norms[0].running_mean, sync[0].running_mean)
+    assert norms[0].eps == sync[0].eps and norms[0].momentum == sync[0].momentum
+
+
+def test_the_probes_run_on_the_trainers_device(compose_cfg, monkeypatch) -> None:
+    """The plan measures where the run trains: the CPU for trainer=cpu, this process's GPU
+    otherwise (the first of a `devices` list, or a DDP rank's LOCAL_RANK)."""
+    cfg = compose_cfg("trainer=cpu")
+    assert memory._device(cfg.trainer) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert memory._device(compose_cfg("trainer=cpu").trainer) == torch.device("cpu")
+    assert memory._device(compose_cfg("trainer=gpu").trainer) == torch.device("cuda", 0)
+    assert memory._device(compose_cfg("trainer=default").trainer) == torch.device("cuda", 0)
+    listed = compose_cfg("trainer=gpu", "trainer.devices=[3]").trainer
+    assert memory._device(listed) == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert memory._device(compose_cfg("trainer=ddp").trainer) == torch.device("cuda", 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message of a machine without CUDA")
+@pytest.mark.parametrize("trainer", ["gpu", "ddp"])
+def test_a_gpu_trainer_without_cuda_fails_early_in_one_message(
+    compose_cfg, capsys, trainer: str
+) -> None:
+    """trainer=gpu on a machine without CUDA: what was asked, that no CUDA device is visible,
+    and what to use instead, when the run is built (before the memory plan and Lightning)."""
+    from megalab.config_schema import ConfigError
+
+    cfg = compose_cfg(f"trainer={trainer}")
+    with pytest.raises(ConfigError, match=r"trainer\.accelerator=gpu asks for a CUDA GPU"):
+        build(cfg)
+    cfg = compose_cfg(f"trainer={trainer}", "trainer.memory_check=false")
+    with pytest.raises(SystemExit), errors.reported():
+        train(cfg)
+    err = capsys.readouterr().err
+    assert err.count("Error: ") == 1 and "Traceback" not in err
+    assert "no CUDA device is visible" in err and "trainer=cpu" in err and "trainer=default" in err

@@ -200,3 +200,45 @@ def test_transformer_lra_configs_follow_the_fairseq_archs(compose_cfg, name: str
     assert bool(model.encoder.get("token_scale")) is not pixel_scale
     if name == "lra_listops":
         assert cfg.data.max_len == 2002 and model.backbone.share_layers is True
+
+
+# A classification, a retrieval, a language-modelling and a translation task.
+EVERY_TASK = ["megalodon/lra_pathx", "transformer/lra_retrieval", "mega/enwik8", "mega/wmt16_en_de"]
+
+
+@pytest.mark.parametrize("experiment", EVERY_TASK)
+def test_every_metric_state_lives_on_the_module_device(compose_cfg, experiment: str) -> None:
+    """torchmetrics syncs metric states over the process group, and NCCL has no CPU backend: a
+    state left on the CPU stops a DDP run on GPUs at its first validation. Every state and
+    every reset default follows the module to a device (`meta` here, for any device), and one
+    left behind (restored, or made without a device) is moved back when a loop starts."""
+    import hydra
+    from torchmetrics import Metric
+
+    from megalab.tasks.base import metrics_to_device
+
+    cfg = compose_cfg(f"experiment={experiment}")
+    task = hydra.utils.instantiate(cfg.task).to("meta")
+    metrics = {n: m for n, m in task.named_modules() if isinstance(m, Metric)}
+    assert metrics
+    for metric in metrics.values():
+        for value in [*metric.metric_state.values(), *metric._defaults.values()]:
+            for t in value if isinstance(value, list) else [value]:
+                assert t.device.type == "meta"
+    assert metrics_to_device(task, task.device) == []
+
+    stray = next(iter(metrics.values()))
+    key = next(iter(stray._defaults))
+    setattr(stray, key, torch.zeros_like(stray._defaults[key], device="cpu"))
+    task.on_validation_start()  # what a loop's start does
+    assert getattr(stray, key).device.type == "meta"
+    assert metrics_to_device(task, task.device) == []
+
+
+def test_corpus_bleu_is_computed_on_its_states_device() -> None:
+    from megalab.generation.bleu import CorpusBLEU
+
+    bleu = CorpusBLEU()
+    bleu.update(["a b c d"], ["a b c d"])
+    score = bleu.compute()
+    assert score.device == bleu.correct.device and float(score) == pytest.approx(100.0)

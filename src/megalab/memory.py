@@ -13,10 +13,11 @@
    evaluation forward without autograd with the peak of the live tensors it creates (its
    working set, which the backward also needs on top of the saved activations). Memory grows
    linearly in the batch, so the two sizes give the bytes per example and the fixed part. The
-   probes run on a copy of the task. When a step comes near the budget, the working set is
-   also measured at a larger batch (at most `PROBE_TOKENS` tokens, so the plan costs seconds,
-   not steps) and the line is drawn through it: a blockwise attention's blocks stop growing
-   with the batch.
+   probes run on a copy of the task, on the device the run trains on (`trainer.accelerator`),
+   with its SyncBatchNorms as BatchNorms (`local_batchnorm`). When a step comes near the
+   budget, the working set is also measured at a larger batch (at most `PROBE_TOKENS` tokens,
+   so the plan costs seconds, not steps) and the line is drawn through it: a blockwise
+   attention's blocks stop growing with the batch.
 2. It estimates the peak of a step at micro-batch m (the parameters exist already):
        train(m) = parameters × (4 + 8 bytes: gradients, Adam's two moments) + saved(m) + work(m)
        eval(e)  = work(e)
@@ -322,10 +323,46 @@ def _world(trainer: DictConfig) -> tuple[int, int]:
 
 
 def _device(trainer: DictConfig) -> torch.device:
+    """The device this process will train on, where the probes run: the trainer's accelerator
+    (a GPU asked for without CUDA fails here, before any probe), on a GPU this process's one (the
+    first of a `devices` list, or the DDP rank's `LOCAL_RANK`)."""
+    from megalab.utils.run import check_accelerator
+
+    check_accelerator(trainer)
     accel = str(trainer.get("accelerator", "auto"))
     if accel in ("gpu", "cuda") or (accel == "auto" and torch.cuda.is_available()):
+        devices = trainer.get("devices", 1)
+        if isinstance(devices, list | tuple) or OmegaConf.is_list(devices):
+            return torch.device("cuda", int(devices[int(os.environ.get("LOCAL_RANK", 0))]))
+        if "LOCAL_RANK" in os.environ:
+            return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def local_batchnorm(module: nn.Module) -> nn.Module:
+    """`module` with every SyncBatchNorm replaced by a BatchNorm of the same state, in place.
+
+    For the probes' copy of the task: one process measures one process's step, whose batch
+    statistics and memory are those of a BatchNorm; a SyncBatchNorm raises on the CPU once a
+    process group exists ("expected input tensor to be on GPU") and would try to synchronise
+    with ranks that do not run the probe.
+    """
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.SyncBatchNorm):
+            bn = nn.BatchNorm1d(
+                child.num_features,
+                eps=child.eps,
+                momentum=child.momentum,
+                affine=child.affine,
+                track_running_stats=child.track_running_stats,
+            )
+            bn.load_state_dict(child.state_dict())
+            bn.train(child.training)
+            setattr(module, name, bn)  # on the CPU: the copy moves to the device next
+        else:
+            local_batchnorm(child)
+    return module
 
 
 def _lengths(L: int) -> list[int]:
@@ -546,7 +583,7 @@ def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> Memory
     from megalab.utils.runtime import resident_bytes
 
     resident = resident_bytes()
-    twin = copy.deepcopy(task).to(device)
+    twin = local_batchnorm(copy.deepcopy(task)).to(device)
     try:
         plan = _measure(
             twin, trainer, data, device, budget, per_process, accumulate, eval_batch, exact

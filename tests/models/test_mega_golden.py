@@ -69,8 +69,8 @@ def load_case(name: str) -> dict:
     return golden.load_case("mega", name)
 
 
-def build(d: dict) -> tuple[torch.nn.Module, Callable]:
-    """Our module for a golden case, with the converted reference weights, in float64."""
+def build(d: dict, dtype: torch.dtype = torch.float64) -> tuple[torch.nn.Module, Callable]:
+    """Our module for a golden case, with the converted reference weights, in `dtype`."""
     cfg = json.loads(d["config"])
     kw = cfg["kwargs"]
     if d["class"] == "MultiHeadEMA":
@@ -84,7 +84,7 @@ def build(d: dict) -> tuple[torch.nn.Module, Callable]:
         convert = convert_encoder_layer
     else:
         raise AssertionError(d["class"])
-    module = module.double()
+    module = module.to(dtype)
     module.load_state_dict(convert(prefixed(d, "state_dict.")), strict=True)
     return module.eval(), convert
 
@@ -177,8 +177,8 @@ def test_golden_maga_token_by_token(name: str) -> None:
 LRA_CASES = ["lra_encoder", "lra_encoder_image"]
 
 
-def build_lra(d: dict):
-    """The authors' LRAModel as our ClassificationTask(encoder, Mega, head), in float64."""
+def build_lra(d: dict, dtype: torch.dtype = torch.float64):
+    """The authors' LRAModel as our ClassificationTask(encoder, Mega, head), in `dtype`."""
     # Imported here: the task module pulls in Lightning, which the module cases do not need.
     from megalab.nn.embedding import FeatureEmbedding, TokenEmbedding
     from megalab.nn.heads import ClassificationHead
@@ -200,7 +200,7 @@ def build_lra(d: dict):
         encoder, Mega(**mega_kwargs_from_fairseq(args)), head,
         num_classes=args["sentence_class_num"], pooling="mean",
     )  # fmt: skip
-    task = task.double()
+    task = task.to(dtype)
     task.load_state_dict(convert_lra_model(prefixed(d, "state_dict.")), strict=True)
     return task.eval(), convert_lra_model, cfg
 

@@ -173,4 +173,6 @@ class CorpusBLEU(Metric):
         )
 
     def compute(self) -> torch.Tensor:
-        return torch.tensor(bleu_from_stats(self.stats(), self.smooth), dtype=torch.float64)
+        # On the states' device, like every logged value (a CPU tensor cannot go through NCCL).
+        bleu = bleu_from_stats(self.stats(), self.smooth)
+        return torch.tensor(bleu, dtype=torch.float64, device=self.correct.device)

@@ -166,6 +166,19 @@ class TaskBase(L.LightningModule):
         if pending:
             load_metric_states(self, pending)
         self._pending_metric_states = None
+        metrics_to_device(self, self.device)
+
+    # Every metric state on the module's device before a loop updates and syncs it: torchmetrics
+    # gathers states over the process group, and NCCL has no CPU backend ("No backend type
+    # associated with device type cpu" at the first validation of a DDP run on GPUs).
+    def on_fit_start(self) -> None:
+        metrics_to_device(self, self.device)
+
+    def on_validation_start(self) -> None:
+        metrics_to_device(self, self.device)
+
+    def on_test_start(self) -> None:
+        metrics_to_device(self, self.device)
 
 
 class SequenceTask(TaskBase):
@@ -267,6 +280,25 @@ def metric_states(module: nn.Module) -> dict[str, dict[str, Any]]:
                 state[key] = [v.detach().clone().cpu() for v in value]
         out[name] = {"update_count": int(metric._update_count), "state": state}
     return out
+
+
+def metrics_to_device(module: nn.Module, device: torch.device) -> list[str]:
+    """Move every torchmetrics `Metric` in `module` with a state (or a default that `reset`
+    restores) off `device` onto it; return their names (empty when all were there already).
+
+    `Module.to` moves metric states with the module, but a state set or created afterwards
+    (restored from a checkpoint, a tensor made without a device) stays where it was made.
+    """
+    moved = []
+    for name, metric in module.named_modules():
+        if not isinstance(metric, Metric):
+            continue
+        tensors = [*metric.metric_state.values(), *metric._defaults.values()]
+        flat = [t for v in tensors for t in (v if isinstance(v, list) else [v])]
+        if any(isinstance(t, Tensor) and t.device != device for t in flat):
+            metric.to(device)
+            moved.append(name)
+    return moved
 
 
 def load_metric_states(module: nn.Module, saved: Mapping[str, Mapping[str, Any]]) -> None:

@@ -329,7 +329,7 @@ class LanguageModelingTask(SequenceTask):
             f"{split}/bpc": loss / math.log(2.0),
         }
         words_metric = self.sums[f"{split}_words"]
-        words = words_metric.compute() if words_metric.update_called else torch.zeros(())
+        words = words_metric.compute() if words_metric.update_called else total.new_zeros(())
         if words > 0:
             metrics[f"{split}/word_ppl"] = torch.exp((total / words).clamp(max=50.0))
         return metrics

@@ -51,6 +51,25 @@ def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
 MEGALAB_TRAINER_KEYS = ("max_tokens_per_step", "memory_check")
 
 
+def check_accelerator(cfg: DictConfig) -> None:
+    """Fail early, in one message, when the `trainer` group asks for a GPU that is not there.
+
+    Lightning would only fail later, inside `torch.cuda`, with a bare `AssertionError: Torch not
+    compiled with CUDA enabled` (or a device count of 0).
+    """
+    from megalab.config_schema import ConfigError
+
+    accelerator = str(cfg.get("accelerator", "auto"))
+    if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        build = "a CPU-only build of torch" if torch.version.cuda is None else "torch with CUDA"
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} asks for a CUDA GPU, but no CUDA device is "
+            f"visible to this process ({build} {torch.__version__}). Train on the CPU with "
+            "trainer=cpu (or trainer=default, which takes a GPU only when there is one), or run "
+            "on a machine where torch.cuda.is_available() is true"
+        )
+
+
 def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
     """The `trainer` group without megalab's own keys, as `lightning.Trainer` takes it."""
     out = copy.deepcopy(cfg)
@@ -63,6 +82,7 @@ def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
 def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
     """Build the Lightning Trainer of a `trainer` config group; every entry point builds its
     trainer here, so megalab's own keys never reach Lightning."""
+    check_accelerator(cfg)
     return hydra.utils.instantiate(lightning_trainer_config(cfg), **kwargs)
 
 

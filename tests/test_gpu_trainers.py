@@ -1,0 +1,75 @@
+"""Two training steps on one CUDA GPU for one experiment of every model, with each GPU trainer.
+
+`trainer=gpu` (one device), `trainer=ddp` (DDP over NCCL, one process) and `trainer=fsdp` (one
+FSDP rank, bf16-mixed as configured) on the fixture datasets, with the fixture overrides of
+tests/test_experiments.py. Marked `gpu`: skipped without CUDA (`make gpu-check` runs them, see
+docs/gpu.md). What the CPU can check, that every pair composes into a one-GPU run of its
+strategy, runs in the default suite.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from test_experiments import fixture_overrides
+
+# One experiment per model: the smallest configuration each paper trains.
+EXPERIMENTS = {
+    "mega": "mega/lra_listops",
+    "seqboat": "seqboat/lra_listops",
+    "megalodon": "megalodon/lra_listops",
+    "lamemo": "lamemo/enwik8",
+    "transformer_xl": "transformer_xl/enwik8_base",
+    "llama": "llama/pg19",
+    "transformer": "transformer/lra_listops",
+    "translation": "mega/wmt16_en_de",
+}
+TRAINERS = ["gpu", "ddp", "fsdp"]
+STRATEGIES = {"gpu": None, "ddp": "DDPStrategy", "fsdp": "FSDPStrategy"}
+
+
+def _overrides(compose_cfg, experiment: str, trainer: str) -> list[str]:
+    """The fixture's overrides, then the trainer on one GPU with the smoke run's step limits
+    (the trainer group is replaced whole, so they are set again after it)."""
+    return [
+        *fixture_overrides(compose_cfg, experiment),
+        f"trainer={trainer}",
+        "trainer.devices=1",
+        "trainer.max_steps=2",
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "trainer.limit_test_batches=1",
+        "trainer.num_sanity_val_steps=0",
+        "trainer.val_check_interval=null",
+        "trainer.check_val_every_n_epoch=1",
+    ]
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("model", list(EXPERIMENTS))
+def test_every_pair_composes_into_a_one_gpu_run(compose_cfg, model: str, trainer: str) -> None:
+    import hydra
+
+    experiment = EXPERIMENTS[model]
+    cfg = compose_cfg(f"experiment={experiment}", *_overrides(compose_cfg, experiment, trainer))
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.devices == 1
+    assert cfg.trainer.max_steps == 2 and cfg.trainer.limit_train_batches == 2
+    strategy = cfg.trainer.get("strategy")
+    if STRATEGIES[trainer] is None:
+        assert strategy is None
+    else:
+        assert type(hydra.utils.instantiate(strategy)).__name__ == STRATEGIES[trainer]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trainer", TRAINERS)
+@pytest.mark.parametrize("model", list(EXPERIMENTS))
+def test_two_training_steps_on_cuda(compose_cfg, model: str, trainer: str) -> None:
+    from megalab.train import train
+
+    experiment = EXPERIMENTS[model]
+    cfg = compose_cfg(f"experiment={experiment}", *_overrides(compose_cfg, experiment, trainer))
+    record = train(cfg)
+    assert record["global_step"] == 2
+    assert record["experiment"] == experiment
+    assert record["metrics"], "the run reported no metrics"
