@@ -16,10 +16,10 @@ our `attn.attention.kappa`/`mu`; `mega.timenorm` is `attn.norm`; the linears kee
 (`wz`, `wv`, `wr`, `wh1`, `wh2`) under `attn`, and `nffn` becomes `ffn`. Model level: `embed` is
 the encoder's token table, `output.final_norm` the backbone's `final_norm`, `output.output` the
 head's `proj` (dropped when the embedding is shared, `share_emb`). The buffers `rope.freqs`
-(recomputed from `rope_base`) and the timestep norms' `prior_*` are checked and dropped: a
-non-zero `prior_count` (learned priors, used by no preset) is refused. The same functions map
-gradients, which carry the same names. Carried states convert with `convert_cema_state`
-(real view -> complex) and are otherwise (count, mean, var) as ours.
+(recomputed from `rope_base`) is checked and dropped; the timestep norms' `prior_*` entries are
+dropped at `prior_count` 0 and kept above it (the learned prior, `norm_prior_count`). The same
+functions map gradients, which carry the same names. Carried states convert with
+`convert_cema_state` (real view -> complex) and are otherwise (count, mean, var) as ours.
 
 From a checkpoint of the authors' code (none was released; their training writes a consolidated
 state dict per tensor-parallel rank: merge ranks first, the 7B ran with tensor parallel 1):
@@ -81,18 +81,22 @@ def convert_cema_state(hx: Tensor) -> Tensor:
 
 
 def convert_timestep_norm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """`TimestepNorm` -> ours: weight and bias; the prior buffers must be the unused defaults."""
+    """`TimestepNorm` -> ours: weight and bias, and the learned prior when it has one.
+
+    With `prior_count` 0 the code's `prior_mean`/`prior_logv` are unused buffers: they are
+    dropped (ours has no prior then). With `prior_count > 0` they are parameters and keep their
+    names, with the count (load into a `TimestepNorm(..., prior_count=c)`, Megalodon's
+    `norm_prior_count`). A gradient dict (no `prior_count`) keeps whatever prior entries it has.
+    """
+    count = int(sd["prior_count"]) if "prior_count" in sd else None
     out = {}
     for name, t in sd.items():
         if name in ("weight", "bias"):
             out[name] = t
-        elif name == "prior_count":
-            if int(t) != 0:
-                raise ValueError(
-                    f"TimestepNorm with prior_count={int(t)} (learned prior statistics) is not "
-                    "supported: no Megalodon preset uses it"
-                )
-        elif name not in ("prior_mean", "prior_logv"):
+        elif name in ("prior_count", "prior_mean", "prior_logv"):
+            if count != 0:
+                out[name] = t
+        else:
             raise _unknown("TimestepNorm", name)
     return out
 
