@@ -169,22 +169,57 @@ def convert_lm(sd: Mapping[str, Tensor], rope_base: float | None = None) -> dict
     return out
 
 
+# The code's `ModelConf` fields. `vocab_size`/`output_size` (the head's rows), `scale_emb`
+# (token_scale) and `share_emb` (tie_weights) belong to the task's encoder and head;
+# `layerwise_ckpt` (activation checkpointing, megalab's `checkpoint_activations`) does not change
+# the results; the others are read or checked below.
+_MODEL_CONF_FIELDS = frozenset(
+    {
+        "num_layers", "model_dim", "z_dim", "value_dim", "num_heads", "ffn_hidden_dim",
+        "cema_ndim", "chunk_size", "efficient_attn", "init_mode", "vocab_size", "output_size",
+        "norm_num_groups", "norm_affine", "norm_eps", "rope_base", "dropout", "hidden_dropout",
+        "attention_dropout", "swiglu", "rescale_nffn", "scale_emb", "share_emb",
+        "layerwise_ckpt",
+    }
+)  # fmt: skip
+
+
 def megalodon_kwargs_from_reference(conf: Mapping[str, Any]) -> dict[str, Any]:
     """`Megalodon` keyword arguments from the code's `ModelConf` fields (a dict).
 
     The embedding options (`scale_emb`: token_scale, `share_emb`: tie_weights) and the
-    vocabulary belong to the task's encoder and head. Attention dropout is DropKey, the code's
+    vocabulary belong to the task's encoder and head. A field that is not one of `ModelConf`'s,
+    or an unsupported value, is refused by name. Attention dropout is DropKey, the code's
     fused kernel (`efficient_attn`); its plain path drops softmax outputs instead (the two agree
     at the presets' 0).
     """
+    for name in conf:
+        if name not in _MODEL_CONF_FIELDS:
+            raise ValueError(
+                f"unknown ModelConf field {name}={conf[name]!r}: not an option of the authors' "
+                "Megalodon, so megalab cannot tell what it changes"
+            )
     if conf.get("rescale_nffn", False):
-        raise ValueError("ModelConf.rescale_nffn=True (FFN layer scale) is not supported")
+        raise ValueError(
+            "ModelConf.rescale_nffn=True (a learned FFN layer scale, used by no preset) is not "
+            "supported: use rescale_nffn=False"
+        )
     if not conf.get("norm_affine", True):
-        raise ValueError("ModelConf.norm_affine=False is not supported")
+        raise ValueError(
+            "ModelConf.norm_affine=False (norms without learned scale and bias, used by no "
+            "preset) is not supported: use norm_affine=True"
+        )
     if conf.get("efficient_attn") not in (None, "swift", "fused"):
-        raise ValueError(f"unknown ModelConf.efficient_attn={conf['efficient_attn']!r}")
+        raise ValueError(
+            f"unknown ModelConf.efficient_attn={conf['efficient_attn']!r}: choose None, 'swift' "
+            "or 'fused'"
+        )
     if conf.get("init_mode", "he") != "he":
-        raise ValueError(f"ModelConf.init_mode={conf['init_mode']!r}: only 'he' is reproduced")
+        raise ValueError(
+            f"ModelConf.init_mode={conf['init_mode']!r} is not supported: only the 'he' "
+            "initialisation is reproduced (use init_mode='he'; converted weights do not depend "
+            "on it)"
+        )
     rope_base = conf.get("rope_base")
     return {
         "d_model": int(conf["model_dim"]),
