@@ -201,8 +201,9 @@ def convert_lra_model(
             out[head_prefix + "fc2.weight"] = t
         elif name.startswith("classifier.") or name.startswith(enc + "embed_positions"):
             raise KeyError(
-                f"{name!r}: only the Mega LRA archs (one classifier layer, no absolute "
-                "positions) are supported"
+                f"{name!r}: only the Mega LRA archs (classifier_layers=1, no absolute "
+                "positions) are supported; a checkpoint with more classifier layers or "
+                "encoder_learned_pos has weights megalab has no place for"
             )
         else:
             raise _unknown("LRAModel", name)
@@ -281,7 +282,10 @@ def convert_vision_mega(
         elif name in ("head.weight", "head.bias"):
             out[head_prefix + "fc2." + name[len("head.") :]] = t
         elif name.startswith("pre_logits."):
-            raise KeyError(f"{name!r}: a representation layer (pre_logits) is not supported")
+            raise KeyError(
+                f"{name!r}: a representation layer (pre_logits, --representation-size) is not "
+                "supported; only models built without it convert"
+            )
         else:
             raise _unknown("VisionMEGA", name)
     return out
@@ -575,7 +579,11 @@ def convert_mega_translation(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
         elif name in ("encoder.version", "decoder.version"):
             continue
         elif name.startswith(("encoder.embed_norm.", "decoder.embed_norm.", "decoder.project_in")):
-            raise KeyError(f"{name!r}: --normalize-embedding and project_in_dim are not supported")
+            raise KeyError(
+                f"{name!r}: the translation model's --normalize-embedding and project_in_dim "
+                "(decoder_input_dim != decoder_embed_dim) are not supported; only models "
+                "without them convert (the LRA encoder's normalize_embedding is: embed_norm)"
+            )
         else:
             raise _unknown("MegaModel", name)
     return out
