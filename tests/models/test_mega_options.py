@@ -15,6 +15,7 @@ from torch import Tensor
 from megalab.convert.mega import (
     check_fairseq_args,
     convert_lra_model,
+    convert_mega_translation,
     maga_config_from_reference,
     mega_kwargs_from_fairseq,
 )
@@ -325,3 +326,9 @@ def test_lra_checkpoint_with_normalize_embedding_loads_strictly() -> None:
     for k, v in converted.items():
         assert torch.equal(v, sd[k])
     assert json.dumps(mega_kwargs_from_fairseq(args))  # plain values only
+
+
+def test_translation_normalize_embedding_is_refused_by_name() -> None:
+    """The translation model's embedding norm has no place in MegaEncoderDecoder: refused."""
+    with pytest.raises(KeyError, match=r"encoder\.embed_norm\.norm\.weight.*--normalize-embedding"):
+        convert_mega_translation({"encoder.embed_norm.norm.weight": torch.ones(D)})

@@ -80,6 +80,7 @@ def test_untied_tables_still_share_tied_projections() -> None:
         ({"enhance_recurrence": True}, "enhance_recurrence=True is not supported"),
         ({"sample_softmax": 1000}, "sample_softmax=1000"),
         ({"n_rel_layer": 2}, "unknown model_config option n_rel_layer=2"),
+        ({"attn_type": 33}, "attn_type 33 is not a model of the XL or LaMemo papers"),
     ],
 )
 def test_reference_config_refuses_what_megalab_cannot_build(change: dict, message: str) -> None:
