@@ -18,6 +18,7 @@ from megalab.convert.mega import (
     convert_mega_translation,
     maga_config_from_reference,
     mega_kwargs_from_fairseq,
+    mega_translation_kwargs_from_fairseq,
 )
 from megalab.models.mega import Mega, MegaBlock, MegaConfig
 from megalab.nn.ema import DampedEMA
@@ -332,3 +333,40 @@ def test_translation_normalize_embedding_is_refused_by_name() -> None:
     """The translation model's embedding norm has no place in MegaEncoderDecoder: refused."""
     with pytest.raises(KeyError, match=r"encoder\.embed_norm\.norm\.weight.*--normalize-embedding"):
         convert_mega_translation({"encoder.embed_norm.norm.weight": torch.ones(D)})
+
+
+MT_ARGS = {
+    "encoder_embed_dim": D, "encoder_layers": 2, "decoder_layers": 2, "encoder_z_dim": S,
+    "encoder_hidden_dim": E, "encoder_ffn_embed_dim": F_DIM, "encoder_n_dim": N,
+    "encoder_chunk_size": -1, "decoder_chunk_size": -1, "truncation_length": 0,
+    "attention_activation_fn": "softmax", "rel_pos_bias": "simple", "max_source_positions": 64,
+    "max_target_positions": 64, "normalization_type": "layernorm", "normalize_before": False,
+    "dropout": 0.1, "attention_dropout": 0.1, "hidden_dropout": 0.1, "activation_dropout": 0.1,
+    "activation_fn": "gelu_fast", "share_all_embeddings": True,
+    # the arch defaults of a real namespace
+    "encoder_embed_path": None, "decoder_embed_path": None, "decoder_embed_dim": D,
+    "decoder_input_dim": D, "decoder_hidden_dim": E, "decoder_ffn_embed_dim": F_DIM,
+    "decoder_z_dim": S, "decoder_n_dim": N, "feature_dropout": False,
+    "normalize_embedding": False, "no_scale_embedding": False, "adaptive_softmax_cutoff": None,
+    "adaptive_softmax_dropout": 0, "share_decoder_input_output_embed": True,
+    "adaptive_input": False, "tie_adaptive_weights": False, "lr": [5e-4],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"decoder_z_dim": 2 * S}, "decoder_z_dim=12 differs from encoder_z_dim=6"),
+        ({"no_scale_embedding": True}, "no_scale_embedding=True is not supported"),
+        ({"normalize_embedding": True}, "normalize_embedding=True is not supported"),
+        ({"adaptive_softmax_cutoff": "1000"}, "adaptive_softmax_cutoff='1000' is not supported"),
+        ({"feature_dropout": True}, "feature_dropout=True is not supported"),
+        ({"decoder_learned_pos": True}, "unknown fairseq model arg decoder_learned_pos=True"),
+        ({"activation_fn": "tanh"}, "activation_fn='tanh' is not supported"),
+    ],
+)
+def test_translation_args_map_and_refuse_by_name(change: dict, message: str) -> None:
+    kw = mega_translation_kwargs_from_fairseq(MT_ARGS)
+    assert kw["activation"] == "gelu_accurate" and kw["truncation"] is None
+    with pytest.raises(ValueError, match=message):
+        mega_translation_kwargs_from_fairseq(MT_ARGS | change)

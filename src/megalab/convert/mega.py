@@ -53,6 +53,7 @@ from megalab.nn.ffn import ACTIVATIONS
 
 __all__ = [
     "check_fairseq_args",
+    "check_fairseq_translation_args",
     "convert_ema",
     "convert_encoder_layer",
     "convert_ffn",
@@ -589,15 +590,92 @@ def convert_mega_translation(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+# The translation model's parser (`MegaModel.add_args`) and arch defaults, by how
+# `MegaEncoderDecoder` takes them (see `check_fairseq_translation_args`).
+_MT_MAPPED = frozenset(
+    {
+        "activation_fn", "attention_activation_fn", "dropout", "attention_dropout",
+        "hidden_dropout", "activation_dropout", "encoder_embed_dim", "encoder_hidden_dim",
+        "encoder_z_dim", "encoder_n_dim", "encoder_ffn_embed_dim", "encoder_chunk_size",
+        "encoder_layers", "decoder_layers", "decoder_chunk_size",
+        "share_decoder_input_output_embed", "share_all_embeddings", "normalization_type",
+        "normalize_before", "rel_pos_bias", "truncation_length", "max_source_positions",
+        "max_target_positions",
+    }
+)  # fmt: skip
+# One width for both stacks in MegaEncoderDecoder: the decoder's must equal the encoder's.
+_MT_SAME_AS_ENCODER = {
+    "decoder_embed_dim": "encoder_embed_dim",
+    "decoder_input_dim": "encoder_embed_dim",
+    "decoder_hidden_dim": "encoder_hidden_dim",
+    "decoder_ffn_embed_dim": "encoder_ffn_embed_dim",
+    "decoder_z_dim": "encoder_z_dim",
+    "decoder_n_dim": "encoder_n_dim",
+}
+# Initialisation-only paths, and adaptive-softmax settings that act only with a cutoff.
+_MT_NO_EFFECT = frozenset(
+    {
+        "encoder_embed_path", "decoder_embed_path", "adaptive_softmax_dropout",
+        "adaptive_input", "tie_adaptive_weights",
+    }
+)  # fmt: skip
+_MT_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
+    "feature_dropout": (False, "channel-wise dropout is not implemented; use False"),
+    "normalize_embedding": (False, "the translation embedding norm is not implemented; use False"),
+    "no_scale_embedding": (
+        False,
+        "MegaEncoderDecoder always scales embeddings by sqrt(d); use False",
+    ),
+    "adaptive_softmax_cutoff": (None, "no adaptive softmax in MegaEncoderDecoder; use None"),
+}
+_MT_MODEL_PREFIXES = ("encoder_", "decoder_", "adaptive_", "share_", "normaliz")
+
+
+def check_fairseq_translation_args(args: Mapping[str, Any]) -> None:
+    """Refuse a Mega translation namespace `MegaEncoderDecoder` cannot build, naming the option.
+
+    Every option of the authors' `MegaModel` parser and arch defaults is known; a key with a
+    model prefix (`encoder_`, `decoder_`, ...) that is not one of them is refused as unknown.
+    """
+    for name, value in args.items():
+        if name in _MT_DEFAULT_ONLY:
+            default, why = _MT_DEFAULT_ONLY[name]
+            if value != default and not (default is False and not value):
+                raise ValueError(f"fairseq arg {name}={value!r} is not supported: {why}")
+        elif name in _MT_SAME_AS_ENCODER:
+            other = _MT_SAME_AS_ENCODER[name]
+            if value is not None and value != args.get(other, value):
+                raise ValueError(
+                    f"fairseq arg {name}={value!r} differs from {other}={args[other]!r}: "
+                    "MegaEncoderDecoder uses one width for both stacks"
+                )
+        elif name in _MT_MAPPED or name in _MT_NO_EFFECT:
+            continue
+        elif name.startswith(_MT_MODEL_PREFIXES):
+            raise ValueError(
+                f"unknown fairseq model arg {name}={value!r}: not an option of the authors' Mega "
+                "translation model, so megalab cannot tell what it changes"
+            )
+    activation = args.get("activation_fn")
+    if _fairseq_activation(activation) not in ACTIVATIONS:
+        raise ValueError(
+            f"fairseq arg activation_fn={activation!r} is not supported; megalab has "
+            f"{', '.join(ACTIVATIONS)}"
+        )
+
+
 def mega_translation_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
     """`MegaEncoderDecoder(...)` keyword arguments (without vocab_size/pad_id) from the
     arguments of a fairseq `mega` translation checkpoint (after its arch defaults).
 
-    A `truncation_length` of 0 (the WMT README) is read as no truncation (see
+    The namespace is checked first (`check_fairseq_translation_args`): an option megalab cannot
+    build is refused by name. A `truncation_length` of 0 (the WMT README) is read as no
+    truncation (see
     `megalab.models.mega_translation`). The code defaults `max_source_positions` and
     `max_target_positions` to 1024 when they are unset.
     """
     a = args if isinstance(args, Mapping) else vars(args)
+    check_fairseq_translation_args(a)
     return {
         "d_model": a["encoder_embed_dim"],
         "encoder_layers": a["encoder_layers"],
@@ -619,7 +697,7 @@ def mega_translation_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[
         "attention_dropout": a["attention_dropout"],
         "hidden_dropout": a["hidden_dropout"],
         "activation_dropout": a["activation_dropout"],
-        "activation": a["activation_fn"],
+        "activation": _fairseq_activation(a["activation_fn"]),
         "share_all_embeddings": bool(a.get("share_all_embeddings", False)),
         "share_decoder_input_output_embed": bool(
             a.get("share_decoder_input_output_embed", False) or a.get("share_all_embeddings")
