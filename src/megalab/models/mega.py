@@ -315,7 +315,9 @@ class Mega(Backbone):
             (the code's `norm_affine`; False: layer/scale/rms/batch norms without gain and
             bias).
         embed_norm: normalise the input embeddings with a `norm_type` norm (affine, as the
-            code's `normalize_embedding`) before the first block; post-norm models only.
+            code's `normalize_embedding`) before the first block; post-norm models only. One
+            difference remains with batch norm in training on padded text: the code's batch
+            statistics include the pad token's embedding, ours the encoder's zeroed pads.
         embed_dropout: dropout after `embed_norm`. The authors' encoders apply their embedding
             dropout after that norm: for the same order set it to the encoder's dropout rate
             and the encoder's `dropout` to 0 (`mega_kwargs_from_fairseq` documents this).
