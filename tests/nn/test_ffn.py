@@ -39,5 +39,5 @@ def test_init_and_dropout_placement() -> None:
 
 
 def test_unknown_activation() -> None:
-    with pytest.raises(ValueError, match="silu, gelu, relu"):
+    with pytest.raises(ValueError, match="silu, gelu, gelu_accurate, relu"):
         get_activation("swish")

@@ -16,10 +16,10 @@ our `attn.attention.kappa`/`mu`; `mega.timenorm` is `attn.norm`; the linears kee
 (`wz`, `wv`, `wr`, `wh1`, `wh2`) under `attn`, and `nffn` becomes `ffn`. Model level: `embed` is
 the encoder's token table, `output.final_norm` the backbone's `final_norm`, `output.output` the
 head's `proj` (dropped when the embedding is shared, `share_emb`). The buffers `rope.freqs`
-(recomputed from `rope_base`) and the timestep norms' `prior_*` are checked and dropped: a
-non-zero `prior_count` (learned priors, used by no preset) is refused. The same functions map
-gradients, which carry the same names. Carried states convert with `convert_cema_state`
-(real view -> complex) and are otherwise (count, mean, var) as ours.
+(recomputed from `rope_base`) is checked and dropped; the timestep norms' `prior_*` entries are
+dropped at `prior_count` 0 and kept above it (the learned prior, `norm_prior_count`). The same
+functions map gradients, which carry the same names. Carried states convert with
+`convert_cema_state` (real view -> complex) and are otherwise (count, mean, var) as ours.
 
 From a checkpoint of the authors' code (none was released; their training writes a consolidated
 state dict per tensor-parallel rank: merge ranks first, the 7B ran with tensor parallel 1):
@@ -81,18 +81,22 @@ def convert_cema_state(hx: Tensor) -> Tensor:
 
 
 def convert_timestep_norm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """`TimestepNorm` -> ours: weight and bias; the prior buffers must be the unused defaults."""
+    """`TimestepNorm` -> ours: weight and bias, and the learned prior when it has one.
+
+    With `prior_count` 0 the code's `prior_mean`/`prior_logv` are unused buffers: they are
+    dropped (ours has no prior then). With `prior_count > 0` they are parameters and keep their
+    names, with the count (load into a `TimestepNorm(..., prior_count=c)`, Megalodon's
+    `norm_prior_count`). A gradient dict (no `prior_count`) keeps whatever prior entries it has.
+    """
+    count = int(sd["prior_count"]) if "prior_count" in sd else None
     out = {}
     for name, t in sd.items():
         if name in ("weight", "bias"):
             out[name] = t
-        elif name == "prior_count":
-            if int(t) != 0:
-                raise ValueError(
-                    f"TimestepNorm with prior_count={int(t)} (learned prior statistics) is not "
-                    "supported: no Megalodon preset uses it"
-                )
-        elif name not in ("prior_mean", "prior_logv"):
+        elif name in ("prior_count", "prior_mean", "prior_logv"):
+            if count != 0:
+                out[name] = t
+        else:
             raise _unknown("TimestepNorm", name)
     return out
 
@@ -165,22 +169,57 @@ def convert_lm(sd: Mapping[str, Tensor], rope_base: float | None = None) -> dict
     return out
 
 
+# The code's `ModelConf` fields. `vocab_size`/`output_size` (the head's rows), `scale_emb`
+# (token_scale) and `share_emb` (tie_weights) belong to the task's encoder and head;
+# `layerwise_ckpt` (activation checkpointing, megalab's `checkpoint_activations`) does not change
+# the results; the others are read or checked below.
+_MODEL_CONF_FIELDS = frozenset(
+    {
+        "num_layers", "model_dim", "z_dim", "value_dim", "num_heads", "ffn_hidden_dim",
+        "cema_ndim", "chunk_size", "efficient_attn", "init_mode", "vocab_size", "output_size",
+        "norm_num_groups", "norm_affine", "norm_eps", "rope_base", "dropout", "hidden_dropout",
+        "attention_dropout", "swiglu", "rescale_nffn", "scale_emb", "share_emb",
+        "layerwise_ckpt",
+    }
+)  # fmt: skip
+
+
 def megalodon_kwargs_from_reference(conf: Mapping[str, Any]) -> dict[str, Any]:
     """`Megalodon` keyword arguments from the code's `ModelConf` fields (a dict).
 
     The embedding options (`scale_emb`: token_scale, `share_emb`: tie_weights) and the
-    vocabulary belong to the task's encoder and head. Attention dropout is DropKey, the code's
+    vocabulary belong to the task's encoder and head. A field that is not one of `ModelConf`'s,
+    or an unsupported value, is refused by name. Attention dropout is DropKey, the code's
     fused kernel (`efficient_attn`); its plain path drops softmax outputs instead (the two agree
     at the presets' 0).
     """
+    for name in conf:
+        if name not in _MODEL_CONF_FIELDS:
+            raise ValueError(
+                f"unknown ModelConf field {name}={conf[name]!r}: not an option of the authors' "
+                "Megalodon, so megalab cannot tell what it changes"
+            )
     if conf.get("rescale_nffn", False):
-        raise ValueError("ModelConf.rescale_nffn=True (FFN layer scale) is not supported")
+        raise ValueError(
+            "ModelConf.rescale_nffn=True (a learned FFN layer scale, used by no preset) is not "
+            "supported: use rescale_nffn=False"
+        )
     if not conf.get("norm_affine", True):
-        raise ValueError("ModelConf.norm_affine=False is not supported")
+        raise ValueError(
+            "ModelConf.norm_affine=False (norms without learned scale and bias, used by no "
+            "preset) is not supported: use norm_affine=True"
+        )
     if conf.get("efficient_attn") not in (None, "swift", "fused"):
-        raise ValueError(f"unknown ModelConf.efficient_attn={conf['efficient_attn']!r}")
+        raise ValueError(
+            f"unknown ModelConf.efficient_attn={conf['efficient_attn']!r}: choose None, 'swift' "
+            "or 'fused'"
+        )
     if conf.get("init_mode", "he") != "he":
-        raise ValueError(f"ModelConf.init_mode={conf['init_mode']!r}: only 'he' is reproduced")
+        raise ValueError(
+            f"ModelConf.init_mode={conf['init_mode']!r} is not supported: only the 'he' "
+            "initialisation is reproduced (use init_mode='he'; converted weights do not depend "
+            "on it)"
+        )
     rope_base = conf.get("rope_base")
     return {
         "d_model": int(conf["model_dim"]),

@@ -51,6 +51,7 @@ from megalab.nn.relative_attention import SinusoidPositions
 __all__ = [
     "ReferenceVocab",
     "backbone_kwargs_from_reference",
+    "check_reference_config",
     "convert_backbone",
     "convert_lm",
     "load_reference_checkpoint",
@@ -147,7 +148,9 @@ def convert_lm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def backbone_kwargs_from_reference(config: Mapping[str, Any]) -> dict[str, Any]:
-    """`TransformerXL`/`LaMemo` keyword arguments from the reference's `model_config`."""
+    """`TransformerXL`/`LaMemo` keyword arguments from the reference's `model_config`
+    (checked by `check_reference_config`)."""
+    check_reference_config(config)
     kw: dict[str, Any] = {
         "d_model": config["d_model"],
         "num_layers": config["n_layer"],
@@ -174,8 +177,68 @@ def backbone_kwargs_from_reference(config: Mapping[str, Any]) -> dict[str, Any]:
     return kw
 
 
+# Every argument of the reference `MemTransformerLM` (LaMemo's, a superset of XL's), by what
+# megalab does with it. Mapped onto the encoder, backbone and head:
+_MAPPED = frozenset(
+    {
+        "n_token", "n_layer", "n_head", "d_model", "d_head", "d_inner", "dropout", "dropatt",
+        "tie_weight", "d_embed", "div_val", "tie_projs", "pre_lnorm", "mem_len", "ext_len",
+        "cutoffs", "same_length", "attn_type", "clamp_len", "sample_softmax",
+    }
+)  # fmt: skip
+# No effect on the model's outputs: `tgt_len` is the trainer's segment length (a data setting
+# here); `adapt_inp` and `attn_norm_type` are stored but never read by the code; `save_analysis`
+# only returns attention maps beside the outputs.
+_NO_EFFECT = frozenset({"tgt_len", "adapt_inp", "attn_norm_type", "save_analysis"})
+# Supported only at the default: the reason and what to use instead.
+_DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
+    "half_loss": (
+        False,
+        "the training loss on the second half of each segment only (doubled) is not "
+        "implemented; the weights load into a model trained on the whole segment "
+        "(half_loss=False), which evaluates the same",
+    ),
+    "enhance_recurrence": (
+        False,
+        "XL memory that caches layer outputs instead of layer inputs is not implemented; "
+        "no LaMemo or XL setting uses it (enhance_recurrence=False)",
+    ),
+}
+
+
+def check_reference_config(config: Mapping[str, Any]) -> None:
+    """Refuse a reference `model_config` megalab cannot build exactly, naming the option.
+
+    Every `MemTransformerLM` argument is known (mapped, without effect on the outputs, or
+    supported at its default only); anything else is refused as unknown.
+    """
+    for name, value in config.items():
+        if name in _DEFAULT_ONLY:
+            default, why = _DEFAULT_ONLY[name]
+            if bool(value) != default:
+                raise ValueError(f"model_config {name}={value!r} is not supported: {why}")
+        elif name not in _MAPPED and name not in _NO_EFFECT:
+            raise ValueError(
+                f"unknown model_config option {name}={value!r}: not an argument of the "
+                "authors' MemTransformerLM, so megalab cannot tell what it changes"
+            )
+    if config.get("sample_softmax", -1) > 0:
+        raise ValueError(
+            f"model_config sample_softmax={config['sample_softmax']} (sampled softmax, "
+            "training-only and unused by every XL/LaMemo setting) is not supported: its "
+            "output layer is a plain Linear that megalab does not convert; use -1"
+        )
+
+
 def task_kwargs_from_reference(config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Keyword arguments of the encoder, backbone and head of a reference `model_config`."""
+    """Keyword arguments of the encoder, backbone and head of a reference `model_config`.
+
+    The config is checked first (`check_reference_config`). Untied models (`tie_weight=False`)
+    give a head with its own output tables (`tie_weight=False`): build the task with
+    `tie_weights=True` all the same, which then shares only the projections of `tie_projs`, as
+    the code does.
+    """
+    check_reference_config(config)
     d_embed = config.get("d_embed") or config["d_model"]
     common = {
         "d_model": config["d_model"],
@@ -183,16 +246,13 @@ def task_kwargs_from_reference(config: Mapping[str, Any]) -> dict[str, dict[str,
         "cutoffs": list(config.get("cutoffs") or []),
         "div_val": config.get("div_val", 1),
     }
-    if not config.get("tie_weight", True):
-        raise ValueError("untied reference models are not supported (tie_weight=False)")
-    if config.get("sample_softmax", -1) > 0:
-        raise ValueError("sampled-softmax reference models are not supported")
     return {
         "encoder": {"vocab_size": config["n_token"], "dropout": config["dropout"], **common},
         "backbone": backbone_kwargs_from_reference(config),
         "head": {
             "vocab_size": config["n_token"],
             "tie_projs": list(config.get("tie_projs") or [False]),
+            "tie_weight": bool(config.get("tie_weight", True)),
             **common,
         },
     }

@@ -98,6 +98,9 @@ class MegaConfig:
     norm_type: str = "layernorm"
     prenorm: bool = True
     final_norm_affine: bool = True
+    norm_affine: bool = True
+    embed_norm: bool = False
+    embed_dropout: float = 0.0
     causal: bool = False
     dropout: float = 0.0
     attention_dropout: float = 0.0
@@ -119,6 +122,16 @@ class MegaConfig:
             raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")
         if self.positions == "learned" and not self.max_len:
             raise ValueError("learned positions need `max_len` (the input length)")
+        if self.embed_norm and self.prenorm:
+            raise ValueError(
+                "embed_norm (the code's normalize_embedding) is for post-norm models only, as in "
+                "the authors' code: set prenorm=False or embed_norm=False"
+            )
+        if self.embed_dropout and not self.embed_norm:
+            raise ValueError(
+                "embed_dropout only reorders the embedding dropout after embed_norm; without "
+                "embed_norm put the dropout in the encoder (its `dropout`)"
+            )
 
 
 class MovingAverageGatedAttention(nn.Module):
@@ -136,7 +149,7 @@ class MovingAverageGatedAttention(nn.Module):
         self.prenorm = cfg.prenorm
         self.causal = cfg.causal
         self.act = get_activation(cfg.activation)
-        self.norm = SequenceNorm(cfg.norm_type, d_model)
+        self.norm = SequenceNorm(cfg.norm_type, d_model, affine=cfg.norm_affine)
         self.ema = DampedEMA(
             d_model,
             cfg.ema_dim,
@@ -234,6 +247,7 @@ class MegaBlock(nn.Module):
                 activation=cfg.activation,
                 norm_type=cfg.norm_type,
                 prenorm=cfg.prenorm,
+                norm_affine=cfg.norm_affine,
             )
             if cfg.ffn_dim > 0
             else None
@@ -297,6 +311,16 @@ class Mega(Backbone):
         norm_type: layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm.
         prenorm: pre-norm blocks plus a final norm (True) or post-norm blocks (False).
         final_norm_affine: whether the final (pre-norm) norm has learned parameters.
+        norm_affine: whether the norms of the blocks (MAGA and FFN) have learned parameters
+            (the code's `norm_affine`; False: layer/scale/rms/batch norms without gain and
+            bias).
+        embed_norm: normalise the input embeddings with a `norm_type` norm (affine, as the
+            code's `normalize_embedding`) before the first block; post-norm models only. One
+            difference remains with batch norm in training on padded text: the code's batch
+            statistics include the pad token's embedding, ours the encoder's zeroed pads.
+        embed_dropout: dropout after `embed_norm`. The authors' encoders apply their embedding
+            dropout after that norm: for the same order set it to the encoder's dropout rate
+            and the encoder's `dropout` to 0 (`mega_kwargs_from_fairseq` documents this).
         causal: decoder (True) or encoder (False).
         dropout: on X', Ĥ and the FFN output.  attention_dropout: on attention weights.
         hidden_dropout: on V.  activation_dropout: on the FFN hidden layer.
@@ -335,6 +359,8 @@ class Mega(Backbone):
             if cfg.prenorm
             else None
         )
+        self.embed_norm = SequenceNorm(cfg.norm_type, cfg.d_model) if cfg.embed_norm else None
+        self.embed_dropout = nn.Dropout(cfg.embed_dropout) if cfg.embed_dropout > 0 else None
         self.pos_embed: nn.Parameter | None = None
         if cfg.positions == "learned" and cfg.max_len:
             # timm's trunc_normal_(std=D^-1/2) as mega-image: cut at ±2 absolute (~55σ at D=768).
@@ -417,6 +443,11 @@ class Mega(Backbone):
                     "state does not count the tokens seen); use positions='none' to stream"
                 )
             x = x + self.pos_embed[: x.shape[1]].to(x.dtype)
+        if self.embed_norm is not None:
+            # The code's normalize_embedding: Norm(embedding), then its embedding dropout.
+            x = self.embed_norm(x)
+            if self.embed_dropout is not None:
+                x = self.embed_dropout(x)
         if mask is not None:
             x = x * mask.unsqueeze(-1).to(x.dtype)
         new_layers: list[MAGAState] = []

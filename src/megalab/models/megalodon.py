@@ -103,6 +103,7 @@ class MegalodonConfig:
     chunk_size: int = 2048
     norm_groups: int = 32
     norm_eps: float = 1e-5
+    norm_prior_count: int = 0
     norm_type: str | None = None
     rope_base: float = 10000.0
     causal: bool = True
@@ -123,6 +124,11 @@ class MegalodonConfig:
             raise ValueError(
                 "norm_type='group' takes its statistics over the whole sequence, so a causal "
                 "model would see the future: use norm_type='timestep' with causal=True"
+            )
+        if self.norm_prior_count and norm != "timestep":
+            raise ValueError(
+                "norm_prior_count is the learned prior of the timestep norm; the group norm has "
+                "none (use norm_type='timestep' or norm_prior_count=0)"
             )
         if self.d_model % self.norm_groups:
             raise ValueError(
@@ -145,8 +151,11 @@ def _he_init(linear: nn.Linear) -> None:
 
 
 def _norm(cfg: MegalodonConfig) -> TimestepNorm | SequenceGroupNorm:
-    cls = TimestepNorm if cfg.resolved_norm_type == "timestep" else SequenceGroupNorm
-    return cls(cfg.d_model, cfg.norm_groups, eps=cfg.norm_eps)
+    if cfg.resolved_norm_type == "timestep":
+        return TimestepNorm(
+            cfg.d_model, cfg.norm_groups, eps=cfg.norm_eps, prior_count=cfg.norm_prior_count
+        )
+    return SequenceGroupNorm(cfg.d_model, cfg.norm_groups, eps=cfg.norm_eps)
 
 
 class MegalodonAttention(nn.Module):
@@ -282,6 +291,9 @@ class Megalodon(Backbone):
         cema_dim: N, CEMA state dimensions per channel (16).
         chunk_size: attention chunk c (-1: full attention).
         norm_groups: G of the timestep/group norms.  norm_eps: ε of every norm.
+        norm_prior_count: c₀ > 0 gives every timestep norm the code's learnable prior (a
+            learned mean and log-variance worth c₀ steps, `megalab.nn.timestep_norm`); 0 (every
+            preset): none.
         norm_type: "timestep" or "group" (None: timestep if causal, else group).
         rope_base: RoPE base (1e4; the paper's 7B: 1e5).
         causal: decoder (True) or encoder (False).

@@ -165,6 +165,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         tie_projs: per band, whether `tie_encoder` shares its projection (XL's WT103 setting
             is [False] + [True] per tail; projections exist only when d_embed ≠ d_model or
             div_val > 1).
+        tie_weight: whether `tie_encoder` shares the output tables with the embedding (XL's
+            `tie_weight`, the default); False keeps them separate and shares only the
+            projections of `tie_projs`, as the code does for an untied model.
         init_std, proj_init_std: the trainer's initialisation scales.
     """
 
@@ -180,6 +183,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         cutoffs: Sequence[int] = (),
         div_val: int = 1,
         tie_projs: Sequence[bool] = (False,),
+        tie_weight: bool = True,
         init_std: float = 0.02,
         proj_init_std: float = 0.01,
     ) -> None:
@@ -191,6 +195,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.div_val = div_val
         self.n_clusters = len(self.ends) - 1
         self.tie_projs = list(tie_projs)
+        self.tie_weight = tie_weight
         dims = _band_dims(self.d_embed, div_val, len(self.ends))
         if self.n_clusters > 0:
             self.cluster_weight = nn.Parameter(torch.empty(self.n_clusters, self.d_embed))
@@ -223,8 +228,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
             nn.init.zeros_(self.cluster_bias)
 
     def tie_encoder(self, encoder: nn.Module) -> None:
-        """Share the output tables (and the projections of `tie_projs`) with an
-        `AdaptiveEmbedding` of the same vocabulary split (XL's `tie_weight`, `tie_projs`)."""
+        """Share the output tables (unless `tie_weight=False`) and the projections of
+        `tie_projs` with an `AdaptiveEmbedding` of the same vocabulary split (XL's
+        `tie_weight`, `tie_projs`)."""
         if not isinstance(encoder, AdaptiveEmbedding):
             raise ValueError(
                 "a ProjectedAdaptiveLogSoftmax ties only to an AdaptiveEmbedding encoder "
@@ -242,8 +248,9 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 f"softmax's {self.ends} (div_val {self.div_val}, d_embed {self.d_embed}, "
                 f"d_model {self.d_model})"
             )
-        for layer, emb in zip(self.out_layers, encoder.emb_layers):
-            layer.weight = emb.weight
+        if self.tie_weight:
+            for layer, emb in zip(self.out_layers, encoder.emb_layers):
+                layer.weight = emb.weight
         for i, tie in enumerate(self.tie_projs[: len(self.out_projs)]):
             if not tie or self.out_projs[i] is None:
                 continue

@@ -71,9 +71,12 @@ class DampedEMA(nn.Module):
             sub-layer computes X' = SiLU(ω ⊙ x), a position-wise map with no mixing over time;
             the rest of the layer is unchanged. (The authors' code cannot run h = 0.)
         bidirectional: add a second, backward-running kernel set (encoders).
-        truncation: keep only the first `truncation` kernel taps in the full (stateless) pass.
-            Like the authors' code, the streaming path (a state is passed) is the exact
-            infinite-memory recurrence and ignores truncation.
+        truncation: keep only the first `truncation` kernel taps in the full (stateless) pass;
+            None keeps all L. Like the authors' code, the streaming path (a state is passed) is
+            the exact infinite-memory recurrence and ignores truncation. `truncation=0` is the
+            code's empty kernel (its `min(truncation, L)`): causal, the stateless pass then
+            computes EMA(x) = 0, X' = SiLU(ω ⊙ x); bidirectional, the code fails on the empty
+            kernel, so it is refused here.
         shift: bidirectional only: the backward kernel starts at x_{t+1} instead of x_t (the
             mega-image ImageNet model; see the module docstring). False: the fairseq EMA.
     """
@@ -94,10 +97,16 @@ class DampedEMA(nn.Module):
                 "shift=True moves the backward kernel of a bidirectional EMA one step ahead; a "
                 "causal EMA has no backward kernel (use bidirectional=True or shift=False)"
             )
-        if truncation is not None and truncation <= 0:
+        if truncation is not None and truncation < 0:
             raise ValueError(
-                f"truncation must be a positive kernel length or None (no truncation), "
+                f"truncation must be a kernel length >= 0 or None (the whole sequence), "
                 f"got {truncation}"
+            )
+        if truncation == 0 and bidirectional:
+            raise ValueError(
+                "truncation=0 gives a bidirectional EMA an empty kernel, which the authors' code "
+                "cannot run (its backward kernel padding fails); use truncation=None for the "
+                "whole sequence or a positive kernel length"
             )
         self.d_model = d_model
         self.ema_dim = ema_dim
@@ -208,7 +217,10 @@ class DampedEMA(nn.Module):
                 y = y.unsqueeze(-1)
             else:
                 K = L if (state is not None or self.truncation is None) else min(self.truncation, L)
-                y = self._fft_conv(xt, K, keep)
+                if K == 0:  # truncation=0 (causal): the code's empty kernel convolves to zero
+                    y = torch.zeros_like(xt)
+                else:
+                    y = self._fft_conv(xt, K, keep)
                 new_state = None
                 if want_state:
                     w_in, w_out, log_q = (t.to(cdt) for t in self.coefficients())

@@ -8,20 +8,31 @@ The residual always uses the un-normalised input. Linears are initialised N(0, 0
 
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.nn.norms import SequenceNorm
 
+
+def gelu_accurate(x: Tensor) -> Tensor:
+    """fairseq's `gelu_accurate`, the tanh approximation of GELU, written as fairseq writes it:
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) (its `gelu_fast` is the same function)."""
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu": F.gelu,
+    "gelu_accurate": gelu_accurate,
     "relu": F.relu,
 }
 
 
 def get_activation(name: str):
-    """The activation function called `name` (silu, gelu or relu)."""
+    """The activation function called `name` (silu, gelu, gelu_accurate or relu)."""
     try:
         return ACTIVATIONS[name]
     except KeyError:
@@ -41,6 +52,8 @@ class NormalizedFFN(nn.Module):
         activation: silu in every Mega config.
         norm_type: see `megalab.nn.norms.NORM_TYPES`.
         prenorm: normalise the input (True) or the output (False).
+        norm_affine: whether the norm learns its gain and bias (False: the code's
+            `affine=False` norms).
     """
 
     def __init__(
@@ -52,11 +65,12 @@ class NormalizedFFN(nn.Module):
         activation: str = "silu",
         norm_type: str = "layernorm",
         prenorm: bool = True,
+        norm_affine: bool = True,
     ) -> None:
         super().__init__()
         self.prenorm = prenorm
         self.act = get_activation(activation)
-        self.norm = SequenceNorm(norm_type, d_model)
+        self.norm = SequenceNorm(norm_type, d_model, affine=norm_affine)
         self.fc1 = nn.Linear(d_model, ffn_dim)
         self.fc2 = nn.Linear(ffn_dim, d_model)
         self.dropout = nn.Dropout(dropout)

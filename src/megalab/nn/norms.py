@@ -10,7 +10,9 @@ All use eps = 1e-5 (the authors' `SequenceNorm` passes it to every type):
   (every position, padded ones included, as in the code).
 
 `SequenceNorm(norm_type, d_model)` builds one of them under `.norm`, so state-dict names read
-`<...>.norm.norm.weight` like the authors' modules.
+`<...>.norm.norm.weight` like the authors' modules. `affine=False` builds every type without its
+learned gain and bias (the code's `affine` flag): batch norm then keeps only its running
+statistics.
 
 The interface for norms over time. Every norm here takes (B, L, D) and an optional mask (B, L)
 (True at real tokens). Norms whose statistics run along the sequence (Megalodon's timestep norm,
@@ -41,17 +43,20 @@ NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
 
 
 class ScaleNorm(nn.Module):
-    """y = g · x / RMS(x), one learned scalar g (init 1)."""
+    """y = g · x / RMS(x), one learned scalar g (init 1); `affine=False` drops g (y = x / RMS(x),
+    the code's non-affine ScaleNorm)."""
 
-    def __init__(self, eps: float = 1e-5) -> None:
+    def __init__(self, eps: float = 1e-5, affine: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.scalar = nn.Parameter(torch.ones(1))
+        self.scalar = nn.Parameter(torch.ones(1)) if affine else None
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         mean_square = xf.square().mean(dim=-1, keepdim=True)
-        return (self.scalar * xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+        if self.scalar is not None:
+            xf = self.scalar * xf
+        return (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -82,9 +87,7 @@ class SequenceNorm(nn.Module):
         if norm_type == "layernorm":
             self.norm = nn.LayerNorm(d_model, eps=eps, elementwise_affine=affine)
         elif norm_type == "scalenorm":
-            if not affine:
-                raise ValueError("scalenorm has only a gain to learn: affine=False is not defined")
-            self.norm = ScaleNorm(eps=eps)
+            self.norm = ScaleNorm(eps=eps, affine=affine)
         elif norm_type == "rmsnorm":
             self.norm = RMSNorm(d_model, eps=eps, affine=affine)
         elif norm_type == "batchnorm":

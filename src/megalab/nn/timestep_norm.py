@@ -14,6 +14,17 @@ sequence, not per attention chunk, and carry across segments in a `TimestepNormS
 chunk-parallel training hands from rank to rank. A stream starts from count 0 (the code's
 `prior_count = 0`, whose prior mean and variance then have no effect).
 
+The learnable prior (the code's `prior_count > 0`): the statistics start from c₀ = prior_count
+pseudo-steps of a learned per-group mean μ₀ (`prior_mean`, init 0) and variance exp(`prior_logv`)
+(init 0, so 1), merged like carried statistics,
+
+    μ_t = (c₀μ₀ + Σ_{i≤t} m_i) / (c₀ + n_t)
+    σ²_t = (c₀(σ₀² + μ₀²) + Σ_{i≤t} (v_i + m_i²)) / (c₀ + n_t) − μ_t²
+
+so the prior enters as the initial state (`initial_state`, and the fresh start of a stateless
+pass), and gradients reach μ₀ and log σ₀². As in the code, `prior_count` is a buffer (a checkpoint
+sets it) and the prior exists only when it is positive: a count-0 norm has neither.
+
 Numerics. Each step contributes its group mean m_t and population variance v_t; merging them
 equals the Chan/Welford update the code runs (with Kahan summation) in fp32. We compute the merge
 in closed form with shifted sums, S1_t = Σ (m_i − K), S2_t = Σ (v_i + (m_i − K)²), with K the
@@ -107,10 +118,54 @@ class TimestepNorm(_GroupStatsNorm):
     Args:
         d_model: features D.  num_groups: G (D/G features per group; 64 in the 7B code).
         eps: inside the square root.  affine: learn the plus-1 scale and the bias.
+        prior_count: c₀ > 0 adds the code's learnable prior: `prior_mean` and `prior_logv`
+            (G,) parameters, zero-initialised, that start the statistics (module docstring).
     """
 
+    prior_count: Tensor | None
+    prior_mean: nn.Parameter | None
+    prior_logv: nn.Parameter | None
+
+    def __init__(
+        self,
+        d_model: int,
+        num_groups: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        prior_count: int = 0,
+    ) -> None:
+        super().__init__(d_model, num_groups, eps=eps, affine=affine)
+        if prior_count < 0:
+            raise ValueError(f"prior_count must be >= 0 (0: no prior), got {prior_count}")
+        if prior_count > 0:
+            self.register_buffer("prior_count", torch.tensor(prior_count, dtype=torch.int64))
+            self.prior_mean = nn.Parameter(torch.zeros(num_groups))
+            self.prior_logv = nn.Parameter(torch.zeros(num_groups))
+        else:
+            self.prior_count = self.prior_mean = self.prior_logv = None
+
+    def extra_repr(self) -> str:
+        prior = "" if self.prior_count is None else f", prior_count={int(self.prior_count)}"
+        return super().extra_repr() + prior
+
+    def _prior_state(self, batch_size: int, like: Tensor) -> TimestepNormState | None:
+        """The learned prior as carried statistics (count c₀, mean μ₀, var exp(log σ₀²))."""
+        if self.prior_count is None:
+            return None
+        assert self.prior_mean is not None and self.prior_logv is not None
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        B, G = batch_size, self.num_groups
+        return TimestepNormState(
+            self.prior_count.to(like.device).expand(B).clone(),
+            self.prior_mean.to(dtype).expand(B, G),
+            self.prior_logv.to(dtype).exp().expand(B, G),
+        )
+
     def initial_state(self, batch_size: int, like: Tensor) -> TimestepNormState:
-        """Count 0 (mean 0 and variance 1, unused while the count is 0)."""
+        """Count 0 (mean 0 and variance 1, unused while the count is 0), or the learned prior."""
+        prior = self._prior_state(batch_size, like)
+        if prior is not None:
+            return prior
         dtype = torch.promote_types(like.dtype, torch.float32)
         G = self.num_groups
         return TimestepNormState(
@@ -125,7 +180,10 @@ class TimestepNorm(_GroupStatsNorm):
         cdt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             xg, m, v = self._step_stats(x.to(cdt))
-            mean, var, new_state = cumulative_stats(m, v, mask, state)
+            start = state if state is not None else self._prior_state(x.shape[0], x)
+            mean, var, new_state = cumulative_stats(m, v, mask, start)
+            if state is None:  # a stateless pass (from the prior or count 0) returns no state
+                new_state = None
             y = self._normalize(xg, mean.to(cdt), var.to(cdt), mask)
         if new_state is not None:
             new_state = TimestepNormState(new_state.count, new_state.mean.to(cdt),
