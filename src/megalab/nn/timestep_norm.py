@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from megalab import kernels
 from megalab.models.state import register_state
 
 __all__ = ["SequenceGroupNorm", "TimestepNorm", "TimestepNormState"]
@@ -123,6 +124,8 @@ class TimestepNorm(_GroupStatsNorm):
         self, x: Tensor, mask: Tensor | None = None, state: TimestepNormState | None = None
     ) -> tuple[Tensor, TimestepNormState | None]:
         cdt = torch.promote_types(x.dtype, torch.float32)
+        if cdt == torch.float32 and kernels.use_kernel("timestep_norm", x):
+            return self._kernel_forward(x, mask, state)
         with torch.autocast(device_type=x.device.type, enabled=False):
             xg, m, v = self._step_stats(x.to(cdt))
             mean, var, new_state = cumulative_stats(m, v, mask, state)
@@ -131,6 +134,28 @@ class TimestepNorm(_GroupStatsNorm):
             new_state = TimestepNormState(new_state.count, new_state.mean.to(cdt),
                                           new_state.var.to(cdt))  # fmt: skip
         return y.to(x.dtype), new_state
+
+    def _kernel_forward(
+        self, x: Tensor, mask: Tensor | None, state: TimestepNormState | None
+    ) -> tuple[Tensor, TimestepNormState | None]:
+        """The Triton kernel (`megalab.kernels.timestep_norm`): float32 statistics, compensated
+        sums, no float64; same results as the PyTorch path below."""
+        from megalab.kernels.timestep_norm import timestep_norm
+
+        if self.d_model != x.shape[-1]:
+            raise ValueError(f"{type(self).__name__} expects {self.d_model} features, "
+                             f"got {x.shape[-1]}")  # fmt: skip
+        count, mean0, var0 = (
+            (state.count, state.mean, state.var) if state is not None else (None,) * 3
+        )
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y, mean, var = timestep_norm(
+                x, self.weight, self.bias, mask, count, mean0, var0, self.num_groups, self.eps
+            )
+        if state is None:
+            return y, None
+        count = state.count + (mask.sum(dim=1) if mask is not None else x.shape[1])
+        return y, TimestepNormState(count, mean, var)
 
 
 def cumulative_stats(
