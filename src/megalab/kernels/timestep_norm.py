@@ -58,11 +58,17 @@ def _load_tile(
 
 
 @triton.jit
-def _step_stats(x, in_d, Dg):
-    """Each step's group mean and population variance (two-pass), (BLOCK_T,) each."""
+def _load_step_stats(
+    x_ptr, mask_ptr, b, g, blk, L, D, Dg,
+    HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """`_load_tile`, plus each step's group mean and population variance (two-pass)."""
+    x, offs, offs_t, in_t, in_d, valid = _load_tile(
+        x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
+    )
     m = tl.sum(x, axis=1) / Dg
     xc = tl.where(in_d[None, :], x - m[:, None], 0.0)
-    return m, tl.sum(xc * xc, axis=1) / Dg
+    return x, offs, offs_t, in_t, in_d, valid, m, tl.sum(xc * xc, axis=1) / Dg
 
 
 @triton.jit
@@ -83,10 +89,9 @@ def _fwd_block_stats(
     bg = tl.program_id(1)
     b = bg // G
     g = bg % G
-    x, _, _, _, in_d, valid = _load_tile(
+    _, _, _, _, _, valid, m, v = _load_step_stats(
         x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
     )
-    m, v = _step_stats(x, in_d, Dg)
     w = valid.to(tl.float32)
     nb = tl.sum(w, axis=0)
     mb = tl.sum(tl.where(valid, m, 0.0), axis=0) / tl.maximum(nb, 1.0)
@@ -145,10 +150,9 @@ def _fwd_normalize(
     bg = tl.program_id(1)
     b = bg // G
     g = bg % G
-    x, offs, offs_t, in_t, in_d, valid = _load_tile(
+    x, offs, offs_t, in_t, in_d, valid, m, v = _load_step_stats(
         x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
     )
-    m, v = _step_stats(x, in_d, Dg)
     pre = prefix_ptr + (bg.to(tl.int64) * NBLK + blk) * 4
     n_p = tl.load(pre)
     K = tl.load(pre + 1)
@@ -239,21 +243,18 @@ def _bwd_block_sums(
 
 @triton.jit
 def _bwd_scan_blocks(sums_ptr, suffix_ptr, total_ptr, NBLK):
-    """Reverse scan of the block sums: what the blocks after each block add (compensated)."""
+    """Reverse scan of the block sums (u, c, p): what the blocks after each block add
+    (compensated)."""
     bg = tl.program_id(0)
-    zero = tl.load(sums_ptr + bg.to(tl.int64) * NBLK * 3) * 0.0
-    u_hi, u_lo, c_hi, c_lo, p_hi, p_lo = zero, zero, zero, zero, zero, zero
+    lane = tl.arange(0, 4)
+    three = lane < 3
+    hi = tl.zeros((4,), tl.float32)
+    lo = tl.zeros((4,), tl.float32)
     for i in range(0, NBLK):
-        base = (bg.to(tl.int64) * NBLK + NBLK - 1 - i) * 3
-        tl.store(suffix_ptr + base, u_hi + u_lo)
-        tl.store(suffix_ptr + base + 1, c_hi + c_lo)
-        tl.store(suffix_ptr + base + 2, p_hi + p_lo)
-        u_hi, u_lo = _two_sum(u_hi, u_lo, tl.load(sums_ptr + base))
-        c_hi, c_lo = _two_sum(c_hi, c_lo, tl.load(sums_ptr + base + 1))
-        p_hi, p_lo = _two_sum(p_hi, p_lo, tl.load(sums_ptr + base + 2))
-    tl.store(total_ptr + bg * 3, u_hi + u_lo)
-    tl.store(total_ptr + bg * 3 + 1, c_hi + c_lo)
-    tl.store(total_ptr + bg * 3 + 2, p_hi + p_lo)
+        base = (bg.to(tl.int64) * NBLK + NBLK - 1 - i) * 3 + lane
+        tl.store(suffix_ptr + base, hi + lo, mask=three)
+        hi, lo = _two_sum(hi, lo, tl.load(sums_ptr + base, mask=three, other=0.0))
+    tl.store(total_ptr + bg * 3 + lane, hi + lo, mask=three)
 
 
 @triton.jit
@@ -288,11 +289,15 @@ def _f32(make, like: Tensor, *shape: int) -> Tensor:
     return make(*shape, dtype=torch.float32, device=like.device)
 
 
+#: Features per tile (steps × the group's features) when the steps per block are not given.
+TILE = 4096
+
+
 def _blocks(L: int, Dg: int, block_t: int | None) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_D, number of blocks): tiles of about 4096 features."""
+    """(BLOCK_T, BLOCK_D, number of blocks): tiles of about `TILE` features."""
     block_d = triton.next_power_of_2(Dg)
     if block_t is None:
-        block_t = max(16, min(1024, 4096 // block_d))
+        block_t = max(16, min(1024, TILE // block_d))
     elif block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"timestep_norm: block_t={block_t} must be a power of two")
     return block_t, block_d, triton.cdiv(L, block_t)
