@@ -258,3 +258,30 @@ def test_megalodon_backbone_with_the_kernel_equals_without() -> None:
     assert g0.keys() == g1.keys() and len(g0) > 10
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_a_million_steps_stay_close_to_float64() -> None:
+    """1M steps (D = 4, G = 2, mean 1000, σ drifting 0.5 → 2) in float32: the kernel's state
+    after the segment within 1e-6 of float64 in the variance, where a sequential float32 cumsum
+    of the same shifted sums drifts to about 4e-5 (docs/kernels.md); every step's statistics
+    within float32's own floor for data near 1000."""
+    n_steps, d, g = 1_000_000, 4, 2
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.linspace(0.5, 2.0, n_steps, dtype=torch.float64)[:, None]
+    x = (1000.0 + torch.randn(1, n_steps, d, generator=gen, dtype=torch.float64) * spread).float()
+    xg = x.double().view(n_steps, g, d // g)
+    k = xg[0].mean(-1)  # float64 reference, shifted by the first step's mean
+    n = torch.arange(1, n_steps + 1, dtype=torch.float64)[:, None]
+    mu = k + (xg.mean(-1) - k).cumsum(0) / n
+    var = (xg - k[:, None]).square().mean(-1).cumsum(0) / n - (mu - k).square()
+    y, mean_out, var_out = tsk.timestep_norm(
+        x.requires_grad_(), None, None, None, None, None, None, g, 1e-5
+    )
+    assert ((mean_out[0].double() - mu[-1]).abs() / var[-1].sqrt()).max() < 1e-4
+    assert ((var_out[0].double() - var[-1]).abs() / var[-1]).max() < 1e-6
+    mu_k, rstd_k = (t[0].double() for t in y.grad_fn.saved_tensors[7:9])
+    var_k = rstd_k.square().reciprocal() - 1e-5
+    assert ((mu_k - mu).abs() / var.sqrt()).max() < 2e-4
+    assert ((var_k - var).abs() / var).max() < 1e-4
+    assert ((var_k[-1] - var[-1]).abs() / var[-1]).max() < 1e-6

@@ -20,7 +20,10 @@ in closed form with shifted sums, S1_t = Σ (m_i − K), S2_t = Σ (v_i + (m_i �
 first step's (or the carried) mean, so μ_t = K + S1_t/n_t and σ²_t = S2_t/n_t − (S1_t/n_t)² never
 subtract two large E[x²] and E[x]² terms; the running sums accumulate in float64, which keeps
 them accurate over millions of steps (tested at 1M), and everything else runs in the input's
-precision, at least float32 (also under bf16 autocast).
+precision, at least float32 (also under bf16 autocast). On CUDA the Triton kernel
+(`megalab.kernels.timestep_norm`, switch "timestep_norm") computes the same in float32 alone,
+with compensated block merges instead of float64 sums; this code stays the reference and the CPU
+path.
 
 `SequenceGroupNorm` is the classifier variants' GroupNorm (the paper replaces TimestepNorm with
 "standard group normalization" for classification): the same groups and plus-1 affine, with
