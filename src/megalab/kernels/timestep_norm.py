@@ -85,8 +85,9 @@ def _fwd_block_stats(
     x_ptr, mask_ptr, stats_ptr, L, D, Dg, G, NBLK,
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    blk = tl.program_id(0)
-    bg = tl.program_id(1)
+    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
+    blk = pid % NBLK
+    bg = pid // NBLK
     b = bg // G
     g = bg % G
     _, _, _, _, _, valid, m, v = _load_step_stats(
@@ -146,8 +147,9 @@ def _fwd_normalize(
     x_ptr, mask_ptr, w_ptr, b_ptr, prefix_ptr, y_ptr, mu_ptr, rstd_ptr, L, D, Dg, G, NBLK, eps,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    blk = tl.program_id(0)
-    bg = tl.program_id(1)
+    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
+    blk = pid % NBLK
+    bg = pid // NBLK
     b = bg // G
     g = bg % G
     x, offs, offs_t, in_t, in_d, valid, m, v = _load_step_stats(
@@ -222,8 +224,9 @@ def _bwd_block_sums(
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    blk = tl.program_id(0)
-    bg = tl.program_id(1)
+    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
+    blk = pid % NBLK
+    bg = pid // NBLK
     b = bg // G
     g = bg % G
     _, dy, _, xhat, _, _, u, c, p, _, _, _, in_d, _ = _bwd_step_terms(
@@ -264,8 +267,9 @@ def _bwd_dx(
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    blk = tl.program_id(0)
-    bg = tl.program_id(1)
+    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
+    blk = pid % NBLK
+    bg = pid // NBLK
     b = bg // G
     g = bg % G
     x, _, gx, _, mu, rstd, u, c, p, K, offs, in_t, in_d, live = _bwd_step_terms(
@@ -357,10 +361,10 @@ class _TimestepNormFn(torch.autograd.Function):
         b_arg = bias if bias is not None else x
         meta = dict(BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, HAS_MASK=mask is not None)
         if L > 0:
-            _fwd_block_stats[(nblk, B * G)](x, mask_arg, stats, L, D, Dg, G, nblk, **meta)
+            _fwd_block_stats[(nblk * B * G,)](x, mask_arg, stats, L, D, Dg, G, nblk, **meta)
         _fwd_scan_blocks[(B * G,)](stats, prefix, count, mean0, var0, mean_out, var_out, G, nblk)
         if L > 0:
-            _fwd_normalize[(nblk, B * G)](
+            _fwd_normalize[(nblk * B * G,)](
                 x, mask_arg, w_arg, b_arg, prefix, y, mu, rstd, L, D, Dg, G, nblk, eps,
                 AFFINE=affine, **meta,
             )  # fmt: skip
@@ -395,10 +399,12 @@ class _TimestepNormFn(torch.autograd.Function):
             BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
         )  # fmt: skip
         if L > 0:
-            _bwd_block_sums[(nblk, B * G)](*args, sums, dw_part, db_part, L, D, Dg, G, nblk, **meta)
+            _bwd_block_sums[(nblk * B * G,)](
+                *args, sums, dw_part, db_part, L, D, Dg, G, nblk, **meta
+            )
         _bwd_scan_blocks[(B * G,)](sums, suffix, total, nblk)
         if L > 0:
-            _bwd_dx[(nblk, B * G)](*args, suffix, dx, L, D, Dg, G, nblk, **meta)
+            _bwd_dx[(nblk * B * G,)](*args, suffix, dx, L, D, Dg, G, nblk, **meta)
         dw = db = dmean0 = dvar0 = None
         if affine and ctx.needs_input_grad[1]:
             dw = dw_part.sum(dim=(0, 1)).to(weight.dtype)
