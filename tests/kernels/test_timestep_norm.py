@@ -6,11 +6,15 @@ and a Megalodon backbone with the kernel forced equal to without."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
+import golden
+from golden import prefixed, rel_err
 from megalab import kernels
+from megalab.convert.megalodon import convert_timestep_norm
 from megalab.kernels import timestep_norm as tsk
 from megalab.models.megalodon import Megalodon
 from megalab.nn.timestep_norm import TimestepNorm, TimestepNormState
@@ -232,6 +236,40 @@ def test_bad_inputs_fail_early() -> None:
         tsk.timestep_norm(x.double(), None, None, None, None, None, None, 2, 1e-5)
     with kernels.forced("timestep_norm"), pytest.raises(ValueError, match="expects 8 features"):
         m(torch.randn(2, 5, 4))
+
+
+def test_the_authors_golden_case_with_the_kernel() -> None:
+    """The authors' float32 run (carried counts 7, 0, 12, right pads; then leading and middle
+    pads, forward only) within the golden tests' float32 tolerances: outputs and state 1e-5,
+    gradients 5e-5 (tests/models/test_megalodon_golden.py)."""
+    d = golden.load_case("megalodon", "timestep_norm")
+    cfg = json.loads(d["config"])
+    m = TimestepNorm(cfg["num_features"], cfg["num_groups"], eps=cfg["eps"])
+    m.load_state_dict(convert_timestep_norm(prefixed(d, "state_dict.")))
+    x = d["input.x"].float().clone().requires_grad_(True)
+    prev_mean = d["input.prev_mean"].float().clone().requires_grad_(True)
+    prev_var = d["input.prev_var"].float().clone().requires_grad_(True)
+    count = d["input.prev_count"]
+    with kernels.forced("timestep_norm"):
+        y, new = m(x, ~d["input.padding_mask"], TimestepNormState(count, prev_mean, prev_var))
+        with torch.no_grad():
+            mid = TimestepNormState(count, prev_mean, prev_var)
+            y_mid, new_mid = m(x, ~d["input.midpad_padding_mask"], mid)
+    assert new is not None and new_mid is not None
+    outputs = {"output.y": y, "output.mean": new.mean, "output.var": new.var,
+               "midpad.output.y": y_mid, "midpad.output.mean": new_mid.mean,
+               "midpad.output.var": new_mid.var}  # fmt: skip
+    for name, got in outputs.items():
+        assert rel_err(got, d[name]) <= 1e-5, name
+    assert torch.equal(new.count, d["output.count"])
+    assert torch.equal(new_mid.count, d["midpad.output.count"])
+    loss = sum((t * d[f"grad_weight.{n}"].float()).sum()
+               for n, t in (("y", y), ("mean", new.mean), ("var", new.var)))  # fmt: skip
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+    for got, name in ((x.grad, "x"), (prev_mean.grad, "prev_mean"), (prev_var.grad, "prev_var"),
+                      (m.weight.grad, "weight"), (m.bias.grad, "bias")):  # fmt: skip
+        assert got is not None and rel_err(got, d[f"grad.{name}"]) <= 5e-5, name
 
 
 def test_megalodon_backbone_with_the_kernel_equals_without() -> None:
