@@ -14,12 +14,14 @@ sequence split into blocks of `BLOCK_T` steps.
    population variance v_t (two-pass over its D/G features), merged into the block's count,
    mean and M2 = Σ (v_t + (m_t − M)²) (per-step units: the variance is M2 / count).
 2. `_fwd_scan_blocks`, one program per (batch·group): the carried state merged with the block
-   totals in order by Chan's parallel-Welford update, with the running mean and M2 each kept as
-   an unevaluated sum hi + lo (Neumaier/Kahan compensation), so L/BLOCK_T merges lose no more
-   than one rounding. It writes the statistics before each block and the state after the last.
+   totals by Chan's parallel-Welford update, `CHUNK` blocks at a time: a tree scan within the
+   chunk (depth log₂ CHUNK), then the running totals take the chunk's total with their mean and
+   M2 each kept as an unevaluated sum hi + lo (Neumaier/Kahan compensation), so the merges over
+   the whole sequence lose no more than a rounding or two. It writes the statistics before each
+   block (as pass 3's count, shift and shifted sums) and the state after the last.
 3. `_fwd_normalize`, one program per (block, batch·group): a scan within the block from its
    prefix, with shifted sums as in the PyTorch code, S1_t = S1ₚ + Σ (m_i − K) and
-   S2_t = M2ₚ + Σ (v_i + (m_i − K)²), K the prefix mean (the block's own mean when nothing
+   S2_t = S2ₚ + Σ (v_i + (m_i − K)²), K the prefix mean (the block's own mean when nothing
    precedes it), so μ_t = K + S1_t/n_t and σ²_t = S2_t/n_t − (S1_t/n_t)² sum only O(σ²) terms
    over at most BLOCK_T steps. It writes y and, for the backward, μ_t and r_t = 1/√(σ²_t + ε).
 
@@ -105,9 +107,22 @@ def _fwd_block_stats(
 
 
 @triton.jit
+def _chan(n_a, m_a, M2_a, n_b, m_b, M2_b):
+    """Chan's merge of two (count, mean, M2) statistics (associative: a scan's combine)."""
+    n = n_a + n_b
+    inv = 1.0 / tl.maximum(n, 1.0)
+    delta = m_b - m_a
+    m = tl.where(n_a == 0, m_b, tl.where(n_b == 0, m_a, m_a + delta * n_b * inv))
+    return n, m, M2_a + M2_b + delta * delta * n_a * n_b * inv
+
+
+@triton.jit
 def _fwd_scan_blocks(
     stats_ptr, prefix_ptr, count_ptr, mean0_ptr, var0_ptr, mean_out_ptr, var_out_ptr, G, NBLK,
+    CHUNK: tl.constexpr,
 ):  # fmt: skip
+    """The statistics before each block: `CHUNK` blocks at a time, a tree scan (Chan's merge)
+    within the chunk from the running totals, which take each chunk's total compensated."""
     bg = tl.program_id(0)
     b = bg // G
     c0 = tl.load(count_ptr + b).to(tl.float32)
@@ -118,24 +133,42 @@ def _fwd_scan_blocks(
     mean_lo = mean_hi * 0.0
     m2_hi = tl.where(c0 > 0, c0 * var0, 0.0)
     m2_lo = m2_hi * 0.0
-    for blk in range(0, NBLK):
-        base = (bg.to(tl.int64) * NBLK + blk) * 3
-        nb = tl.load(stats_ptr + base)
-        mb = tl.load(stats_ptr + base + 1)
-        m2b = tl.load(stats_ptr + base + 2)
-        # The statistics before this block, as pass 3's count, shift K and shifted sums S1, S2.
-        seen = n > 0
-        pre = prefix_ptr + (bg.to(tl.int64) * NBLK + blk) * 4
-        tl.store(pre, n)
-        tl.store(pre + 1, tl.where(seen, mean_hi, mb))
-        tl.store(pre + 2, tl.where(seen, n * mean_lo, 0.0))
-        tl.store(pre + 3, tl.where(seen, m2_hi + m2_lo, 0.0))
-        # Chan's merge of (n, mean, M2) with the block's (nb, mb, M2b), compensated.
-        n_new = n + nb
+    row = bg.to(tl.int64) * NBLK
+    # Pass 3 reads (count, shift K, S1 = Σ (m − K), S2 = M2 + n·(mean − K)²) before each block.
+    lane = tl.arange(0, 4)
+    first = tl.where(lane == 0, n, tl.where(lane == 1, mean_hi, tl.where(lane == 3, m2_hi, 0.0)))
+    tl.store(prefix_ptr + row * 4 + lane, first)
+    for start in range(0, NBLK, CHUNK):
+        j = start + tl.arange(0, CHUNK)
+        in_j = j < NBLK
+        stat = (row + j) * 3
+        nb = tl.load(stats_ptr + stat, mask=in_j, other=0.0)
+        mb = tl.load(stats_ptr + stat + 1, mask=in_j, other=0.0)
+        m2b = tl.load(stats_ptr + stat + 2, mask=in_j, other=0.0)
+        n_s, m_s, m2_s = tl.associative_scan((nb, mb, m2b), 0, _chan)
+        # Before block j + 1: the running totals merged with this chunk up to block j. The
+        # shift K is that merged mean, rounded; S1 keeps what the rounding (and the totals'
+        # compensation mean_lo) left, so S2/n − (S1/n)² cancels nothing.
+        n_t = n + n_s
+        inv_t = 1.0 / tl.maximum(n_t, 1.0)
+        delta = (m_s - mean_hi) - mean_lo
+        s1 = n_t * mean_lo + delta * n_s  # n_t · (merged mean − mean_hi)
+        K = tl.where(n > 0, mean_hi + s1 * inv_t, m_s)
+        s1 = tl.where(n > 0, s1 - n_t * (K - mean_hi), 0.0)
+        m2_t = (m2_hi + m2_lo) + m2_s + delta * delta * n * n_s * inv_t
+        pre = prefix_ptr + (row + j + 1) * 4
+        nxt = j + 1 < NBLK
+        tl.store(pre, n_t, mask=nxt)
+        tl.store(pre + 1, K, mask=nxt)
+        tl.store(pre + 2, s1, mask=nxt)
+        tl.store(pre + 3, m2_t + s1 * s1 * inv_t, mask=nxt)
+        # The running totals take the chunk's total (Chan's merge, compensated).
+        nc, mc, m2c = tl.reduce((nb, mb, m2b), 0, _chan)
+        n_new = n + nc
         inv = 1.0 / tl.maximum(n_new, 1.0)
-        delta = (mb - mean_hi) - mean_lo
-        mean_hi, mean_lo = _two_sum(mean_hi, mean_lo, delta * nb * inv)
-        m2_hi, m2_lo = _two_sum(m2_hi, m2_lo, m2b + delta * delta * n * nb * inv)
+        delta_c = (mc - mean_hi) - mean_lo
+        mean_hi, mean_lo = _two_sum(mean_hi, mean_lo, delta_c * nc * inv)
+        m2_hi, m2_lo = _two_sum(m2_hi, m2_lo, m2c + delta_c * delta_c * n * nc * inv)
         n = n_new
     seen = n > 0
     tl.store(mean_out_ptr + bg, tl.where(seen, mean_hi + mean_lo, mu0))
@@ -160,9 +193,12 @@ def _fwd_normalize(
     K = tl.load(pre + 1)
     s1_p = tl.load(pre + 2)
     s2_p = tl.load(pre + 3)
+    w = valid.to(tl.float32)
+    # Nothing before the block (its prefix is 0): the shift is the block's own mean.
+    K = tl.where(n_p > 0, K, tl.sum(tl.where(valid, m, 0.0), axis=0) / tl.maximum(tl.sum(w), 1.0))
     d = tl.where(valid, m - K, 0.0)
     e = tl.where(valid, v + d * d, 0.0)
-    n = n_p + tl.cumsum(valid.to(tl.float32), axis=0)
+    n = n_p + tl.cumsum(w, axis=0)
     inv_n = 1.0 / tl.maximum(n, 1.0)
     dm = (s1_p + tl.cumsum(d, axis=0)) * inv_n
     mu = K + dm
@@ -245,19 +281,30 @@ def _bwd_block_sums(
 
 
 @triton.jit
-def _bwd_scan_blocks(sums_ptr, suffix_ptr, total_ptr, NBLK):
-    """Reverse scan of the block sums (u, c, p): what the blocks after each block add
-    (compensated)."""
+def _bwd_scan_blocks(sums_ptr, suffix_ptr, total_ptr, NBLK, CHUNK: tl.constexpr):
+    """What the blocks after each block add to (u, c, p): `CHUNK` blocks at a time from the
+    end, a tree scan within the chunk from the running totals, which are compensated."""
     bg = tl.program_id(0)
+    row = bg.to(tl.int64) * NBLK
     lane = tl.arange(0, 4)
-    three = lane < 3
     hi = tl.zeros((4,), tl.float32)
     lo = tl.zeros((4,), tl.float32)
-    for i in range(0, NBLK):
-        base = (bg.to(tl.int64) * NBLK + NBLK - 1 - i) * 3 + lane
-        tl.store(suffix_ptr + base, hi + lo, mask=three)
-        hi, lo = _two_sum(hi, lo, tl.load(sums_ptr + base, mask=three, other=0.0))
-    tl.store(total_ptr + bg * 3 + lane, hi + lo, mask=three)
+    tl.store(suffix_ptr + (row + NBLK - 1) * 3 + lane, hi, mask=lane < 3)
+    for i in range(0, tl.cdiv(NBLK, CHUNK)):
+        j = (tl.cdiv(NBLK, CHUNK) - 1 - i) * CHUNK + tl.arange(0, CHUNK)
+        in_j = j < NBLK
+        prev = (j >= 1) & in_j
+        for q in tl.static_range(3):
+            val = tl.load(sums_ptr + (row + j) * 3 + q, mask=in_j, other=0.0)
+            carry = tl.sum(tl.where(lane == q, hi + lo, 0.0), axis=0)
+            after = carry + tl.cumsum(val, axis=0, reverse=True)  # what block j − 1 sees
+            tl.store(suffix_ptr + (row + j - 1) * 3 + q, after, mask=prev)
+        part = tl.load(
+            sums_ptr + (row + j[:, None]) * 3 + lane[None, :],
+            mask=in_j[:, None] & (lane[None, :] < 3), other=0.0,
+        )  # fmt: skip
+        hi, lo = _two_sum(hi, lo, tl.sum(part, axis=0))
+    tl.store(total_ptr + bg * 3 + lane, hi + lo, mask=lane < 3)
 
 
 @triton.jit
@@ -293,6 +340,9 @@ def _f32(make, like: Tensor, *shape: int) -> Tensor:
     return make(*shape, dtype=torch.float32, device=like.device)
 
 
+#: Blocks per step of the scans over blocks (pass 2, forward and backward).
+CHUNK = 128
+
 #: Features per tile (steps × the group's features) when the steps per block are not given.
 TILE = 4096
 
@@ -304,7 +354,7 @@ def _blocks(L: int, Dg: int, block_t: int | None) -> tuple[int, int, int]:
         block_t = max(16, min(1024, TILE // block_d))
     elif block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"timestep_norm: block_t={block_t} must be a power of two")
-    return block_t, block_d, triton.cdiv(L, block_t)
+    return block_t, block_d, max(1, triton.cdiv(L, block_t))  # one block even when L = 0
 
 
 class _TimestepNormFn(torch.autograd.Function):
@@ -360,9 +410,10 @@ class _TimestepNormFn(torch.autograd.Function):
         w_arg = weight if weight is not None else x
         b_arg = bias if bias is not None else x
         meta = dict(BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, HAS_MASK=mask is not None)
-        if L > 0:
-            _fwd_block_stats[(nblk * B * G,)](x, mask_arg, stats, L, D, Dg, G, nblk, **meta)
-        _fwd_scan_blocks[(B * G,)](stats, prefix, count, mean0, var0, mean_out, var_out, G, nblk)
+        _fwd_block_stats[(nblk * B * G,)](x, mask_arg, stats, L, D, Dg, G, nblk, **meta)
+        _fwd_scan_blocks[(B * G,)](
+            stats, prefix, count, mean0, var0, mean_out, var_out, G, nblk, CHUNK=CHUNK
+        )
         if L > 0:
             _fwd_normalize[(nblk * B * G,)](
                 x, mask_arg, w_arg, b_arg, prefix, y, mu, rstd, L, D, Dg, G, nblk, eps,
@@ -384,7 +435,7 @@ class _TimestepNormFn(torch.autograd.Function):
         dvar = (dvar if dvar is not None else _f32(torch.zeros, x, B, G)).contiguous()
         dy = dy.contiguous()
         affine = weight is not None
-        sums = _f32(torch.empty, x, B * G, nblk, 3)
+        sums = _f32(torch.zeros, x, B * G, nblk, 3)  # stays 0 when L = 0
         suffix = _f32(torch.empty, x, B * G, nblk, 3)
         total = _f32(torch.empty, x, B * G, 3)
         dw_part = _f32(torch.empty, x, B, nblk, D) if affine else sums
@@ -402,7 +453,7 @@ class _TimestepNormFn(torch.autograd.Function):
             _bwd_block_sums[(nblk * B * G,)](
                 *args, sums, dw_part, db_part, L, D, Dg, G, nblk, **meta
             )
-        _bwd_scan_blocks[(B * G,)](sums, suffix, total, nblk)
+        _bwd_scan_blocks[(B * G,)](sums, suffix, total, nblk, CHUNK=CHUNK)
         if L > 0:
             _bwd_dx[(nblk * B * G,)](*args, suffix, dx, L, D, Dg, G, nblk, **meta)
         dw = db = dmean0 = dvar0 = None
