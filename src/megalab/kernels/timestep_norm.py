@@ -145,15 +145,20 @@ def _fwd_scan_blocks(
         nb = tl.load(stats_ptr + stat, mask=in_j, other=0.0)
         mb = tl.load(stats_ptr + stat + 1, mask=in_j, other=0.0)
         m2b = tl.load(stats_ptr + stat + 2, mask=in_j, other=0.0)
+        # The tree scan runs on means shifted by c (the running mean, else the chunk's), so
+        # its roundings are of O(σ) numbers, not of the mean itself.
+        c = tl.where(n > 0, mean_hi, tl.sum(nb * mb) / tl.maximum(tl.sum(nb), 1.0))
+        mb = tl.where(nb > 0, mb - c, 0.0)
+        back = c - mean_hi  # exactly 0 once anything is seen
         n_s, m_s, m2_s = tl.associative_scan((nb, mb, m2b), 0, _chan)
         # Before block j + 1: the running totals merged with this chunk up to block j. The
         # shift K is that merged mean, rounded; S1 keeps what the rounding (and the totals'
         # compensation mean_lo) left, so S2/n − (S1/n)² cancels nothing.
         n_t = n + n_s
         inv_t = 1.0 / tl.maximum(n_t, 1.0)
-        delta = (m_s - mean_hi) - mean_lo
+        delta = (m_s + back) - mean_lo
         s1 = n_t * mean_lo + delta * n_s  # n_t · (merged mean − mean_hi)
-        K = tl.where(n > 0, mean_hi + s1 * inv_t, m_s)
+        K = tl.where(n > 0, mean_hi + s1 * inv_t, m_s + c)
         s1 = tl.where(n > 0, s1 - n_t * (K - mean_hi), 0.0)
         m2_t = (m2_hi + m2_lo) + m2_s + delta * delta * n * n_s * inv_t
         pre = prefix_ptr + (row + j + 1) * 4
@@ -166,7 +171,7 @@ def _fwd_scan_blocks(
         nc, mc, m2c = tl.reduce((nb, mb, m2b), 0, _chan)
         n_new = n + nc
         inv = 1.0 / tl.maximum(n_new, 1.0)
-        delta_c = (mc - mean_hi) - mean_lo
+        delta_c = (mc + back) - mean_lo
         mean_hi, mean_lo = _two_sum(mean_hi, mean_lo, delta_c * nc * inv)
         m2_hi, m2_lo = _two_sum(m2_hi, m2_lo, m2c + delta_c * delta_c * n * nc * inv)
         n = n_new
