@@ -182,14 +182,17 @@ def test_streaming_in_segments_equals_one_pass(
     torch.testing.assert_close(state.var, last.var, rtol=1e-6, atol=1e-6)
 
 
-def test_bf16_inputs_keep_float32_statistics(monkeypatch: pytest.MonkeyPatch) -> None:
-    """bf16 in, bf16 out and bf16 dx, statistics in float32: as the PyTorch path computes."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_keep_float32_statistics(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 (fp16) in, out and dx, statistics in float32: as the PyTorch path computes."""
     monkeypatch.setattr(tsk, "TILE", 512)
     m = norm()
     g = torch.Generator().manual_seed(4)
-    x = (2.0 + torch.randn(B, L, D, generator=g)).bfloat16()
+    x = (2.0 + torch.randn(B, L, D, generator=g)).to(dtype)
     mask = make_mask("leading")
-    dy = torch.randn(B, L, D, generator=g).bfloat16()
+    dy = torch.randn(B, L, D, generator=g).to(dtype)
     count, mean, var = carried()
     outs = []
     for run in (kernels.disabled, kernels.forced):
@@ -199,7 +202,7 @@ def test_bf16_inputs_keep_float32_statistics(monkeypatch: pytest.MonkeyPatch) ->
         with run("timestep_norm"):
             y, st = m(xr, mask, TimestepNormState(count, mean, var))
         (y * dy).float().sum().backward()
-        assert st is not None and y.dtype == xr.grad.dtype == torch.bfloat16
+        assert st is not None and y.dtype == xr.grad.dtype == dtype
         assert st.mean.dtype == st.var.dtype == torch.float32
         outs.append([y, st.mean, st.var, xr.grad, m.weight.grad, m.bias.grad])
     for name, a, r in zip(["y", "mean", "var", "dx", "dweight", "dbias"], *outs):
