@@ -228,6 +228,18 @@ def test_module_takes_the_kernel_only_where_chosen(monkeypatch: pytest.MonkeyPat
     torch.testing.assert_close(y, ref)
 
 
+def test_an_empty_segment_passes_the_state_through() -> None:
+    count, mean, var = carried()
+    mean, var = mean.requires_grad_(), var.requires_grad_()
+    x = torch.zeros(B, 0, D)
+    y, new_mean, new_var = tsk.timestep_norm(x, None, None, None, count, mean, var, G, 1e-5)
+    assert y.shape == (B, 0, D)
+    torch.testing.assert_close((new_mean, new_var), (mean, var), rtol=1e-6, atol=0)
+    (2 * new_mean.sum() + 3 * new_var.sum()).backward()
+    assert mean.grad is not None and var.grad is not None
+    assert (mean.grad == 2).all() and (var.grad == 3).all()
+
+
 def test_bad_inputs_fail_early() -> None:
     m = norm(8, 2)
     x = torch.randn(2, 5, 8)

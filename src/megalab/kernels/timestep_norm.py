@@ -474,7 +474,9 @@ class _TimestepNormFn(torch.autograd.Function):
             dmean0 = -c0 * (U + (m0 - K) * C - P)
             dvar0 = -c0 * C / 2
             # Nothing seen at all (count 0, no real step): the carried state passes through.
+            # An empty segment, too (no step L − 1 to take the state's gradient).
             unseen = (c0 + (mask.sum(1, keepdim=True) if mask is not None else L)) == 0
+            unseen = unseen | (L == 0)
             dmean0 = torch.where(unseen, dmean, dmean0).to(mean0.dtype)
             dvar0 = torch.where(unseen, dvar, dvar0).to(var0.dtype)
         return dx, dw, db, None, None, dmean0, dvar0, None, None, None
