@@ -31,7 +31,10 @@ in closed form with shifted sums, S1_t = Σ (m_i − K), S2_t = Σ (v_i + (m_i �
 first step's (or the carried) mean, so μ_t = K + S1_t/n_t and σ²_t = S2_t/n_t − (S1_t/n_t)² never
 subtract two large E[x²] and E[x]² terms; the running sums accumulate in float64, which keeps
 them accurate over millions of steps (tested at 1M), and everything else runs in the input's
-precision, at least float32 (also under bf16 autocast).
+precision, at least float32 (also under bf16 autocast). On CUDA the Triton kernel
+(`megalab.kernels.timestep_norm`, switch "timestep_norm") computes the same in float32 alone,
+with compensated block merges instead of float64 sums; this code stays the reference and the CPU
+path.
 
 `SequenceGroupNorm` is the classifier variants' GroupNorm (the paper replaces TimestepNorm with
 "standard group normalization" for classification): the same groups and plus-1 affine, with
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from megalab import kernels
 from megalab.models.state import register_state
 
 __all__ = ["SequenceGroupNorm", "TimestepNorm", "TimestepNormState"]
@@ -178,6 +182,8 @@ class TimestepNorm(_GroupStatsNorm):
         self, x: Tensor, mask: Tensor | None = None, state: TimestepNormState | None = None
     ) -> tuple[Tensor, TimestepNormState | None]:
         cdt = torch.promote_types(x.dtype, torch.float32)
+        if cdt == torch.float32 and kernels.use_kernel("timestep_norm", x):
+            return self._kernel_forward(x, mask, state)
         with torch.autocast(device_type=x.device.type, enabled=False):
             xg, m, v = self._step_stats(x.to(cdt))
             start = state if state is not None else self._prior_state(x.shape[0], x)
@@ -189,6 +195,32 @@ class TimestepNorm(_GroupStatsNorm):
             new_state = TimestepNormState(new_state.count, new_state.mean.to(cdt),
                                           new_state.var.to(cdt))  # fmt: skip
         return y.to(x.dtype), new_state
+
+    def _kernel_forward(
+        self, x: Tensor, mask: Tensor | None, state: TimestepNormState | None
+    ) -> tuple[Tensor, TimestepNormState | None]:
+        """The Triton kernel (`megalab.kernels.timestep_norm`): float32 statistics, compensated
+        sums, no float64; same results as the PyTorch path below."""
+        from megalab.kernels.timestep_norm import timestep_norm
+
+        if self.d_model != x.shape[-1]:
+            raise ValueError(f"{type(self).__name__} expects {self.d_model} features, "
+                             f"got {x.shape[-1]}")  # fmt: skip
+        # A fresh stream starts from the learned prior where there is one (as the path below).
+        start = state if state is not None else self._prior_state(x.shape[0], x)
+        count, mean0, var0 = (
+            (start.count, start.mean.contiguous(), start.var.contiguous())
+            if start is not None
+            else (None,) * 3
+        )
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            y, mean, var = timestep_norm(
+                x, self.weight, self.bias, mask, count, mean0, var0, self.num_groups, self.eps
+            )
+        if state is None:
+            return y, None
+        count = state.count + (mask.sum(dim=1) if mask is not None else x.shape[1])
+        return y, TimestepNormState(count, mean, var)
 
 
 def cumulative_stats(
