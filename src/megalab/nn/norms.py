@@ -41,17 +41,19 @@ NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
 
 
 class ScaleNorm(nn.Module):
-    """y = g · x / RMS(x), one learned scalar g (init 1)."""
+    """y = g · x / RMS(x), one learned scalar g (init 1); `affine=False` drops g."""
 
-    def __init__(self, eps: float = 1e-5) -> None:
+    def __init__(self, eps: float = 1e-5, affine: bool = True) -> None:
         super().__init__()
         self.eps = eps
-        self.scalar = nn.Parameter(torch.ones(1))
+        self.scalar = nn.Parameter(torch.ones(1)) if affine else None
 
     def forward(self, x: Tensor) -> Tensor:
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
         mean_square = xf.square().mean(dim=-1, keepdim=True)
-        return (self.scalar * xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+        if self.scalar is not None:
+            xf = self.scalar * xf
+        return (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -82,9 +84,7 @@ class SequenceNorm(nn.Module):
         if norm_type == "layernorm":
             self.norm = nn.LayerNorm(d_model, eps=eps, elementwise_affine=affine)
         elif norm_type == "scalenorm":
-            if not affine:
-                raise ValueError("scalenorm has only a gain to learn: affine=False is not defined")
-            self.norm = ScaleNorm(eps=eps)
+            self.norm = ScaleNorm(eps=eps, affine=affine)
         elif norm_type == "rmsnorm":
             self.norm = RMSNorm(d_model, eps=eps, affine=affine)
         elif norm_type == "batchnorm":
