@@ -302,17 +302,18 @@ class SeqBoatLayer(nn.Module):
         return router(H, u, valid, self.act_bias)
 
     def _plan(self, routing: Routing, streaming: bool, always: bool) -> Packing:
-        """Pack unless the code's rule says not to: in local mode it skips packing when a row is
-        fully active (L' = L), for the whole batch; a configurator-free GAU never packs."""
+        """Pack unless the code's rule says not to: it packs when L' / L is below a density
+        threshold, 1 in local mode (no packing when a row is fully active, L' = L) and 0.9 in
+        full mode, for the whole batch; a configurator-free GAU never packs."""
         a = routing.active
         if streaming:  # a stream's memory holds packed tokens: always pack
             return plan_packing(a, compress=True)
         if always:
             return plan_packing(a, compress=False)
-        if self.compress_always or self.attention.mode != "local":
+        if self.compress_always or self.attention.mode == "chunk" or not a.shape[1]:
             return plan_packing(a, compress=True)
-        full_row = bool(a.all(dim=1).any()) if a.shape[1] else False
-        return plan_packing(a, compress=not full_row)
+        threshold = 1.0 if self.attention.mode == "local" else 0.9
+        return plan_packing(a, compress=int(a.sum(dim=1).max()) / a.shape[1] < threshold)
 
     def forward(
         self,
@@ -481,7 +482,9 @@ class SeqBoat(Backbone):
         gumbel_hard: the Gumbel router's straight-through mode (hard one-hot forward, the
             soft probabilities' gradient; the code's `gumbel_softmax(hard=True)`).
         always_compress: the code skips packing for the whole batch when one row activates all
-            its L tokens (its local window then counts original positions for the other rows).
+            its L tokens (its local window then counts original positions for the other rows),
+            and in full mode when one row activates 90% of them (only causal relu²/laplace,
+            which divide by the query's index + 1, see the difference).
             False follows the code, True always packs (rows independent of their batch; a
             single-row batch is identical either way). None (default): False for encoders,
             True for decoders, whose stream must equal one pass (the code's LM runs one
