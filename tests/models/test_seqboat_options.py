@@ -15,12 +15,23 @@ maps with megalab's layer, and are compared at every position, pads included.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import golden
+from golden import prefixed
+from megalab.convert.seqboat import (
+    UNIT_OPTIONS,
+    convert_unit,
+    seqboat_kwargs_from_fairseq,
+    seqboat_lm_kwargs_from_fairseq,
+    unit_kwargs_from_reference,
+)
 from megalab.models.seqboat import SeqBoat, SeqBoatConfig, SeqBoatLayer
 from megalab.nn.sma import CompressedAttention, GumbelSoftmaxRouter
 
@@ -310,7 +321,7 @@ def test_always_activated_gau_writes_its_output_at_pads() -> None:
     assert (y - bypass_only)[~mask].abs().amin(dim=-1).min() > 0
 
 
-def test_norm_affine_false_has_no_norm_parameters_and_loads_the_codes_names() -> None:
+def test_norm_affine_false_has_no_norm_parameters() -> None:
     for norm_type in ("layernorm", "scalenorm", "rmsnorm", "batchnorm"):
         layer = make_layer(norm_type=norm_type, norm_affine=False)
         assert not [n for n, _ in layer.named_parameters() if n.startswith("norm.")]
@@ -383,3 +394,105 @@ def test_full_mode_packs_only_below_the_codes_density_threshold(act: str) -> Non
     assert int(report.details["active"][0].sum()) == 21 and not report.details["packed"]
     torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
     assert (y - y_packed)[mask].abs().max() > 1e-6
+
+
+# ----------------------------------------------------------------- options of the authors' code
+def golden_ctor() -> dict:
+    return json.loads(golden.load_case("seqboat", "layer_bidirectional")["config"])["ctor"]
+
+
+def golden_lra_args() -> dict:
+    return json.loads(golden.load_case("seqboat", "encoder")["config"])["args"]
+
+
+ENWIK8_ARGS = {  # slag_lm_enwik8_base_v2 with the README command (seqboat-code.md §2.3)
+    "decoder_embed_dim": 616, "decoder_input_dim": 616, "decoder_layers": 14,
+    "decoder_z_dim": 128, "decoder_hidden_dim": 1232, "decoder_n_dim": 16,
+    "decoder_ffn_embed_dim": -1, "decoder_chunk_size": 1024, "truncation_length": 2048,
+    "rel_pos_bias": "rotary", "attention_activation_fn": "softmax", "activation_fn": "silu",
+    "max_target_positions": 10384, "normalization_type": "layernorm", "normalize_before": True,
+    "no_affine_final_norm": True, "share_decoder_input_output_embed": True,
+    "init_temp_scale": 1.0, "local_pos": False, "dropout": 0.15, "attention_dropout": 0.0,
+    "hidden_dropout": 0.0, "activation_dropout": 0.0, "feature_dropout": False,
+    "normalize_embedding": False, "no_scale_embedding": False, "adaptive_input": False,
+    "adaptive_softmax_cutoff": None, "tie_adaptive_weights": False, "decoder_embed_path": None,
+    "report_ema_alpha": False, "write_out_alpha": False,
+}  # fmt: skip
+
+
+def test_unit_options_map_onto_the_config() -> None:
+    ctor = {**golden_ctor(), "norm_affine": False, "attention_activation": "laplace",
+            "always_act": True, "bidirectional": False}  # fmt: skip
+    kw = unit_kwargs_from_reference(ctor)
+    assert set(ctor) == set(UNIT_OPTIONS)
+    assert kw["norm_affine"] is False and kw["router"] == "none" and kw["causal"] is True
+    assert kw["attention_activation"] == "laplace" and kw["attention"] == "local"
+    SeqBoatLayer(SeqBoatConfig(**kw))
+    full = unit_kwargs_from_reference({**golden_ctor(), "chunk_size": -1, "local_pos": True})
+    assert full["attention"] == "full" and full["local_pos"] is False  # the code ignores it
+    assert not full["always_compress"]
+    always = unit_kwargs_from_reference({**golden_ctor(), "chunk_size": -1,
+                                         "density_threshold": 2.0})  # fmt: skip
+    assert always["always_compress"] is True
+    with pytest.raises(ValueError, match=re.escape("density_threshold=0.5")):
+        unit_kwargs_from_reference({**golden_ctor(), "chunk_size": -1, "density_threshold": 0.5})
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "match"),
+    [
+        ("window_size", 4, "unknown SeqBoatUnit option"),
+        ("activation", "gelu", "activation='gelu'"),
+        ("feature_dropout", True, "feature_dropout=True"),
+        ("rel_pos_bias", "t5", "rel_pos_bias='t5'"),
+    ],
+)
+def test_unsupported_unit_options_are_refused_by_name(option, value, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        unit_kwargs_from_reference({**golden_ctor(), option: value})
+
+
+def test_a_unit_without_norm_affine_loads_the_codes_weights() -> None:
+    d = golden.load_case("seqboat", "layer_bidirectional")
+    sd = {k: v for k, v in prefixed(d, "state_dict.").items() if not k.startswith("norm.")}
+    kw = unit_kwargs_from_reference({**golden_ctor(), "norm_affine": False})
+    layer = SeqBoatLayer(SeqBoatConfig(**kw)).to(DT)
+    layer.load_state_dict(convert_unit(sd), strict=True)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("layer_type", "mega"), ("activation_fn", "gelu"), ("feature_dropout", True),
+        ("normalize_embedding", True), ("rel_pos_bias", "t5"), ("encoder_layerdrop", 0.1),
+        ("quant_noise_pq", 0.1), ("use_p", True), ("sen_rep_type", "cls"),
+        ("classifier_layers", 2), ("classifier_activation_fn", "relu"),
+        ("apply_bert_init", True),
+    ],
+)  # fmt: skip
+def test_unsupported_lra_options_are_refused_by_name(option: str, value) -> None:
+    args = golden_lra_args()
+    seqboat_kwargs_from_fairseq(args)
+    with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+        seqboat_kwargs_from_fairseq({**args, option: value})
+
+
+def test_lm_options_map_onto_a_causal_seqboat() -> None:
+    kw = seqboat_lm_kwargs_from_fairseq(ENWIK8_ARGS)
+    assert kw["causal"] and kw["prenorm"] and kw["final_norm_affine"] is False
+    assert (kw["attention"], kw["chunk_size"], kw["rel_pos_bias"]) == ("local", 1024, "rotary")
+    assert (kw["max_positions"], kw["truncation"], kw["ffn_dim"]) == (10384, 2048, 0)
+    assert kw["input_dropout"] == kw["dropout"] == 0.15
+    small = {**kw, "d_model": 16, "z_dim": 8, "v_dim": 32, "num_layers": 1, "chunk_size": 4}
+    SeqBoat(**small)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("adaptive_input", True), ("adaptive_softmax_cutoff", "20000,60000"),
+     ("decoder_input_dim", 512), ("decoder_embed_path", "emb.txt"),
+     ("activation_fn", "gelu"), ("rel_pos_bias", "t5")],
+)  # fmt: skip
+def test_unsupported_lm_options_are_refused_by_name(option: str, value) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
+        seqboat_lm_kwargs_from_fairseq({**ENWIK8_ARGS, option: value})
