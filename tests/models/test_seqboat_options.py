@@ -491,7 +491,8 @@ def test_lm_options_map_onto_a_causal_seqboat() -> None:
     ("option", "value"),
     [("adaptive_input", True), ("adaptive_softmax_cutoff", "20000,60000"),
      ("decoder_input_dim", 512), ("decoder_embed_path", "emb.txt"),
-     ("activation_fn", "gelu"), ("rel_pos_bias", "t5")],
+     ("activation_fn", "gelu"), ("rel_pos_bias", "t5"), ("feature_dropout", True),
+     ("normalize_embedding", True), ("tie_adaptive_weights", True)],
 )  # fmt: skip
 def test_unsupported_lm_options_are_refused_by_name(option: str, value) -> None:
     with pytest.raises(ValueError, match=re.escape(f"{option}={value!r}")):
