@@ -25,9 +25,10 @@ Where we follow the code rather than the paper (the code wins for exactness): th
 *packed* tokens, W on each side (the paper's w = 2W) or W past tokens (causal), and relu² divides
 Q by the constant 2W (W causal); the 'simple' bias uses original positions; the EMA kernel is
 truncated per task; the router has no Gumbel noise; the code skips packing for the whole batch
-when one row is fully active (`always_compress`, below); pads never activate but keep the code's
-deterministic junk inside the stack (ω ⊙ x, the bypass and the residual see raw pads), and only
-the backbone output is zeroed there.
+when one row is fully active, or in full mode 90% active (`always_compress`, below); pads never
+activate but keep the code's deterministic junk inside the stack (ω ⊙ x, the bypass and the
+residual see raw pads; without a configurator, `router="none"`, the GAU output too), and only
+the backbone output is zeroed there (docs/fidelity.md, "Padded positions").
 
 The backbone is batch-first, `mask` is True at real tokens. A causal SeqBoat streams: the state
 holds per layer the EMA state (B, D, h) (with `truncation`: the last K − 1 EMA inputs, so that a
