@@ -10,7 +10,9 @@ All use eps = 1e-5 (the authors' `SequenceNorm` passes it to every type):
   (every position, padded ones included, as in the code).
 
 `SequenceNorm(norm_type, d_model)` builds one of them under `.norm`, so state-dict names read
-`<...>.norm.norm.weight` like the authors' modules.
+`<...>.norm.norm.weight` like the authors' modules. `affine=False` builds every type without its
+learned gain and bias (the code's `affine` flag): batch norm then keeps only its running
+statistics.
 
 The interface for norms over time. Every norm here takes (B, L, D) and an optional mask (B, L)
 (True at real tokens). Norms whose statistics run along the sequence (Megalodon's timestep norm,
@@ -41,7 +43,8 @@ NORM_TYPES = ("layernorm", "scalenorm", "rmsnorm", "batchnorm", "syncbatchnorm")
 
 
 class ScaleNorm(nn.Module):
-    """y = g · x / RMS(x), one learned scalar g (init 1); `affine=False` drops g."""
+    """y = g · x / RMS(x), one learned scalar g (init 1); `affine=False` drops g (y = x / RMS(x),
+    the code's non-affine ScaleNorm)."""
 
     def __init__(self, eps: float = 1e-5, affine: bool = True) -> None:
         super().__init__()
