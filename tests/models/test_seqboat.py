@@ -68,8 +68,11 @@ def naive_layer(layer: SeqBoatLayer, x: torch.Tensor, mask: torch.Tensor) -> tor
         p = torch.softmax((u + torch.tensor([layer.act_bias, 0.0], dtype=DT)) / tau, dim=-1)
         active = (p[..., 1] > p[..., 0]) & mask
         conf = p[..., 1] * active
-    # The code's rule: no packing when a row is fully active (local mode, not always_compress).
-    packed = layer.compress_always or att.mode != "local" or not bool(active.all(1).any())
+    # The code's rule: pack while L' / L is below 1 (local mode: no packing when a row is fully
+    # active) or 0.9 (full mode), unless always_compress.
+    density = float(active.sum(1).max()) / x.shape[1]
+    threshold = 1.0 if att.mode == "local" else 0.9
+    packed = layer.compress_always or att.mode == "chunk" or density < threshold
     if layer.router is None:
         packed = False
     Y = torch.zeros_like(x)
@@ -107,6 +110,8 @@ def naive_layer(layer: SeqBoatLayer, x: torch.Tensor, mask: torch.Tensor) -> tor
         else:
             if att.mode == "local":
                 scale = W if att.causal else 2 * W
+            elif att.mode == "full" and att.causal:
+                scale = (i + 1).to(DT)  # the code's causal mask row sum
             else:
                 scale = allowed.sum(-1, keepdim=True).clamp(min=1).to(DT)
             A = F.relu((Q / scale) @ K.T + bias).square() * allowed

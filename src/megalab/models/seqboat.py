@@ -25,9 +25,10 @@ Where we follow the code rather than the paper (the code wins for exactness): th
 *packed* tokens, W on each side (the paper's w = 2W) or W past tokens (causal), and relu² divides
 Q by the constant 2W (W causal); the 'simple' bias uses original positions; the EMA kernel is
 truncated per task; the router has no Gumbel noise; the code skips packing for the whole batch
-when one row is fully active (`always_compress`, below); pads never activate but keep the code's
-deterministic junk inside the stack (ω ⊙ x, the bypass and the residual see raw pads), and only
-the backbone output is zeroed there.
+when one row is fully active, or in full mode 90% active (`always_compress`, below); pads never
+activate but keep the code's deterministic junk inside the stack (ω ⊙ x, the bypass and the
+residual see raw pads; without a configurator, `router="none"`, the GAU output too), and only
+the backbone output is zeroed there (docs/fidelity.md, "Padded positions").
 
 The backbone is batch-first, `mask` is True at real tokens. A causal SeqBoat streams: the state
 holds per layer the EMA state (B, D, h) (with `truncation`: the last K − 1 EMA inputs, so that a
@@ -117,6 +118,7 @@ class SeqBoatConfig:
     max_positions: int = 1024
     positions: str = "none"
     norm_type: str = "layernorm"
+    norm_affine: bool = True
     prenorm: bool = False
     final_norm_affine: bool = True
     causal: bool = False
@@ -124,6 +126,7 @@ class SeqBoatConfig:
     init_temp_scale: float = 1.0
     act_bias: float = 0.0
     gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995)
+    gumbel_hard: bool = False
     always_compress: bool | None = None
     ffn_dim: int = 0
     ffn_mode: str = "after"
@@ -155,6 +158,11 @@ class SeqBoatConfig:
             )
         if len(self.gumbel_tau) != 3:
             raise ValueError("gumbel_tau is (initial τ', minimum τ', decay per step)")
+        if self.gumbel_hard and self.router != "gumbel":
+            raise ValueError(
+                f"gumbel_hard is the straight-through mode of router='gumbel'; router="
+                f"{self.router!r} has no such mode (set router='gumbel' or gumbel_hard=False)"
+            )
 
     @property
     def compress_always(self) -> bool:
@@ -196,20 +204,24 @@ class SeqBoatLayer(nn.Module):
         self.causal = cfg.causal
         self.act_bias = cfg.act_bias
         self.compress_always = cfg.compress_always
-        self.norm = SequenceNorm(cfg.norm_type, D)
+        self.norm = SequenceNorm(cfg.norm_type, D, affine=cfg.norm_affine)
         self.ssm: DampedEMA | S4D
         if cfg.ssm == "ema":
             self.ssm = DampedEMA(D, cfg.ema_dim, bidirectional=not cfg.causal,
                                  truncation=cfg.truncation)  # fmt: skip
         else:
             self.ssm = S4D(D, cfg.ema_dim, bidirectional=not cfg.causal, truncation=cfg.truncation)
-        self.router = build_router(cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg))
+        self.router = build_router(
+            cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg), cfg.gumbel_hard
+        )
         n_logits = getattr(self.router, "n_logits", 0)
         self.ffn_router: nn.Module | None = None
         self.ffn: PositionwiseFFN | None = None
         if cfg.ffn_mode == "parallel":
             # SeqBoat-{GAU,FFN}: the FFN beside the GAU, with its own decisions (M = 2).
-            self.ffn_router = build_router(cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg))
+            self.ffn_router = build_router(
+                cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg), cfg.gumbel_hard
+            )
             self.ffn = PositionwiseFFN(D, cfg.ffn_dim, cfg.activation_dropout)
         self.n_logits = n_logits
         n_ffn_logits = getattr(self.ffn_router, "n_logits", 0)
@@ -291,17 +303,18 @@ class SeqBoatLayer(nn.Module):
         return router(H, u, valid, self.act_bias)
 
     def _plan(self, routing: Routing, streaming: bool, always: bool) -> Packing:
-        """Pack unless the code's rule says not to: in local mode it skips packing when a row is
-        fully active (L' = L), for the whole batch; a configurator-free GAU never packs."""
+        """Pack unless the code's rule says not to: it packs when L' / L is below a density
+        threshold, 1 in local mode (no packing when a row is fully active, L' = L) and 0.9 in
+        full mode, for the whole batch; a configurator-free GAU never packs."""
         a = routing.active
         if streaming:  # a stream's memory holds packed tokens: always pack
             return plan_packing(a, compress=True)
         if always:
             return plan_packing(a, compress=False)
-        if self.compress_always or self.attention.mode != "local":
+        if self.compress_always or self.attention.mode == "chunk" or not a.shape[1]:
             return plan_packing(a, compress=True)
-        full_row = bool(a.all(dim=1).any()) if a.shape[1] else False
-        return plan_packing(a, compress=not full_row)
+        threshold = 1.0 if self.attention.mode == "local" else 0.9
+        return plan_packing(a, compress=int(a.sum(dim=1).max()) / a.shape[1] < threshold)
 
     def forward(
         self,
@@ -346,7 +359,12 @@ class SeqBoatLayer(nn.Module):
         Yc = self.h_proj(O * G)
         if not self.causal:
             Yc = self.dropout(Yc)
-        Y = unpack(Yc, plan) * routing.confidence.unsqueeze(-1).to(Yc.dtype)
+        if self.router is None and not plan.packed:
+            # The code's always-activated GAU (`--always-act`) adds its output at every
+            # position, pads included (it has no confidence to scale by).
+            Y = Yc
+        else:
+            Y = unpack(Yc, plan) * routing.confidence.unsqueeze(-1).to(Yc.dtype)
         branch = hx + Y
         ffn_activation = None
         if self.ffn is not None:
@@ -442,24 +460,32 @@ class SeqBoat(Backbone):
         attention: "local" (working memory; SeqBoat) | "full" (SeqBoat-full) | "chunk".
         chunk_size: W, the one-sided window in packed tokens (the code's `--chunk-size`; the
             paper's working memory w = 2W bidirectional, W causal), or the chunk length.
-        attention_activation: softmax | relu2.
+        attention_activation: softmax | relu2 | laplace (local laplace cannot stream: its
+            masked look-around slots depend on block alignment).
         rel_pos_bias: simple | rotary (RoPE on Q, K at original positions) | none.
         local_pos: the 'simple' bias on offsets in the compressed sequence (Text, SC).
         max_positions: P of the 'simple' bias on original positions (edges replicated beyond).
         positions: "none" | "sinusoidal": the code's `--add-apos` (pixels, audio): a
             [sin | cos] embedding times a learned scalar (init d^-1/2) added to the input.
         norm_type: layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm.
+        norm_affine: whether each layer's norm has learned parameters (the unit's
+            `norm_affine`).
         prenorm: pre-norm layers plus a final norm, or post-norm.
         final_norm_affine: whether the final (pre-norm) norm has learned parameters.
         causal: decoder (True) or encoder (False).
         router: "softmax" (tempered softmax) | "gumbel" | "sigmoid" | "xmoe" | "none" (the GAU
-            runs on every token: Always Activated, -local, -chunk).
+            runs on every token: Always Activated, -local, -chunk; as the code's
+            `--always-act`, its output is added at padded positions too).
         init_temp_scale: α, τ₀ = α√d.
         act_bias: added to the skip logit (the code's `--act-bias`; > 0 favours sparsity).
         gumbel_tau: (τ'₀, τ'_min, decay per step) of the Gumbel router (paper: 2, 0.5,
             0.999995).
+        gumbel_hard: the Gumbel router's straight-through mode (hard one-hot forward, the
+            soft probabilities' gradient; the code's `gumbel_softmax(hard=True)`).
         always_compress: the code skips packing for the whole batch when one row activates all
-            its L tokens (its local window then counts original positions for the other rows).
+            its L tokens (its local window then counts original positions for the other rows),
+            and in full mode when one row activates 90% of them (only causal relu²/laplace,
+            which divide by the query's index + 1, see the difference).
             False follows the code, True always packs (rows independent of their batch; a
             single-row batch is identical either way). None (default): False for encoders,
             True for decoders, whose stream must equal one pass (the code's LM runs one

@@ -25,7 +25,8 @@ them. This module holds:
   τ = exp(θ), θ₀ = log(α√d)), and the ablations of Tables 7-8: Gumbel-softmax with the paper's
   annealing (App. A.4), a sigmoid over one logit, and the X-MoE router (Chi et al. 2022) between
   the GAU and a module that outputs zero. Decisions are a deterministic argmax; the router gets
-  gradient only through c on activated tokens (no straight-through, no auxiliary loss).
+  gradient only through c on activated tokens (no auxiliary loss; straight-through only in the
+  Gumbel router's `hard` mode, the code's `gumbel_softmax(hard=True)`).
 - **Attention over the compressed sequence** (`CompressedAttention`): the working memory of the
   paper (`mode="local"`: a sliding window of W keys on each side on *packed* indices, 2W + 1 keys
   bidirectional, W + 1 causal, computed in look-around blocks of W like the code), full attention
@@ -35,11 +36,15 @@ them. This module holds:
   4W − 1 + (j − i)), or interleaved RoPE on original positions (the LM).
 - The learnably scaled sinusoidal absolute positions of the code's `--add-apos`.
 
-Scaling as the code: softmax multiplies Q by d_z^-1/2; relu² divides Q by the constant 2W
-(bidirectional) or W (causal) in local mode, and by the number of keys a query sees in chunk
-and full mode (Mega's rule); the bias is added after. Masked logits are −5e4 in local mode (the
-code's constant), −inf elsewhere (a query with no key at all keeps its row unmasked: it is a
-discarded slot).
+Scaling as the code: softmax multiplies Q by d_z^-1/2; relu² and laplace (Mega's
+½(1 + erf((x − μ)/(σ√2)))) divide Q by the constant 2W (bidirectional) or W (causal) in local
+mode, and by the number of keys a query sees in chunk and full mode (Mega's rule; causal full:
+i + 1, the code's mask row sum); the bias is added after. Masked softmax logits are −5e4 in
+local mode (the code's constant, which replaces the score: a window without any key gives
+uniform weights over the look-around blocks, whose slots outside the sequence hold the code's
+−1), −inf elsewhere (a query with no key at all keeps its row unmasked: it is a discarded
+slot). relu² and laplace mask the score to 0 in local mode, as the code (laplace(0) ≈ 0.0062
+weighs every masked look-around slot), and the weights to 0 in full mode.
 """
 
 from __future__ import annotations
@@ -54,13 +59,15 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from megalab.models.state import register_state
+from megalab.nn.attention import laplace
 from megalab.nn.rope import apply_rope, rope_inv_freq
 
 MASK_VALUE = -5e4  # the code's local-attention mask value
 # Elements of one (B, queries, keys) tensor in full attention: 2^24 (64 MB in float32).
 DENSE_BLOCK_ELEMENTS = 1 << 24
 ATTENTION_MODES = ("local", "chunk", "full")
-ATTENTION_FUNCTIONS = ("softmax", "relu2")
+ATTENTION_FUNCTIONS = ("softmax", "relu2", "laplace")
+LOOK_AROUND_PAD = -1.0  # the code's look-around fill (keys and values) outside the sequence
 REL_POS_BIASES = ("simple", "rotary", "none")
 
 
@@ -214,14 +221,26 @@ class GumbelSoftmaxRouter(nn.Module):
     `--max-update`); a = argmax p', c = max p'. Evaluation: the hard decision argmax u and c = 1.
     T is a buffer (`step`), saved with the model, counting training forward passes (optimizer
     steps times gradient-accumulation micro-batches).
+
+    `hard=True` is the straight-through mode of the code's `LatentConfigurator(hard=True)`,
+    i.e. `F.gumbel_softmax(hard=True)`: y = onehot(argmax p') − sg(p') + p', then
+    (c, a) = max(y) as the unit takes them, so c is 1 in the forward pass (up to rounding of
+    1 − p' + p') and its gradient is that of p' at the chosen option.
     """
 
     n_logits = 2
     step: Tensor  # registered buffer
 
-    def __init__(self, tau_start: float = 2.0, tau_min: float = 0.5, decay: float = 0.999995):
+    def __init__(
+        self,
+        tau_start: float = 2.0,
+        tau_min: float = 0.5,
+        decay: float = 0.999995,
+        hard: bool = False,
+    ) -> None:
         super().__init__()
         self.tau_start, self.tau_min, self.decay = tau_start, tau_min, decay
+        self.hard = hard
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
 
     @property
@@ -240,6 +259,13 @@ class GumbelSoftmaxRouter(nn.Module):
             self.step += 1
         gumbel = -torch.empty_like(logits).exponential_().log()
         probs = torch.softmax((logits + gumbel) / tau, dim=-1)
+        if self.hard:
+            index = probs.argmax(dim=-1, keepdim=True)
+            y_hard = torch.zeros_like(probs).scatter_(-1, index, 1.0)
+            probs = y_hard - probs.detach() + probs
+            c, choice = probs.max(dim=-1)
+            active = (choice == 1) & valid
+            return Routing(active, c * active, probs)
         active = (probs[..., 1] > probs[..., 0]) & valid
         return Routing(active, probs[..., 1] * active, probs)
 
@@ -307,12 +333,13 @@ def build_router(
     d_model: int,
     init_temp_scale: float = 1.0,
     gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995),
+    gumbel_hard: bool = False,
 ) -> nn.Module | None:
     """The configurator called `kind` (None for "none": the GAU always runs)."""
     if kind == "softmax":
         return TemperedSoftmaxRouter(d_model, init_temp_scale)
     if kind == "gumbel":
-        return GumbelSoftmaxRouter(*gumbel_tau)
+        return GumbelSoftmaxRouter(*gumbel_tau, hard=gumbel_hard)
     if kind == "sigmoid":
         return SigmoidRouter(d_model, init_temp_scale)
     if kind == "xmoe":
@@ -388,7 +415,7 @@ class CompressedAttention(nn.Module):
             indices), "chunk" (non-overlapping chunks of `chunk_size` packed tokens) or "full".
         chunk_size: W, the one-sided window (local; the code's `--chunk-size`), or the chunk
             length (chunk); unused in full mode.
-        attention_activation: softmax | relu2.
+        attention_activation: softmax | relu2 | laplace.
         rel_pos_bias: simple (a learned scalar per relative offset) | rotary (RoPE on Q, K) |
             none.
         local_pos: with `simple`, offsets in the compressed sequence (table of 2·3W − 1 entries
@@ -504,6 +531,14 @@ class CompressedAttention(nn.Module):
         """
         if (memory is not None or return_memory) and not self.causal:
             raise ValueError("only causal attention can be streamed with a working memory")
+        streamed = memory is not None or return_memory
+        if streamed and self.mode == "local" and self.attention_activation == "laplace":
+            raise ValueError(
+                "laplace in local mode weighs the masked slots of the code's look-around blocks "
+                "(laplace(0) each), which depend on block alignment: a stream cannot equal one "
+                "pass; stream with attention_activation='softmax' or 'relu2', or use "
+                "attention='full'"
+            )
         if self.rotary:
             inv_freq = rope_inv_freq(
                 self.z_dim, 10000.0, torch.promote_types(q.dtype, torch.float32)
@@ -530,7 +565,12 @@ class CompressedAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         local = self.mode == "local"
         if self.attention_activation == "softmax":
-            if not local:
+            if local:
+                # The code fills masked scores with −5e4 (it does not add it): a query whose
+                # window holds no key gets uniform weights over the look-around blocks. A zero
+                # query makes its scores the constant fill, so the softmax is that uniform row.
+                q = q * allowed.any(dim=-1, keepdim=True).to(q.dtype)
+            else:
                 # A discarded slot with no key at all keeps its row (no −inf row, no NaN).
                 allowed = allowed | ~allowed.any(dim=-1, keepdim=True)
             fill = MASK_VALUE if local else float("-inf")
@@ -543,7 +583,16 @@ class CompressedAttention(nn.Module):
         scores = (q.to(cdt) / relu_scale) @ k.to(cdt).transpose(-1, -2)
         if bias is not None:
             scores = scores + bias.to(cdt)
-        attn = F.relu(scores.masked_fill(~allowed, 0.0)).square()
+        if self.attention_activation == "relu2":
+            attn = F.relu(scores.masked_fill(~allowed, 0.0)).square()
+        elif local:
+            # The code's local attention fills masked scores with 0 before the activation, so
+            # every masked slot of the look-around blocks weighs laplace(0) ≈ 0.0062 (its
+            # value, −1 outside the sequence, still counts): kept for exactness.
+            attn = laplace(scores.masked_fill(~allowed, 0.0))
+        else:
+            # Global mode: the code multiplies the weights by the key mask (exact zeros).
+            attn = laplace(scores) * allowed
         attn = F.dropout(attn.to(v.dtype), p=p, training=self.training)
         return attn @ v
 
@@ -570,15 +619,18 @@ class CompressedAttention(nn.Module):
         q, k, v, pos = (_pad_time(t, pad) for t in (q, k, v, pos))
         valid = _pad_time(valid, pad)
         mem = memory if memory is not None else self.empty_memory(B, k, v.shape[-1])
+        # Outside the sequence the code's look-around holds −1: only laplace and a query with
+        # no key in its window (uniform softmax) see these values. A stream's memory is kept.
+        outside = LOOK_AROUND_PAD if memory is None and not return_memory else 0.0
         keys = [mem.key, k]
-        values = [mem.value, v]
+        values = [mem.value if memory is not None else torch.full_like(mem.value, outside), v]
         kpos = [mem.pos, pos]
         kvalid = [mem.valid, valid]
         n_look = 2
         if not self.causal:
             n_look = 3
             keys.append(k.new_zeros(B, W, k.shape[-1]))
-            values.append(v.new_zeros(B, W, v.shape[-1]))
+            values.append(v.new_full((B, W, v.shape[-1]), outside))
             kpos.append(pos.new_zeros(B, W))
             kvalid.append(valid.new_zeros(B, W))
         K, V, KP, KV = (torch.cat(t, dim=1) for t in (keys, values, kpos, kvalid))
@@ -729,7 +781,11 @@ class CompressedAttention(nn.Module):
             packed = kidx.unsqueeze(1) - qidx.unsqueeze(2) + self.chunk_size
             offset = packed if self.local_pos else rel
             bias = self.rel_pos_bias(offset)
-        relu_scale = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
+        relu_scale: Tensor = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
+        if self.causal and self.mode == "full":
+            # The code divides by its causal mask's row sum, i + 1 (the count of valid keys
+            # for a real query; it also covers a padded query that the GAU still outputs).
+            relu_scale = (qidx + 1).unsqueeze(-1)
         o = self._attend(q, K, V, allowed, bias, relu_scale)
         return o, _mask_span(rel, allowed, valid)
 
