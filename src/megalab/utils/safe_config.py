@@ -170,19 +170,24 @@ def check_targets(
 # -- files ------------------------------------------------------------------------------------
 def load_yaml(path: str | os.PathLike[str]) -> Any:
     """A YAML file that is data, read with the safe loader: plain mappings, lists and scalars
-    (a `!!python/...` tag is refused naming the file and the line)."""
+    (a `!!python/...` tag is refused naming the file, the line and its key)."""
     path = Path(path)
+    text = path.read_text(encoding="utf-8")
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return yaml.safe_load(text)
     except yaml.constructor.ConstructorError as err:
-        raise UnsafeConfigError(_tag_message(path, err)) from None
+        raise UnsafeConfigError(_tag_message(path, text, err)) from None
 
 
-def _tag_message(path: Path, err: yaml.MarkedYAMLError) -> str:
+def _tag_message(path: Path, text: str, err: yaml.MarkedYAMLError) -> str:
     mark = err.problem_mark
-    where = f" (line {mark.line + 1})" if mark is not None else ""
+    where = ""
+    if mark is not None:
+        lines = text.splitlines()
+        line = lines[mark.line].strip() if mark.line < len(lines) else ""
+        where = f" line {mark.line + 1} ({line[:80]!r})"
     return (
-        f"{path}{where}: {err.problem}; megalab reads YAML files as plain data (mappings, lists, "
+        f"{path}{where}: {err.problem}. megalab reads YAML files as plain data (mappings, lists, "
         "numbers, strings) and never builds Python objects from their tags"
     )
 
@@ -192,29 +197,17 @@ def load_run_config(path: str | os.PathLike[str]) -> DictConfig:
     resolver outside `SAFE_RESOLVERS`. Its targets are checked by the caller, on the groups it
     builds (`check_targets`)."""
     path = Path(path)
+    text = path.read_text(encoding="utf-8")
     try:
-        cfg = OmegaConf.load(path)  # OmegaConf's loader is PyYAML's SafeLoader with float fixes
+        cfg = OmegaConf.create(text)  # OmegaConf's loader: PyYAML's SafeLoader with float fixes
     except yaml.constructor.ConstructorError as err:
-        raise UnsafeConfigError(_tag_message(path, err)) from None
-    except yaml.YAMLError as err:
-        raise UnsafeConfigError(f"{path}: not a readable YAML config ({err})") from None
+        raise UnsafeConfigError(_tag_message(path, text, err)) from None
+    except Exception as err:  # not YAML, or YAML that is not a mapping
+        raise UnsafeConfigError(f"{path}: not a readable run config ({err})") from None
     if not isinstance(cfg, DictConfig):
         raise UnsafeConfigError(f"{path}: not a run config (expected a mapping of groups)")
     check_resolvers(cfg, str(path))
     return cfg
-
-
-def confine(path: str | os.PathLike[str], root: str | os.PathLike[str], what: str) -> Path:
-    """`path` resolved (links and `..` followed), if it lies inside `root`; else
-    `UnsafeConfigError` naming `what` (the file and key that gave the path)."""
-    resolved = Path(path).expanduser().resolve()
-    base = Path(root).expanduser().resolve()
-    if resolved != base and base not in resolved.parents:
-        raise UnsafeConfigError(
-            f"{what}={str(path)!r} leads outside {base}; megalab writes only inside the folder "
-            "the command line gave it"
-        )
-    return resolved
 
 
 # -- overrides from files ---------------------------------------------------------------------
