@@ -148,7 +148,8 @@ def flatten_parameters(params: dict[str, Any], prefix: str = "") -> dict[str, di
 
 
 def command_overrides(command: Sequence[str] | None) -> list[str]:
-    """The fixed Hydra overrides in a sweep's `command` (after the train module, no macros)."""
+    """The fixed Hydra overrides in a sweep's `command` (after the train module, no macros;
+    `~key` deletions included, so that the loading policy sees them)."""
     if not command:
         return []
     items = [str(c) for c in command]
@@ -159,7 +160,7 @@ def command_overrides(command: Sequence[str] | None) -> list[str]:
     return [
         c
         for c in items[start:]
-        if "=" in c and not c.startswith("${") and not _SERVER_ONLY.match(c)
+        if ("=" in c or c.startswith("~")) and not c.startswith("${") and not _SERVER_ONLY.match(c)
     ]
 
 

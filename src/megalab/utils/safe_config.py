@@ -157,7 +157,10 @@ def check_targets(
             raise UnsafeConfigError(f"{source}: cannot resolve the config ({err})") from None
     else:
         plain = cfg
-    bad = [(where, t) for where, t in _targets(plain) if not isinstance(t, str) or not _allowed(t)]
+    # Name keys from the config's root (`task.evil._target_`), also when given one group.
+    prefix = cfg._get_full_key(None) if isinstance(cfg, DictConfig | ListConfig) else ""
+    found = _targets(plain, str(prefix or ""))
+    bad = [(where, t) for where, t in found if not isinstance(t, str) or not _allowed(t)]
     if bad:
         listed = ", ".join(f"{where}={target!r}" for where, target in bad)
         raise UnsafeConfigError(
