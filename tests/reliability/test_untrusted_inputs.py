@@ -239,6 +239,44 @@ def test_resume_rebuilds_carried_state_only_from_the_allow_list(compose_cfg, nam
         task.on_load_checkpoint(checkpoint)
 
 
+def test_resume_never_deletes_files_a_checkpoint_records_elsewhere(tmp_path: Path) -> None:
+    """The top-k bookkeeping deletes the files it records: a crafted record of paths outside
+    the run's checkpoint folder is forgotten, so the next save deletes nothing there."""
+    from megalab.utils.checkpointing import BestCheckpoint
+
+    folder = tmp_path / "run" / "checkpoints"
+    folder.mkdir(parents=True)
+    victim = tmp_path / "precious.txt"
+    victim.write_text("keep me")
+    kept = str(folder / "best-1.ckpt")
+    callback = BestCheckpoint(dirpath=str(folder), monitor="val/acc", mode="max", save_top_k=2)
+    callback.load_state_dict(
+        {
+            "dirpath": str(folder),
+            "best_model_score": torch.tensor(0.9),
+            "best_model_path": str(victim),
+            "kth_best_model_path": str(folder / ".." / ".." / "precious.txt"),
+            "kth_value": torch.tensor(0.1),
+            "best_k_models": {str(victim): torch.tensor(0.9), kept: torch.tensor(0.5)},
+            "last_model_path": str(victim),
+        }
+    )
+    assert list(callback.best_k_models) == [kept]
+    assert callback.best_model_path == callback.kth_best_model_path == kept
+    assert callback.last_model_path == "" and victim.read_text() == "keep me"
+
+
+def test_resume_takes_only_a_wandb_id_from_the_run_folder(tmp_path: Path) -> None:
+    from megalab.utils.run_folder import RunFolderError, reuse_wandb_run
+
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "run_id").write_text("${oc.env:HOME}\n")
+    cfg = OmegaConf.create({"logger": {"wandb": {"id": None}}})
+    with pytest.raises(RunFolderError, match=r"wandb/run_id: .* is not a W&B run id"):
+        reuse_wandb_run(cfg, tmp_path)
+    assert cfg.logger.wandb.id is None
+
+
 # -- megalab.convert ------------------------------------------------------------------------------
 def test_llama_to_hf_refuses_a_torch_load_sibling_of_the_backbone(
     tmp_path: Path, marker: Path
