@@ -279,7 +279,7 @@ def test_resume_takes_only_a_wandb_id_from_the_run_folder(tmp_path: Path) -> Non
 
 # -- megalab.convert ------------------------------------------------------------------------------
 def test_llama_to_hf_refuses_a_torch_load_sibling_of_the_backbone(
-    tmp_path: Path, marker: Path
+    tmp_path: Path, marker: Path, capsys
 ) -> None:
     from megalab.convert.llama import main
 
@@ -295,8 +295,9 @@ def test_llama_to_hf_refuses_a_torch_load_sibling_of_the_backbone(
     }
     _, ckpt = _run_folder(tmp_path, config)
     out = tmp_path / "hf"
-    with pytest.raises(UnsafeConfigError, match=r"sent/\.hydra/config\.yaml \(task\).*task\.evil"):
-        main(["to-hf", str(ckpt), str(out)])
+    assert main(["to-hf", str(ckpt), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "sent/.hydra/config.yaml (task)" in err and "task.evil._target_='torch.load'" in err
     assert not out.exists()
 
 

@@ -384,10 +384,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_to.add_argument("ckpt_path", type=Path)
     p_to.add_argument("hf_folder", type=Path)
     ns = parser.parse_args(argv)
-    if ns.command == "from-hf":
-        print(hf_to_run(ns.hf_folder, ns.run_dir, ns.data, ns.overrides))
-    else:
-        print(run_to_hf(ns.ckpt_path, ns.hf_folder))
+    from megalab.utils.checkpointing import CheckpointError
+    from megalab.utils.safe_config import UnsafeConfigError
+
+    try:
+        if ns.command == "from-hf":
+            print(hf_to_run(ns.hf_folder, ns.run_dir, ns.data, ns.overrides))
+        else:
+            print(run_to_hf(ns.ckpt_path, ns.hf_folder))
+    except (UnsafeConfigError, CheckpointError) as err:  # refused data: one message, no trace
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 
