@@ -65,14 +65,14 @@ def _given(overrides: list[str]) -> set[str]:
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
 
 
-def run_data_dir(run_cfg: DictConfig) -> str | None:
+def run_data_dir(run_cfg: DictConfig, source: str = "the run config") -> str | None:
     """The data folder a run read (`paths.data_dir` resolved in the run's own config)."""
     try:
         value = OmegaConf.select(run_cfg, "paths.data_dir", throw_on_resolution_failure=True)
     except Exception:
         return None
     if value is not None and "${" in str(value):  # resolves to an interpolation: refuse it
-        raise UnsafeConfigError(f"paths.data_dir={value!r} is not a folder")
+        raise UnsafeConfigError(f"{source}: paths.data_dir={value!r} is not a folder")
     return None if value is None else str(value)
 
 
@@ -91,7 +91,7 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         for key in RUN_GROUPS:
             if key in run_cfg:
                 cfg[key] = run_cfg[key]
-        data_dir = run_data_dir(run_cfg)
+        data_dir = run_data_dir(run_cfg, str(run_cfg_path))
         if data_dir is not None and not given & {"paths.data_dir", "paths.root_dir"}:
             cfg.paths.data_dir = data_dir  # the run's data, not this command's default folder
         ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
@@ -105,7 +105,8 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             check_targets(node, f"{run_cfg_path} ({key})")
     off = data_settings_from_command_line(cfg, overrides)
     if off:
-        log.info("not generating or downloading data (%s=false; set on the command line)", off)
+        log.info("data is not generated or downloaded (%s=false): ask on the command line "
+                 "to change it", ", ".join(off))  # fmt: skip
     return cfg
 
 
