@@ -179,6 +179,36 @@ def test_eval_and_generate_read_the_runs_data_folder(compose_cfg, tmp_path: Path
     assert Path(merged.data.data_dir).parent.parent == other
 
 
+def test_eval_command_tests_on_the_runs_small_data_and_generates_nothing(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """`python -m megalab.eval ckpt_path=<run>/checkpoints/last.ckpt` of a run trained on a
+    small ListOps folder: tested on that folder, nothing generated into the default ./data."""
+    import json
+
+    from conftest import run_cli
+    from megalab.train import train
+
+    run_cfg = compose_cfg("data=lra_listops")
+    train(run_cfg)
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(exist_ok=True)
+    with open_dict(run_cfg):
+        del run_cfg["hydra"]
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run_cfg))
+    home = tmp_path / "elsewhere"  # this command's default data folder: <root>/data
+    proc = run_cli(
+        "-m", "megalab.eval", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        f"hydra.run.dir={tmp_path / 'eval'}", "trainer=cpu", "logger=none",
+        env={"MEGALAB_ROOT": str(home)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())
+    assert "test/acc" in record["metrics"]
+    # It read the run's folder: <root>/data has no ListOps (nor was the full 96K generated).
+    assert not (home / "data").exists()
+
+
 def test_long_context_eval_refuses_a_crafted_checkpoint(
     compose_cfg, tmp_path: Path, marker: Path
 ) -> None:
