@@ -159,9 +159,7 @@ def test_generates_text_from_a_trained_checkpoint(compose_cfg, tmp_path, model, 
     assert again["tokens"] == out["tokens"]  # seeded
 
 
-def test_the_command_line_uses_the_run_config(
-    compose_cfg, tmp_path: Path, fixture_data_dir
-) -> None:
+def test_the_command_line_uses_the_run_config(compose_cfg, tmp_path: Path) -> None:
     overrides = [*_TINY["llama"], *_DATA["enwik8"], "task=language_modeling", "data.max_len=32",
                  "data.batch_size=4", "data.eval_batch_size=2"]  # fmt: skip
     run_cfg = compose_cfg(*overrides)
@@ -177,8 +175,7 @@ def test_the_command_line_uses_the_run_config(
         "max_new_tokens=8",
         "num_samples=2",
         "temperature=1.0",
-        f"hydra.run.dir={tmp_path / 'gen'}",
-        f"paths.data_dir={fixture_data_dir}",
+        f"hydra.run.dir={tmp_path / 'gen'}",  # the data: the run's own folder (no paths.data_dir)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("--- sample") == 2 and "Once upon a time" in proc.stdout

@@ -6,10 +6,13 @@ carried state and bounded memory, with perplexity per context-position bucket an
 
 When the checkpoint lies in a megalab run directory, the run's own `data`, `model`, `task`,
 `optim` and `scheduler` configs are used, so no overrides need repeating; command-line
-overrides of those groups still apply on top. A run folder is data (it may come from anyone):
-its config may name only megalab's classes and the library classes megalab's configs use
-(`megalab.utils.safe_config`), and its checkpoint is loaded with `weights_only=True` after its
-checksum is verified; anything else is refused before it is built.
+overrides of those groups still apply on top. The data is read from the folder the run used
+(its `paths.data_dir`, unless the command line gives one). A run folder is data (it may come
+from anyone): its config may name only megalab's classes and the library classes megalab's
+configs use (`megalab.utils.safe_config`, the loading policy), and its checkpoint is loaded with
+`weights_only=True` after its checksum is verified; anything else is refused before it is
+built. Evaluation never generates or downloads data unless the command line asks
+(`data.generate_if_missing=true`, `data.download=true`).
 
 Writes `eval_metrics.json` into this evaluation's output directory and, for a checkpoint of a
 megalab run, into that run's directory, where `megalab-tables` takes its metrics over the ones
@@ -36,7 +39,12 @@ from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR  # noqa: E402
-from megalab.utils.safe_config import check_targets  # noqa: E402
+from megalab.utils.safe_config import (  # noqa: E402
+    UnsafeConfigError,
+    check_targets,
+    data_settings_from_command_line,
+    load_run_config,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +60,40 @@ def find_run_config(ckpt_path: Path) -> Path | None:
     return None
 
 
+def _given(overrides: list[str]) -> set[str]:
+    """The keys the command line sets (`+a.b=1` -> `a.b`)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def run_data_dir(run_cfg: DictConfig, source: str = "the run config") -> str | None:
+    """The data folder a run read (`paths.data_dir` resolved in the run's own config)."""
+    try:
+        value = OmegaConf.select(run_cfg, "paths.data_dir", throw_on_resolution_failure=True)
+    except Exception:
+        return None
+    if value is not None and "${" in str(value):  # resolves to an interpolation: refuse it
+        raise UnsafeConfigError(f"{source}: paths.data_dir={value!r} is not a folder")
+    return None if value is None else str(value)
+
+
 def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """Replace this config's model/data/task groups with the checkpoint's run config."""
+    """Replace this config's model/data/task groups with the checkpoint's run config (and its
+    data folder), checked by the loading policy; turn off data generation and downloads that
+    the command line does not ask for."""
     run_cfg_path = find_run_config(Path(cfg.ckpt_path))
     if run_cfg_path is None or not cfg.get("use_run_config", True):
+        data_settings_from_command_line(cfg, overrides)
         return cfg
     log.info("using the run config %s", run_cfg_path)
-    run_cfg = OmegaConf.load(run_cfg_path)
-    assert isinstance(run_cfg, DictConfig), f"{run_cfg_path}: not a run config"
+    run_cfg = load_run_config(run_cfg_path)  # safe YAML, safe resolvers (safe_config)
+    given = _given(overrides)
     with open_dict(cfg):
         for key in RUN_GROUPS:
             if key in run_cfg:
                 cfg[key] = run_cfg[key]
+        data_dir = run_data_dir(run_cfg, str(run_cfg_path))
+        if data_dir is not None and not given & {"paths.data_dir", "paths.root_dir"}:
+            cfg.paths.data_dir = data_dir  # the run's data, not this command's default folder
         ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
         for item in ours:
             key, _, value = item.lstrip("+").partition("=")
@@ -73,6 +103,10 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         node = cfg.get(key)
         if isinstance(node, DictConfig):
             check_targets(node, f"{run_cfg_path} ({key})")
+    off = data_settings_from_command_line(cfg, overrides)
+    if off:
+        log.info("data is not generated or downloaded (%s=false): ask on the command line "
+                 "to change it", ", ".join(off))  # fmt: skip
     return cfg
 
 

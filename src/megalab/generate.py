@@ -20,7 +20,9 @@ likely tokens whose probability reaches p); `seed` makes it reproducible; `num_s
 that many continuations in one batch. Generation stops at `max_new_tokens` or, with
 `stop_at_eos`, when every sample has produced the data's end-of-document token.
 
-The checkpoint's run folder supplies the data, model and task configs (as `megalab-eval`);
+The checkpoint's run folder supplies the data (the folder the run read), model and task configs,
+checked by the loading policy as for `megalab-eval`; nothing is generated or downloaded unless
+the command line asks;
 `generations.json` in this command's output folder records the prompt, the samples and the
 decoding speed.
 """
@@ -40,8 +42,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import Tensor
 
-from megalab.convert.common import load_checkpoint
 from megalab.eval import merge_run_config
+from megalab.utils.checkpointing import read_checkpoint
 from megalab.utils.paths import CONFIG_DIR
 
 if TYPE_CHECKING:
@@ -175,12 +177,12 @@ def sample_tokens(
 
 # ------------------------------------------------------------------------------- command line
 def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
-    """The run's task with the checkpoint's weights (read with `weights_only=True`)."""
+    """The run's task with the checkpoint's weights (checksum verified, `weights_only=True`)."""
     ckpt_path = Path(cfg.ckpt_path)
     if not ckpt_path.exists():
         raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
     task = hydra.utils.instantiate(cfg.task)
-    checkpoint = load_checkpoint(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path)
     if "state_dict" not in checkpoint:
         raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
     task.load_state_dict(checkpoint["state_dict"], strict=True)

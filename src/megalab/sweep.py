@@ -12,6 +12,12 @@ line. `method: random` draws `run_cap` points (one process each); `bayes` needs 
     megalab-sweep sweeps/mega_lra.yaml --smoke --seeds 1 --out logs/reproduce/lra
     megalab-sweep sweeps/mega_lra.yaml --only experiment=mega/lra_listops --dry-run trainer=gpu
 
+A sweep file is data (shared like a config): its `command` overrides and parameters may not
+name a `_target_`, add or delete keys outside megalab's config groups (`+key=...`), set
+`hydra.*` or `paths.*`, or give paths outside the run, and its parameter keys must exist in the
+composed config (`megalab.utils.safe_config.check_file_override`); `--allow-targets` on the
+command line lifts this for a file you trust.
+
 Trailing `key=value` arguments are extra Hydra overrides for every run. `--smoke` trains each
 point for 2 steps on CPU on the tiny fixture datasets (`megalab-data smoke`): a check that
 everything composes, trains, tests and lands in the table, not a result.
@@ -38,6 +44,7 @@ from typing import Any
 import yaml
 
 from megalab.utils.paths import CONFIG_DIR, project_root, resource_dir
+from megalab.utils.safe_config import UnsafeConfigError, check_file_override, load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +148,8 @@ def flatten_parameters(params: dict[str, Any], prefix: str = "") -> dict[str, di
 
 
 def command_overrides(command: Sequence[str] | None) -> list[str]:
-    """The fixed Hydra overrides in a sweep's `command` (after the train module, no macros)."""
+    """The fixed Hydra overrides in a sweep's `command` (after the train module, no macros;
+    `~key` deletions included, so that the loading policy sees them)."""
     if not command:
         return []
     items = [str(c) for c in command]
@@ -152,20 +160,21 @@ def command_overrides(command: Sequence[str] | None) -> list[str]:
     return [
         c
         for c in items[start:]
-        if "=" in c and not c.startswith("${") and not _SERVER_ONLY.match(c)
+        if ("=" in c or c.startswith("~")) and not c.startswith("${") and not _SERVER_ONLY.match(c)
     ]
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Read a W&B sweep YAML."""
+def load_sweep(path: str | Path, allow_targets: bool = False) -> Sweep:
+    """Read a W&B sweep YAML (safe YAML; its overrides checked as data unless
+    `allow_targets`, see the module doc)."""
     path = Path(path)
-    cfg = yaml.safe_load(path.read_text())
+    cfg = load_yaml(path)
     if not isinstance(cfg, dict):
         raise SweepError(f"{path}: not a sweep config (expected a mapping)")
     method = cfg.get("method")
     if method not in ("grid", "random", "bayes"):
         raise SweepError(f"{path}: method must be grid, random or bayes, got {method!r}")
-    return Sweep(
+    sweep = Sweep(
         path=path,
         name=str(cfg.get("name") or path.stem),
         method=method,
@@ -174,6 +183,20 @@ def load_sweep(path: str | Path) -> Sweep:
         fixed=command_overrides(cfg.get("command")),
         run_cap=cfg.get("run_cap"),
     )
+    check_sweep(sweep, allow_targets)
+    return sweep
+
+
+def check_sweep(sweep: Sweep, allow_targets: bool = False) -> None:
+    """Refuse the overrides a sweep file may not give (`check_file_override`): its command's and
+    each parameter with each of its listed values."""
+    for override in sweep.fixed:
+        check_file_override(override, f"{sweep.path} (command)", allow_targets)
+    for key, spec in sweep.parameters.items():
+        where = f"{sweep.path} (parameters.{key})"
+        listed = list(spec.get("values") or []) + ([spec["value"]] if "value" in spec else [])
+        for value in listed or [0]:
+            check_file_override(f"{key}={format_value(value)}", where, allow_targets)
 
 
 # -- expanding parameters into points --------------------------------------------------------
@@ -359,6 +382,13 @@ def check_points(points: list[Point], smoke: bool) -> None:
                     point.skip = str(err).strip().splitlines()[0]
                     continue
                 except Exception as err:  # a bad override: no point of this sweep would run
+                    unknown = [k for k in point.params if f"Could not override '{k}'" in str(err)]
+                    if unknown:  # a sweep file sets existing keys only (no `+` from data)
+                        raise SweepError(
+                            f"parameters.{unknown[0]}: no such key in the composed config "
+                            f"({' '.join(point.overrides)}); a sweep parameter must name a key "
+                            "of the experiment's config"
+                        ) from None
                     raise SweepError(f"{' '.join(point.overrides)}: {err}") from err
                 with open_dict(cfg):
                     cfg.hydra.runtime.output_dir = str(ROOT)
@@ -412,7 +442,10 @@ def plan_sweep(
         overrides = merge_overrides(sweep.fixed, own, smoke_overrides, extra)
         points.append(Point(params=params, overrides=overrides))
     if check:
-        check_points(points, smoke=smoke)
+        try:
+            check_points(points, smoke=smoke)
+        except SweepError as err:
+            raise SweepError(f"{sweep.path}: {err}") from None
     plan = Plan(sweep=sweep, out=out, points=points)
     runnable = plan.runnable
     single = [p for p in runnable if not p.multiprocess]
@@ -525,6 +558,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--count", type=int, default=None, help="points of a random sweep")
     parser.add_argument("--dry-run", action="store_true", help="print the commands only")
+    parser.add_argument(
+        "--allow-targets",
+        action="store_true",
+        help="trust the sweep files: let their overrides add keys, name _target_s and set "
+        "hydra.*/paths.* (refused by default: a sweep file is data)",
+    )
     return parser
 
 
@@ -567,11 +606,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         files, extra = split_args(ns.args)
         seeds = parse_seeds(ns.seeds)
         only = parse_only(ns.only)
-        sweeps = [load_sweep(f) for f in files]
+        sweeps = [load_sweep(f, allow_targets=ns.allow_targets) for f in files]
         known = {k for s in sweeps for k in s.parameters} | {"seed"}
         if set(only) - known:
             raise SweepError(f"--only names no swept parameter: {sorted(set(only) - known)}")
-    except (SweepError, OSError, yaml.YAMLError) as err:
+    except (SweepError, UnsafeConfigError, OSError, yaml.YAMLError) as err:
         parser.error(str(err))
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = (ns.out or ROOT / "logs" / "sweeps" / stamp).absolute()

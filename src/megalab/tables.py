@@ -39,6 +39,7 @@ from typing import Any, cast
 import yaml
 
 from megalab.utils.paths import resource_dir
+from megalab.utils.safe_config import load_yaml
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ def _column(spec: Mapping[str, Any], defaults: Mapping[str, Any]) -> Column:
 
 
 def _table_from_yaml(path: Path, table_id: str) -> PaperTable:
-    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    spec = load_yaml(path)  # a table file is data: safe YAML (megalab.utils.safe_config)
     for key in ("paper", "table", "columns", "rows"):
         if key not in spec:
             raise ValueError(f"{path}: missing `{key}`")
@@ -543,7 +544,7 @@ def _load_overrides(run_dir: Path) -> dict[str, str] | None:
     if not path.is_file():
         return None
     try:
-        items = yaml.safe_load(path.read_text())
+        items = load_yaml(path)  # a run folder is data: a Python tag is refused, naming it
     except yaml.YAMLError:
         return None
     return _override_items(items) if isinstance(items, list) else None
@@ -574,7 +575,7 @@ def _load_config(run_dir: Path) -> Any:
         path = run_dir / name
         if path.is_file():
             try:
-                return yaml.safe_load(path.read_text())
+                return load_yaml(path)
             except yaml.YAMLError:
                 return None
     return None
@@ -1372,8 +1373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     missing = [str(p) for p in ns.paths if not p.exists()]
     if missing:
         parser.error(f"not found: {', '.join(missing)}")
-    runs = collect_runs(ns.paths)
-    planned = collect_planned(ns.paths)
+    try:  # run folders are data: a refused file (megalab.utils.safe_config) stops with its name
+        runs = collect_runs(ns.paths)
+        planned = collect_planned(ns.paths)
+    except ValueError as err:
+        parser.error(str(err))
     if ns.wandb:
         runs += collect_wandb_runs(ns.wandb)
     tables = load_tables(ns.tables_dir)

@@ -10,14 +10,17 @@ translated with beam search (the paper's beam 5, length penalty 0.5 by default) 
 detokenized (`--tokenized` keeps the Moses tokens with BPE removed, what tokenized BLEU scores),
 one line per input line, in input order. Sentences are batched by length.
 
-The checkpoint is read with `torch.load(weights_only=True)`; the model class it names must be
-one of megalab's encoder-decoders (an allow-list), and nothing else in it is executed.
+The checkpoint is data (megalab's loading policy, `megalab.utils.safe_config`): it is read with
+`torch.load(weights_only=True)` after its checksum is verified, the model class it names must be
+one of megalab's encoder-decoders (an allow-list), its languages must be language codes, and
+nothing else in it is executed.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,6 +41,9 @@ ENCODER_DECODERS: dict[str, type[EncoderDecoder]] = {
 }
 
 
+_LANG = re.compile(r"^[a-z]{2,3}$")
+
+
 class CheckpointError(ValueError):
     """The file is not a megalab seq2seq checkpoint, or names a model outside the allow-list."""
 
@@ -46,10 +52,14 @@ def load_translator(path: str | Path, device: str = "cpu") -> tuple[EncoderDecod
     """(model in eval mode, text pipeline) from a `Seq2SeqTask` checkpoint."""
     from megalab.data.wmt import TextPipeline
     from megalab.tasks.seq2seq import MODEL_KEY
+    from megalab.utils import checkpointing
 
     if not Path(path).is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        ckpt = checkpointing.read_checkpoint(path)
+    except checkpointing.CheckpointError as err:
+        raise CheckpointError(str(err)) from None
     spec, pipeline = ckpt.get(MODEL_KEY), ckpt.get("text_pipeline")
     if not isinstance(spec, dict) or pipeline is None or "state_dict" not in ckpt:
         raise CheckpointError(
@@ -61,6 +71,12 @@ def load_translator(path: str | Path, device: str = "cpu") -> tuple[EncoderDecod
         raise CheckpointError(
             f"{path} names the model class {spec.get('class')!r}; megalab-translate builds only "
             f"{', '.join(sorted(ENCODER_DECODERS))}"
+        )
+    langs = [pipeline.get(k) if isinstance(pipeline, dict) else None
+             for k in ("source_lang", "target_lang")]  # fmt: skip
+    if not all(isinstance(lang, str) and _LANG.match(lang) for lang in langs):
+        raise CheckpointError(
+            f"{path}: text_pipeline.source_lang/target_lang are {langs}, not language codes"
         )
     model = cls(**spec["config"])
     state = {}

@@ -26,7 +26,11 @@ Command line (a megalab "run" folder works with `megalab-eval` and `megalab-gene
     python -m megalab.convert.llama to-hf <megalab checkpoint of a Llama run> <hf folder>
 
 Weights are read with `safetensors` or `torch.load(weights_only=True)`: converting a downloaded
-checkpoint runs no code. `safetensors` comes with the `hf` extra (`pip install megalab[hf]`).
+checkpoint runs no code. A megalab run folder is data too: `to-hf` reads its config and
+checkpoint through the loading policy of `megalab.utils.safe_config` (safe YAML, only megalab's
+classes built, the checkpoint's checksum verified) and copies its tokenizer only when it is a
+Hugging Face `tokenizer.json`. `safetensors` comes with the `hf` extra
+(`pip install megalab[hf]`).
 """
 
 from __future__ import annotations
@@ -40,12 +44,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning
 from torch import Tensor
 
 from megalab.convert.common import load_checkpoint
 from megalab.models.llama import LlamaConfig
-from megalab.utils.checkpointing import write_checkpoint
 
 __all__ = [
     "from_hf_state_dict",
@@ -301,7 +303,10 @@ def hf_to_run(
     `megalab-eval` and `megalab-generate` rebuild it) and `checkpoints/hf.ckpt`; returns the
     checkpoint path. The folder's `tokenizer.json`, if any, becomes the data's tokenizer."""
     import hydra
+    import lightning
     from omegaconf import OmegaConf
+
+    from megalab.utils.checkpointing import write_checkpoint
 
     hf_folder, run_dir = Path(hf_folder), Path(run_dir)
     config, hf_sd = load_hf_llama(hf_folder)
@@ -335,6 +340,8 @@ def run_to_hf(ckpt_path: str | Path, hf_folder: str | Path) -> Path:
     from omegaconf import OmegaConf
 
     from megalab.eval import find_run_config
+    from megalab.utils.checkpointing import read_checkpoint
+    from megalab.utils.safe_config import check_targets, load_run_config
 
     ckpt_path = Path(ckpt_path)
     run_cfg_path = find_run_config(ckpt_path)
@@ -343,12 +350,14 @@ def run_to_hf(ckpt_path: str | Path, hf_folder: str | Path) -> Path:
             f"{ckpt_path}: no .hydra/config.yaml in the folders above it; converting needs the "
             "run's config (a checkpoint written by megalab-train or from-hf)"
         )
-    cfg = OmegaConf.load(run_cfg_path)
+    cfg = load_run_config(run_cfg_path)  # the run folder is data: safe YAML, safe resolvers
     target = OmegaConf.select(cfg, "task.backbone._target_")
     if target != "megalab.models.llama.Llama":
         raise ValueError(f"{ckpt_path}: the run's backbone is {target}, not a Llama")
+    hint = "Convert only run folders written by megalab-train or from-hf"
+    check_targets(cfg.task, f"{run_cfg_path} (task)", hint=hint)
     task = hydra.utils.instantiate(cfg.task)
-    state = load_checkpoint(ckpt_path)["state_dict"]
+    state = read_checkpoint(ckpt_path)["state_dict"]
     task.load_state_dict(state, strict=True)
     tied = bool(cfg.task.get("tie_weights", False))
     sd = {k: v for k, v in task.state_dict().items()}
@@ -356,9 +365,19 @@ def run_to_hf(ckpt_path: str | Path, hf_folder: str | Path) -> Path:
         hf_folder, sd, task.backbone.config, int(cfg.data.vocab_size), tie_word_embeddings=tied
     )
     tokenizer = OmegaConf.select(cfg, "data.tokenizer", default=None)
-    if tokenizer and Path(str(tokenizer)).is_file():
+    if tokenizer and Path(str(tokenizer)).is_file() and _is_hf_tokenizer(Path(str(tokenizer))):
         shutil.copy(str(tokenizer), folder / "tokenizer.json")
     return folder
+
+
+def _is_hf_tokenizer(path: Path) -> bool:
+    """Whether `path` is a Hugging Face `tokenizer.json` (a JSON object with a `model`): a run
+    config naming any other file does not get it copied into the published folder."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(spec, dict) and isinstance(spec.get("model"), dict)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -377,10 +396,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_to.add_argument("ckpt_path", type=Path)
     p_to.add_argument("hf_folder", type=Path)
     ns = parser.parse_args(argv)
-    if ns.command == "from-hf":
-        print(hf_to_run(ns.hf_folder, ns.run_dir, ns.data, ns.overrides))
-    else:
-        print(run_to_hf(ns.ckpt_path, ns.hf_folder))
+    from megalab.utils.checkpointing import CheckpointError
+    from megalab.utils.safe_config import UnsafeConfigError
+
+    try:
+        if ns.command == "from-hf":
+            print(hf_to_run(ns.hf_folder, ns.run_dir, ns.data, ns.overrides))
+        else:
+            print(run_to_hf(ns.ckpt_path, ns.hf_folder))
+    except (UnsafeConfigError, CheckpointError) as err:  # refused data: one message, no trace
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

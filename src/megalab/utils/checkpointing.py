@@ -674,6 +674,39 @@ class BestCheckpoint(ModelCheckpoint):
         if old and self.dirpath and old != self.dirpath:
             state_dict = _rebase_paths(state_dict, str(old), str(self.dirpath))
         super().load_state_dict(state_dict)
+        self._confine_paths()
+
+    def _confine_paths(self) -> None:
+        """Forget recorded paths outside this run's checkpoint folder: a checkpoint is data, and
+        the top-k bookkeeping deletes the files it records (megalab.utils.safe_config)."""
+        if not self.dirpath:
+            return
+        root = Path(self.dirpath).resolve()
+
+        def inside(path: Any) -> bool:
+            return isinstance(path, str) and root in Path(path).resolve().parents
+
+        outside = [p for p in self.best_k_models if not inside(p)]
+        for path in outside:
+            del self.best_k_models[path]
+        named = [getattr(self, a) for a in ("best_model_path", "kth_best_model_path")]
+        if not outside and all(not p or inside(p) for p in named):
+            return
+        log.warning(
+            "the checkpoint records files outside %s (%s): forgotten, never deleted",
+            root,
+            ", ".join(str(p) for p in [*outside, *named] if p and not inside(p)),
+        )
+        if self.last_model_path and not inside(self.last_model_path):
+            self.last_model_path = ""
+        best, kth = (min, max) if self.mode == "min" else (max, min)
+        if self.best_k_models:
+            scores = self.best_k_models
+            self.best_model_path = best(scores, key=lambda path: float(scores[path]))
+            self.kth_best_model_path = kth(scores, key=lambda path: float(scores[path]))
+            self.kth_value = self.best_k_models[self.kth_best_model_path]
+        else:
+            self.best_model_path = self.kth_best_model_path = ""
 
 
 def _rebase_paths(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:

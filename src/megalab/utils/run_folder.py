@@ -25,6 +25,7 @@ from megalab.utils.locking import lock_run_folder
 log = logging.getLogger(__name__)
 
 WANDB_ID_FILE = Path("wandb") / "run_id"
+_WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _WANDB_DIR = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([a-z0-9]+)(?:-\d+)?$")
 
 
@@ -109,6 +110,8 @@ def reuse_wandb_run(cfg: DictConfig, output_dir: Path) -> None:
         names = sorted(p.name for p in (output_dir / "wandb").glob("*run-*") if p.is_dir())
         found = [m.group(1) for n in names if (m := _WANDB_DIR.match(n))]
         run_id = found[-1] if found else None
+    if run_id and not _WANDB_ID.match(run_id):  # the folder is data: an id, not a config value
+        raise RunFolderError(f"{id_file}: {run_id[:40]!r} is not a W&B run id (letters, digits)")
     if run_id:
         with open_dict(cfg):
             cfg.logger.wandb.id = run_id
