@@ -314,7 +314,7 @@ def test_tied_weights_and_projections_are_shared() -> None:
 
 def test_mega_wikitext103_adaptive_parameters_match_the_paper() -> None:
     """Adaptive input + tied softmax of Mega's WT103 model (vocab 267,744, the fairseq
-    dictionary, as in reference/mega-paper.md §7): embeddings 45.39M of the 252.2M."""
+    dictionary, as in docs/reference/mega-paper.md §7): embeddings 45.39M of the 252.2M."""
     with torch.device("meta"):
         inp = AdaptiveInput(267_744, 1024, [20000, 60000], 4, scale=True)
         out = AdaptiveSoftmax(1024, 267_744, [20000, 60000], 4, dropout=0.2, tie_proj=True)

@@ -174,7 +174,7 @@ def test_feature_scale_multiplies_the_pixel_embedding_by_sqrt_d() -> None:
     assert FeatureEmbedding(1, 16).embed_scale == 1.0  # off by default
 
 
-# What each fairseq LRA Transformer arch sets (reference/mega-code.md §2.2 and the arch code):
+# What each fairseq LRA Transformer arch sets (docs/reference/mega-code.md §2.2 and the arch code):
 # apply_bert_init, sentence representation ('cls' reads a prepended <CLS>) and, for pixel
 # inputs, the sqrt(D) embedding scale; every one of them has `encoder_normalize_before`.
 LRA_ARCHS = {

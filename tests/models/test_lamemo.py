@@ -148,7 +148,7 @@ def count(vocab: int, **kw) -> int:
 
 def test_parameter_counts() -> None:
     """Table 1: 151M on WikiText-103 (267,735 words); the character-level models (Table 2, no
-    count printed; reference/lamemo-paper.md §2): ≈41.06M on enwik8 (204 symbols in XL's
+    count printed; docs/reference/lamemo-paper.md §2): ≈41.06M on enwik8 (204 symbols in XL's
     vocabulary) and ≈40.97M on text8 (27)."""
     wt103 = dict(d_model=410, num_layers=16, num_heads=10, head_dim=41, ffn_dim=2100)
     char = dict(d_model=512, num_layers=12, num_heads=8, head_dim=64, ffn_dim=2048)

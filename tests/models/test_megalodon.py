@@ -26,7 +26,7 @@ PRESETS = {
     "7b": (32, 4096, 1024, 8192, 4, 8192, True, 64, 4096, False),
 }
 # Published sizes the counts must round to: the presets' names, the paper's 1.3B (PG-19,
-# Table 5) and 7B; reference/megalodon-code.md §1.5 computes the same totals.
+# Table 5) and 7B; docs/reference/megalodon-code.md §1.5 computes the same totals.
 ROUNDED = {"mega200M": (0.2e9, 0.25e9), "mega1.3B": (1.3e9, 1.4e9),
            "mega1.3B_pg19": (1.3e9, 1.35e9), "mega7.1B": (7.05e9, 7.15e9),
            "mega7.3B": (7.3e9, 7.4e9), "7b": (7.3e9, 7.4e9)}  # fmt: skip

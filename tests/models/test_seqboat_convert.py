@@ -3,9 +3,9 @@
 No reference tensors exist for the SeqBoat LM (the golden cases cover the unit and the LRA
 encoder), so this builds the state dict an official `slag_lm_enwik8_base_v2` checkpoint holds,
 name by name from the authors' modules (renll/SeqBoat `fairseq/models/seqboat_lm.py`,
-`fairseq/modules/seqboat_layer.py`, `seqboat_unit.py`; reference/seqboat-code.md §1.1 and golden
-README §4), independently of the converter, and checks the round trip: every tensor lands where
-it came from, `load_state_dict(strict=True)` takes it and the model computes the same logits.
+`fairseq/modules/seqboat_layer.py`, `seqboat_unit.py`; docs/reference/seqboat-code.md §1.1 and
+golden README §4), independently of the converter, and checks the round trip: every tensor lands
+where it came from, `load_state_dict(strict=True)` takes it and the model computes the same logits.
 
     decoder.embed_tokens.weight                 (V, D)  tied to decoder.output_projection.weight
     decoder.version                             fairseq's version buffer

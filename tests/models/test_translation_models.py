@@ -136,7 +136,7 @@ def test_too_long_inputs_fail_with_the_limit_named() -> None:
 
 
 def mega_formula(V: int, d: int, z: int, v: int, F: int, h: int, M: int, layers: int) -> int:
-    """reference/mega-paper.md §7: per-layer parameters of Mega, plus the MT decoder's gated
+    """docs/reference/mega-paper.md §7: per-layer parameters of Mega, plus the MT decoder's gated
     cross-attention (q_proj d→2d+z, k_proj d→z, v_proj d→d, h_proj d→d, a norm, a bias table),
     and one shared (V, d) embedding."""
 

@@ -1,7 +1,7 @@
 """Gated cross-attention vs the authors' computation, rebuilt from the reference notes.
 
 No golden tensors cover the MT decoder's `GatedCrossAttention`, so the reference here is the
-code's computation written out step by step in float64 from `reference/mega-code.md` §1.9 and
+code's computation written out step by step in float64 from `docs/reference/mega-code.md` §1.9 and
 §1.3, in the code's own layout: time-first tensors, padding masks True at padding, the authors'
 parameter names (converted to ours by `megalab.convert.mega.convert_gated_cross_attention`),
 the 'simple' bias built by the code's pad-and-tile construction over max(target, source)

@@ -16,9 +16,9 @@ two-hop residual (eq. 11): both add back the block input X.
     FFN(u) = W_2 (SiLU(u W_1) ⊙ u W_3)       SwiGLU (mega1.3B_pg19, mega7.3B), else W_2 SiLU(u W_1)
 
 Every norm scale is "plus 1" (γ = 0 at init, applied as 1 + γ; App. B.2), ε = 1e-5. Where the
-paper and the code differ we follow the code (reference/megalodon-code.md §4): the extra RMSNorm
-on the CEMA output, no SiLU on H, Z normalised per head, the real CEMA input coefficient. After
-the last block the backbone ends with a final TimestepNorm (the code's `MegaOutputLayer` norm,
+paper and the code differ we follow the code (docs/reference/megalodon-code.md §4): the extra
+RMSNorm on the CEMA output, no SiLU on H, Z normalised per head, the real CEMA input coefficient.
+After the last block the backbone ends with a final TimestepNorm (the code's `MegaOutputLayer` norm,
 with its own carried statistics); the LM head (no bias, untied except `mega1.3B_pg19`) is the
 task's. Initialisation as the code: every linear kaiming-normal with a = √5 (std 1/√(3·fan_in),
 its `init_mode='he'`), biases and all norm scales and offsets zero; CEMA as `ComplexEMA`.
@@ -352,7 +352,7 @@ class Megalodon(Backbone):
         The authors' long-document evaluation (`inference.py`, TRUNCATE_CHUNKS = 8: once the
         statistics cover 8 chunks they are re-estimated by a pass over the last 6 chunks from a
         fresh state and swapped into every layer's cache and the final norm; not in the paper,
-        reference/megalodon-code.md §4.10). `megalab.long_context.score_stream` runs the fresh
+        docs/reference/megalodon-code.md §4.10). `megalab.long_context.score_stream` runs the fresh
         pass (`norm_refresh_after`, `norm_refresh_window`; off by default) and calls this.
         """
         if not isinstance(state, MegalodonState) or not isinstance(fresh, MegalodonState):

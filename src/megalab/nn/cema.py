@@ -12,7 +12,7 @@ y = 𝒦 * x + ω ⊙ x + (read-out of a carried h) with the real kernel
     𝒦[d, l] = Re(Σ_n η_{d,n} α_{d,n} q_{d,n}^l).
 
 This is the authors' code (XuezheMax/megalodon, `MultiHeadComplexEMA`), which differs from the
-paper's eq. 2 in ways that do not change the function class (reference/megalodon-code.md §4):
+paper's eq. 2 in ways that do not change the function class (docs/reference/megalodon-code.md §4):
 the input coefficient is the real α (the paper rotates it by e^{iθ} too, a constant phase that
 η absorbs); there is no β expansion (x is broadcast to the N components); the base angle is
 bounded by a sigmoid. Naming: the paper's base angle ω_j is the code's `theta` (ours too), and
