@@ -315,6 +315,13 @@ def restore_train_results(trainer: L.Trainer, saved: list[dict[str, Any]]) -> No
     results = trainer.fit_loop.epoch_loop._results
     module = trainer.lightning_module
     attributes = dict(module.named_modules())
+    if saved:
+        # Lightning zeroes the plain-tensor accumulations of each hook at the first value that
+        # hook logs in an epoch (`_first_loop_iter` True, `LightningModule.log`): a resumed epoch
+        # looks like a new one, so the values restored here would be dropped (the torchmetrics
+        # objects are spared, which is why classification kept its epoch metrics). Marking the
+        # first batch as already under way keeps them; a new epoch resets as before.
+        trainer._logger_connector._first_loop_iter = True
     for entry in saved:
         if entry["key"] in results:
             continue
