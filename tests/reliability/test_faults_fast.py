@@ -23,6 +23,7 @@ from megalab.convert.common import load_checkpoint
 from megalab.data.cache import CacheError
 from megalab.data.download import cache_dir, mark_prepared, prepared
 from megalab.utils.checkpointing import (
+    AtomicCheckpointIO,
     CheckpointError,
     read_checkpoint,
     remove_stale_temporaries,
@@ -140,6 +141,64 @@ def test_truncated_checkpoint_fails_naming_the_file(tmp_path: Path) -> None:
     ckpt.write_bytes(ckpt.read_bytes()[:-3000])
     with pytest.raises(CheckpointError, match=r"last\.ckpt"):
         read_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("where", ["tag", "length"])
+def test_damaged_checksum_is_refused_unless_loading_unverified(tmp_path: Path, where: str) -> None:
+    """One byte of the checksum's tag (or of the comment length before it) and one of the
+    content changed: the file is refused, not loaded unverified with a warning."""
+    ckpt = tmp_path / "last.ckpt"
+    write_checkpoint({"exp_avg": torch.ones(1000), "global_step": 3}, ckpt)
+    data = bytearray(ckpt.read_bytes())
+    data[-(64 + 15) if where == "tag" else -(64 + 15 + 2)] ^= 0x01  # "megalab-sha256:" / length
+    data[len(data) // 2] ^= 0x01
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="no readable checksum") as err:
+        read_checkpoint(ckpt)
+    assert str(ckpt) in str(err.value) and "ckpt_verify=false" in str(err.value)
+    assert isinstance(read_checkpoint(ckpt, verify=False), dict)  # the user's explicit choice
+    assert AtomicCheckpointIO(verify=False).verify is False
+
+
+def test_ckpt_verify_false_still_refuses_a_checksum_mismatch(tmp_path: Path) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    write_checkpoint({"w": torch.arange(1000.0)}, ckpt)
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        read_checkpoint(ckpt, verify=False)
+
+
+@pytest.mark.parametrize("written_by", ["torch.save", "megalab"])
+def test_foreign_checkpoint_is_refused_on_resume_and_eval(
+    compose_cfg, tmp_path: Path, written_by: str
+) -> None:
+    """A dict that is no run's checkpoint as `last.ckpt`: one message naming the file and what
+    to pass instead (no KeyError from inside Lightning), when resuming and when evaluating."""
+    from megalab.eval import evaluate
+    from megalab.train import train
+    from megalab.utils.errors import actionable
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    if written_by == "torch.save":
+        torch.save({"a": torch.zeros(3)}, ckpt)
+        expected = "no readable checksum"
+    else:
+        write_checkpoint({"a": torch.zeros(3)}, ckpt)
+        expected = "is not a checkpoint of a megalab run"
+    for cfg in (
+        compose_cfg("ckpt_path=last"),
+        compose_cfg(f"ckpt_path={ckpt}", "use_run_config=false", config="eval"),
+    ):
+        with pytest.raises(Exception) as err:
+            (train if cfg.task_name == "train" else evaluate)(cfg)
+        found = actionable(err.value)
+        assert isinstance(found, CheckpointError), err.value
+        assert expected in str(found) and str(ckpt) in str(found)
+        assert not isinstance(err.value, KeyError)
 
 
 def _in_child(fn: Callable[[], int]) -> int:

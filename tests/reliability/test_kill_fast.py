@@ -11,11 +11,13 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from faults import assert_same_run, csv_rows
 
 from conftest import FAST
 from megalab.train import train
+from megalab.utils.run_folder import RunFolderError, resolve_ckpt_path
 
 OVERRIDES = (
     "trainer.max_steps=6",
@@ -98,3 +100,78 @@ def test_language_model_resumes_its_epoch_loss_exactly(compose_cfg, tmp_path: Pa
     epoch_rows = [r for r in csv_rows(run) if "train/loss_epoch" in r]
     assert len(epoch_rows) == 1
     assert_same_run(run, tmp_path / "straight")
+
+
+# `ckpt_path=auto` with the users' schedule (last.ckpt every 5 minutes: none in a short run),
+# validation every 2 steps: a kill before the first last.ckpt leaves only the best checkpoint.
+AUTO_OVERRIDES = (
+    *OVERRIDES[:-1],
+    "trainer.max_steps=8",
+    "ckpt_path=auto",
+)
+
+
+def _killed_at(compose_cfg, step: int, run: Path) -> None:
+    fault = ("+callbacks.fault._target_=faults.Fault", f"+callbacks.fault.step={step}")
+    killed = compose_cfg(*AUTO_OVERRIDES, *fault, "+callbacks.fault.phase=step")
+    killed.paths.output_dir = str(run)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child trains until it kills itself
+        try:
+            train(killed)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("step", [1, 5])
+def test_auto_resumes_from_the_newest_resumable_checkpoint(
+    compose_cfg, tmp_path: Path, step: int
+) -> None:
+    """Killed before any last.ckpt, the run is requeued with the same `ckpt_path=auto`: it
+    resumes from the best checkpoint (after step 5: written at a validation) or starts afresh
+    (after step 1: nothing saved), and ends exactly like the uninterrupted run."""
+    straight = compose_cfg(*AUTO_OVERRIDES)
+    straight.paths.output_dir = str(tmp_path / "straight")
+    train(straight)
+    run = tmp_path / "run"
+    _killed_at(compose_cfg, step, run)
+    checkpoints = run / "checkpoints"
+    found = sorted(checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
+    assert [p.name.startswith("best-") for p in found] == ([True] if step == 5 else [])
+    if found:
+        assert resolve_ckpt_path("auto", run) == str(found[0])
+        with pytest.raises(RunFolderError, match=f"ckpt_path=auto \\(or ckpt_path={found[0]}"):
+            resolve_ckpt_path("last", run)  # says what resumes instead
+
+    requeued = compose_cfg(*AUTO_OVERRIDES)
+    requeued.paths.output_dir = str(run)
+    assert train(requeued)["global_step"] == 8
+    assert_same_run(run, tmp_path / "straight")
+    assert not (run / "earlier").exists()
+
+
+def test_auto_starts_over_keeping_the_earlier_files_when_nothing_resumes(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """The only checkpoint damaged: `ckpt_path=auto` moves the earlier run's files aside and
+    starts over (a requeued job never loops on a refusal); the result is the uninterrupted
+    run's."""
+    straight = compose_cfg(*AUTO_OVERRIDES)
+    straight.paths.output_dir = str(tmp_path / "straight")
+    train(straight)
+    run = tmp_path / "run"
+    _killed_at(compose_cfg, 5, run)
+    (best,) = (run / "checkpoints").glob("*.ckpt")
+    data = bytearray(best.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    best.write_bytes(bytes(data))
+
+    requeued = compose_cfg(*AUTO_OVERRIDES)
+    requeued.paths.output_dir = str(run)
+    assert train(requeued)["global_step"] == 8
+    assert_same_run(run, tmp_path / "straight")
+    (aside,) = (run / "earlier").iterdir()
+    assert (aside / "checkpoints" / best.name).read_bytes() == bytes(data)
+    assert (aside / "csv" / "metrics.csv").is_file()
