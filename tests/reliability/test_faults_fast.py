@@ -318,6 +318,54 @@ def test_source_edited_in_place_with_same_size_and_mtime(tmp_path: Path) -> None
         prepared(cache)
 
 
+@pytest.mark.parametrize("how", ["move", "copy"])
+def test_moved_data_root_checks_the_moved_sources(tmp_path: Path, how: str) -> None:
+    """The marker names sources relative to the cache: after the data root is moved (or copied,
+    the old files left as they were), a one-byte change of the moved source with the same size
+    and mtime is refused, naming the moved file; a clean move is accepted."""
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    cache, source = _cache(root)
+    assert prepared(cache)
+    for name in ("clean", "edited"):
+        moved = tmp_path / name
+        (shutil.copytree if how == "copy" else shutil.move)(root, moved)
+        if how == "move":
+            shutil.copytree(moved, root)  # for the next case
+        moved_cache = moved / cache.relative_to(root)
+        moved_source = moved / source.relative_to(root)
+        if name == "clean":
+            assert prepared(moved_cache)
+            continue
+        st = moved_source.stat()
+        data = bytearray(moved_source.read_bytes())
+        data[3] ^= 0x01
+        moved_source.write_bytes(bytes(data))
+        os.utime(moved_source, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(CacheError, match=f"source file {moved_source} changed"):
+            prepared(moved_cache)
+
+
+def test_cache_marked_with_absolute_source_paths_is_still_checked(tmp_path: Path) -> None:
+    """A marker of an earlier version (sources keyed by absolute path) keeps its check."""
+    import json
+
+    cache, source = _cache(tmp_path)
+    marker = json.loads((cache / ".complete").read_text())
+    marker["integrity"]["sources"] = {
+        str(source): {k: v for k, v in entry.items() if k != "absolute"}
+        for entry in marker["integrity"]["sources"].values()
+    }
+    (cache / ".complete").write_text(json.dumps(marker))
+    (cache / ".verified").unlink()
+    assert prepared(cache)
+    source.write_text("SOME SOURCE TEXT\n")
+    with pytest.raises(CacheError, match=r"source file .* changed"):
+        prepared(cache)
+
+
 def test_listops_over_long_inputs_fail_unless_truncate(tmp_path: Path, caplog) -> None:
     from megalab.data.base import TruncationError
     from megalab.data.lra.listops import ListOpsDataModule
