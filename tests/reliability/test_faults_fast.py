@@ -366,6 +366,64 @@ def test_cache_marked_with_absolute_source_paths_is_still_checked(tmp_path: Path
         prepared(cache)
 
 
+def test_object_array_in_a_cache_is_refused_with_a_message(tmp_path: Path) -> None:
+    """An `.npy` of Python objects (with a marker that matches it) fails naming the file, not
+    with numpy's `allow_pickle=False` error."""
+    from megalab.data.base import TokenSequences, cached_sequences
+
+    def build() -> TokenSequences:
+        return TokenSequences(np.arange(6), np.array([0, 3, 6]), np.array([0, 1]))
+
+    cached_sequences(tmp_path, "demo", {"a": 1}, build)
+    (cache,) = (tmp_path / "demo").iterdir()
+    np.save(cache / "tokens.npy", np.array([{"a": 1}] * 6, dtype=object), allow_pickle=True)
+    mark_prepared(cache, {"sequences": 2})  # its checksums now describe the replaced file
+    with pytest.raises(CacheError, match=f"{cache / 'tokens.npy'} holds Python objects"):
+        cached_sequences(tmp_path, "demo", {"a": 1}, build)
+
+
+class _DiesInWorker(torch.utils.data.Dataset):
+    """Its worker process is killed (SIGKILL, as the out-of-memory killer does) at item 1."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.zeros(1)
+
+
+def test_killed_dataloader_worker_gives_one_message(capsys) -> None:
+    from megalab.utils.errors import reported
+
+    loader = torch.utils.data.DataLoader(_DiesInWorker(), batch_size=1, num_workers=1)
+    with pytest.raises(SystemExit) as exit_info, reported():
+        list(loader)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "a data-loading worker process died: DataLoader worker (pid" in err
+    assert "out-of-memory killer" in err and "data.num_workers" in err
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage"])
+def test_generate_refusals_are_one_message(tmp_path: Path, damage: str) -> None:
+    from conftest import run_cli
+
+    ckpt = tmp_path / "last.ckpt"
+    if damage == "garbage":
+        ckpt.write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    proc = run_cli(
+        "-m", "megalab.generate", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    expected = "checkpoint not found" if damage == "missing" else "has no readable checksum"
+    error = proc.stderr[proc.stderr.index("Error: ") :]
+    assert expected in error and str(ckpt) in error
+
+
 def test_listops_over_long_inputs_fail_unless_truncate(tmp_path: Path, caplog) -> None:
     from megalab.data.base import TruncationError
     from megalab.data.lra.listops import ListOpsDataModule

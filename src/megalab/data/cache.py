@@ -228,6 +228,11 @@ def check_npy(
         raise CacheError(
             f"{path} does not start with a valid .npy header ({err}). {rebuild_hint(cache)}"
         ) from None
+    if np.dtype(found).hasobject:  # np.load(allow_pickle=False) would fail with numpy's error
+        raise CacheError(
+            f"{path} holds Python objects (dtype {found}), which megalab never writes nor loads "
+            f"(unpickling them could run code): the file was replaced. {rebuild_hint(cache)}"
+        )
     if dtype is not None and np.dtype(found) != np.dtype(dtype):
         raise CacheError(f"{path} holds {found}, not {np.dtype(dtype)}. {rebuild_hint(cache)}")
     if ndim is not None and len(shape) != ndim:
