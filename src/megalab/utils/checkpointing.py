@@ -610,6 +610,12 @@ class LastCheckpoint(Checkpoint):
 
     def _restore_handlers(self) -> None:
         for signum, handler in self._previous_handlers.items():
+            # Only where ours is still installed: Lightning's teardown, which runs before this
+            # callback's, has put its own original back already, and restoring the handler it
+            # had replaced (Lightning's, holding its trainer, model and data) would keep every
+            # finished run of the process alive, each one's handler holding the one before.
+            if signal.getsignal(signum) != self._on_signal:
+                continue
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers = {}
