@@ -45,6 +45,21 @@ torch.set_num_threads(1)
 FAST = [*SMOKE_TRAINER, "logger=none", "data.num_workers=0"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _return_freed_memory() -> Iterator[None]:
+    """After each test file, give the heap's free pages back to the system (glibc keeps them
+    while a live block sits above them: 2.0 GB resident after three experiment tests, 0.7 GB
+    once trimmed)."""
+    yield
+    import ctypes
+    import gc
+    import platform
+
+    gc.collect()
+    if platform.system() == "Linux" and platform.libc_ver()[0] == "glibc":
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 @pytest.fixture(scope="session")
 def fixture_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A data directory holding every dataset as a tiny fixture in its official layout."""

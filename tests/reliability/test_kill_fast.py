@@ -175,3 +175,11 @@ def test_auto_starts_over_keeping_the_earlier_files_when_nothing_resumes(
     (aside,) = (run / "earlier").iterdir()
     assert (aside / "checkpoints" / best.name).read_bytes() == bytes(data)
     assert (aside / "csv" / "metrics.csv").is_file()
+
+
+def test_a_finished_run_leaves_the_signal_handlers_as_it_found_them(compose_cfg) -> None:
+    """No handler of a finished run stays installed: Lightning's holds its trainer, model and
+    data, which then stayed alive for the rest of the process."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    train(compose_cfg("logger=csv"))
+    assert {s: signal.getsignal(s) for s in before} == before
