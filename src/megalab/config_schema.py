@@ -126,6 +126,7 @@ RULES: dict[str, Rule] = {
     "train": boolean(),
     "test": boolean(),
     "ckpt_path": text(null=True),
+    "ckpt_verify": boolean(),
     "task_name": text(),
     "tags": Rule(_str_list, "a list of strings"),
     "monitor": text(null=True),

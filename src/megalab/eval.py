@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
+from megalab.utils.checkpointing import set_verification  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR  # noqa: E402
 from megalab.utils.safe_config import (  # noqa: E402
     UnsafeConfigError,
@@ -135,6 +136,7 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     task = hydra.utils.instantiate(cfg.task)
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(cfg.trainer, logger=loggers or False, callbacks=[])
+    set_verification(trainer, cfg.get("ckpt_verify", True))
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}

@@ -43,7 +43,8 @@ from omegaconf import DictConfig
 from torch import Tensor
 
 from megalab.eval import merge_run_config
-from megalab.utils.checkpointing import read_checkpoint
+from megalab.utils import errors
+from megalab.utils.checkpointing import read_checkpoint, verify_checkpoint
 from megalab.utils.paths import CONFIG_DIR
 
 if TYPE_CHECKING:
@@ -179,10 +180,13 @@ def sample_tokens(
 def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
     """The run's task with the checkpoint's weights (checksum verified, `weights_only=True`)."""
     ckpt_path = Path(cfg.ckpt_path)
-    if not ckpt_path.exists():
+    if not ckpt_path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+    # A damaged file fails here naming it, not inside torch.load (ckpt_verify=false: a file
+    # without a readable checksum is read unverified; a mismatch is refused all the same).
+    verify_checkpoint(ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
     task = hydra.utils.instantiate(cfg.task)
-    checkpoint = read_checkpoint(ckpt_path)
+    checkpoint = read_checkpoint(ckpt_path, verify=cfg.get("ckpt_verify", True))
     if "state_dict" not in checkpoint:
         raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
     task.load_state_dict(checkpoint["state_dict"], strict=True)
@@ -213,6 +217,11 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(DTYPES)}")
     if cfg.max_new_tokens < 1 or cfg.num_samples < 1:
         raise ValueError("max_new_tokens and num_samples must be >= 1")
+    if not Path(cfg.ckpt_path).is_file():  # before the data is loaded
+        raise FileNotFoundError(
+            f"checkpoint not found: {cfg.ckpt_path} (pass ckpt_path=<run>/checkpoints/last.ckpt)"
+        )
+    verify_checkpoint(cfg.ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
     device = pick_device(str(cfg.device))
     datamodule = hydra.utils.instantiate(cfg.data)
     codec = datamodule.text_codec()
@@ -287,16 +296,23 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="generate")
-def main(cfg: DictConfig) -> None:
-    """Hydra entry point (`megalab-generate`)."""
-    cfg = merge_run_config(cfg, list(HydraConfig.get().overrides.task))
-    record = generate(cfg)
+def hydra_main(cfg: DictConfig) -> None:
+    """Hydra entry point: a refusal (missing or unreadable checkpoint, unsafe run config, bad
+    setting) is printed as one message, as `megalab-eval` does."""
+    with errors.reported():
+        cfg = merge_run_config(cfg, list(HydraConfig.get().overrides.task))
+        record = generate(cfg)
     log.info(
         "%d tokens in %.2f s (%s tokens/s)",
         record["new_tokens"],
         record["seconds"],
         record["tokens_per_sec"],
     )
+
+
+def main() -> None:
+    """`megalab-generate`: the Hydra entry point, with the closest keys after a misspelled one."""
+    errors.run_entry_point(hydra_main, "generate")
 
 
 if __name__ == "__main__":

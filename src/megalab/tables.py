@@ -62,6 +62,7 @@ SETTING_KEYS = frozenset(
         "task_name",
         "tags",
         "ckpt_path",
+        "ckpt_verify",
         "train",
         "test",
         "hydra",

@@ -28,7 +28,7 @@ from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E40
 from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
-from megalab.utils.checkpointing import RunInterrupted  # noqa: E402
+from megalab.utils.checkpointing import RunInterrupted, set_verification  # noqa: E402
 from megalab.utils.locking import unlock_run_folder  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
@@ -96,6 +96,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     run_utils.save_config(cfg, output_dir / "config.yaml")
     objs = build(cfg, resume=ckpt_path is not None)
     datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
+    set_verification(trainer, cfg.get("ckpt_verify", True))
     run_utils.log_hyperparameters(cfg, objs["loggers"], task)
     remember_wandb_run(objs["loggers"], output_dir)
     params = run_utils.count_parameters(task)

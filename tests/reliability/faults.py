@@ -33,13 +33,32 @@ def csv_rows(run: Path) -> list[dict[str, str]]:
         return [{k: v for k, v in r.items() if not _measured(k) and v} for r in rows]
 
 
+def _assert_equal(got: Any, want: Any, where: str) -> None:
+    """Nested checkpoint entries equal, tensors bit for bit."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            _assert_equal(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_equal(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
 def assert_same_run(run: Path, straight: Path) -> None:
-    """Same final weights, `metrics.json` (timing aside) and CSV rows as the straight run."""
+    """Same final weights, optimizer state, `metrics.json` (timing aside) and CSV rows as the
+    straight run."""
     a = torch.load(straight / "checkpoints" / "last.ckpt", weights_only=True)
     b = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
     assert a["global_step"] == b["global_step"]
     for name, value in a["state_dict"].items():
         assert torch.equal(b["state_dict"][name], value), name
+    _assert_equal(b["optimizer_states"], a["optimizer_states"], "optimizer_states")
+    _assert_equal(b["lr_schedulers"], a["lr_schedulers"], "lr_schedulers")
     ma = json.loads((straight / "metrics.json").read_text())["metrics"]
     mb = json.loads((run / "metrics.json").read_text())["metrics"]
     assert {k: v for k, v in ma.items() if not _measured(k)} == {

@@ -23,6 +23,7 @@ from megalab.convert.common import load_checkpoint
 from megalab.data.cache import CacheError
 from megalab.data.download import cache_dir, mark_prepared, prepared
 from megalab.utils.checkpointing import (
+    AtomicCheckpointIO,
     CheckpointError,
     read_checkpoint,
     remove_stale_temporaries,
@@ -142,6 +143,64 @@ def test_truncated_checkpoint_fails_naming_the_file(tmp_path: Path) -> None:
         read_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("where", ["tag", "length"])
+def test_damaged_checksum_is_refused_unless_loading_unverified(tmp_path: Path, where: str) -> None:
+    """One byte of the checksum's tag (or of the comment length before it) and one of the
+    content changed: the file is refused, not loaded unverified with a warning."""
+    ckpt = tmp_path / "last.ckpt"
+    write_checkpoint({"exp_avg": torch.ones(1000), "global_step": 3}, ckpt)
+    data = bytearray(ckpt.read_bytes())
+    data[-(64 + 15) if where == "tag" else -(64 + 15 + 2)] ^= 0x01  # "megalab-sha256:" / length
+    data[len(data) // 2] ^= 0x01
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="no readable checksum") as err:
+        read_checkpoint(ckpt)
+    assert str(ckpt) in str(err.value) and "ckpt_verify=false" in str(err.value)
+    assert isinstance(read_checkpoint(ckpt, verify=False), dict)  # the user's explicit choice
+    assert AtomicCheckpointIO(verify=False).verify is False
+
+
+def test_ckpt_verify_false_still_refuses_a_checksum_mismatch(tmp_path: Path) -> None:
+    ckpt = tmp_path / "last.ckpt"
+    write_checkpoint({"w": torch.arange(1000.0)}, ckpt)
+    data = bytearray(ckpt.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    ckpt.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="is corrupt"):
+        read_checkpoint(ckpt, verify=False)
+
+
+@pytest.mark.parametrize("written_by", ["torch.save", "megalab"])
+def test_foreign_checkpoint_is_refused_on_resume_and_eval(
+    compose_cfg, tmp_path: Path, written_by: str
+) -> None:
+    """A dict that is no run's checkpoint as `last.ckpt`: one message naming the file and what
+    to pass instead (no KeyError from inside Lightning), when resuming and when evaluating."""
+    from megalab.eval import evaluate
+    from megalab.train import train
+    from megalab.utils.errors import actionable
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    if written_by == "torch.save":
+        torch.save({"a": torch.zeros(3)}, ckpt)
+        expected = "no readable checksum"
+    else:
+        write_checkpoint({"a": torch.zeros(3)}, ckpt)
+        expected = "is not a checkpoint of a megalab run"
+    for cfg in (
+        compose_cfg("ckpt_path=last"),
+        compose_cfg(f"ckpt_path={ckpt}", "use_run_config=false", config="eval"),
+    ):
+        with pytest.raises(Exception) as err:
+            (train if cfg.task_name == "train" else evaluate)(cfg)
+        found = actionable(err.value)
+        assert isinstance(found, CheckpointError), err.value
+        assert expected in str(found) and str(ckpt) in str(found)
+        assert not isinstance(err.value, KeyError)
+
+
 def _in_child(fn: Callable[[], int]) -> int:
     """Run `fn` in a forked child (this process's imports, no new interpreter) and return its
     exit status: what `fn` returns, 1 if it raised."""
@@ -257,6 +316,112 @@ def test_source_edited_in_place_with_same_size_and_mtime(tmp_path: Path) -> None
     os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime (ctime still moves)
     with pytest.raises(CacheError, match=r"source file .* changed"):
         prepared(cache)
+
+
+@pytest.mark.parametrize("how", ["move", "copy"])
+def test_moved_data_root_checks_the_moved_sources(tmp_path: Path, how: str) -> None:
+    """The marker names sources relative to the cache: after the data root is moved (or copied,
+    the old files left as they were), a one-byte change of the moved source with the same size
+    and mtime is refused, naming the moved file; a clean move is accepted."""
+    import shutil
+
+    root = tmp_path / "root"
+    root.mkdir()
+    cache, source = _cache(root)
+    assert prepared(cache)
+    for name in ("clean", "edited"):
+        moved = tmp_path / name
+        (shutil.copytree if how == "copy" else shutil.move)(root, moved)
+        if how == "move":
+            shutil.copytree(moved, root)  # for the next case
+        moved_cache = moved / cache.relative_to(root)
+        moved_source = moved / source.relative_to(root)
+        if name == "clean":
+            assert prepared(moved_cache)
+            continue
+        st = moved_source.stat()
+        data = bytearray(moved_source.read_bytes())
+        data[3] ^= 0x01
+        moved_source.write_bytes(bytes(data))
+        os.utime(moved_source, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(CacheError, match=f"source file {moved_source} changed"):
+            prepared(moved_cache)
+
+
+def test_cache_marked_with_absolute_source_paths_is_still_checked(tmp_path: Path) -> None:
+    """A marker of an earlier version (sources keyed by absolute path) keeps its check."""
+    import json
+
+    cache, source = _cache(tmp_path)
+    marker = json.loads((cache / ".complete").read_text())
+    marker["integrity"]["sources"] = {
+        str(source): {k: v for k, v in entry.items() if k != "absolute"}
+        for entry in marker["integrity"]["sources"].values()
+    }
+    (cache / ".complete").write_text(json.dumps(marker))
+    (cache / ".verified").unlink()
+    assert prepared(cache)
+    source.write_text("SOME SOURCE TEXT\n")
+    with pytest.raises(CacheError, match=r"source file .* changed"):
+        prepared(cache)
+
+
+def test_object_array_in_a_cache_is_refused_with_a_message(tmp_path: Path) -> None:
+    """An `.npy` of Python objects (with a marker that matches it) fails naming the file, not
+    with numpy's `allow_pickle=False` error."""
+    from megalab.data.base import TokenSequences, cached_sequences
+
+    def build() -> TokenSequences:
+        return TokenSequences(np.arange(6), np.array([0, 3, 6]), np.array([0, 1]))
+
+    cached_sequences(tmp_path, "demo", {"a": 1}, build)
+    (cache,) = (tmp_path / "demo").iterdir()
+    np.save(cache / "tokens.npy", np.array([{"a": 1}] * 6, dtype=object), allow_pickle=True)
+    mark_prepared(cache, {"sequences": 2})  # its checksums now describe the replaced file
+    with pytest.raises(CacheError, match=f"{cache / 'tokens.npy'} holds Python objects"):
+        cached_sequences(tmp_path, "demo", {"a": 1}, build)
+
+
+class _DiesInWorker(torch.utils.data.Dataset):
+    """Its worker process is killed (SIGKILL, as the out-of-memory killer does) at item 1."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return torch.zeros(1)
+
+
+def test_killed_dataloader_worker_gives_one_message(capsys) -> None:
+    from megalab.utils.errors import reported
+
+    loader = torch.utils.data.DataLoader(_DiesInWorker(), batch_size=1, num_workers=1)
+    with pytest.raises(SystemExit) as exit_info, reported():
+        list(loader)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "a data-loading worker process died: DataLoader worker (pid" in err
+    assert "out-of-memory killer" in err and "data.num_workers" in err
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage"])
+def test_generate_refusals_are_one_message(tmp_path: Path, damage: str) -> None:
+    from conftest import run_cli
+
+    ckpt = tmp_path / "last.ckpt"
+    if damage == "garbage":
+        ckpt.write_bytes(b"PK\x03\x04" + b"\0" * 200)
+    proc = run_cli(
+        "-m", "megalab.generate", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"
+    )
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    expected = "checkpoint not found" if damage == "missing" else "has no readable checksum"
+    error = proc.stderr[proc.stderr.index("Error: ") :]
+    assert expected in error and str(ckpt) in error
 
 
 def test_listops_over_long_inputs_fail_unless_truncate(tmp_path: Path, caplog) -> None:

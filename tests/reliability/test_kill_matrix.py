@@ -130,6 +130,47 @@ def test_interrupted_run_resumes_exactly(
     assert_same_run(run, straight_runs[variant])
 
 
+# A language model carrying its memory across segments (Transformer-XL on enwik8), its epoch
+# loss a plain-tensor accumulation: the users' schedule (`every_n_minutes`) plus a save every 4
+# steps, killed at step 5, validated every 3 steps.
+LM = [
+    "experiment=transformer_xl/enwik8",
+    *[a for a in BASE if not a.startswith(("model.", "callbacks.last_checkpoint"))],
+    "trainer.max_steps=6",
+    "trainer.limit_train_batches=null",
+    "trainer.val_check_interval=3",
+    "trainer.check_val_every_n_epoch=null",
+    "model.d_model=16",
+    "model.backbone.num_layers=1",
+    "model.backbone.num_heads=2",
+    "model.backbone.head_dim=8",
+    "model.backbone.ffn_dim=32",
+    "model.backbone.mem_len=16",
+    "data.max_len=16",
+    "data.eval_max_len=16",
+    "data.sha256=null",
+    "data.valid_size=3000",
+    "data.test_size=3000",
+    "callbacks.last_checkpoint.every_n_train_steps=4",
+]
+
+
+@pytest.mark.parametrize("trainer", ["cpu", "ddp_cpu"])
+def test_language_model_killed_mid_epoch_resumes_exactly(
+    fixture_data_dir: Path, tmp_path: Path, trainer: str
+) -> None:
+    args = [*LM, f"trainer={trainer}"]
+    straight = tmp_path / "straight"
+    proc = _run(args, straight, fixture_data_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "run"
+    killed = _run([*args, *_fault("step", 5, "kill")], run, fixture_data_dir)
+    assert killed.returncode != 0
+    resumed = _run([*args, "ckpt_path=last"], run, fixture_data_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(run, straight)
+
+
 # A SLURM job as `sbatch` starts it (one task), on CPU, with Lightning's SLURM environment and
 # auto-requeue (trainer=slurm); `scontrol` is a script that records its arguments.
 SLURM = [

@@ -13,6 +13,8 @@ source files it was prepared from (`record_integrity`). Then:
   status changes, which any write does (an in-place edit that restores the size and mtime still
   changes the ctime). The log says when this one-time cost is paid.
 - `megalab-data verify --root <data root>` verifies every cache below a root in full.
+- Sources are recorded by their path relative to the cache folder (with the absolute path
+  beside it): a data root moved or copied elsewhere checks the moved files, not the old place.
 
 Problems raise `CacheError` with the file, what is wrong, and how to rebuild the cache.
 """
@@ -76,8 +78,32 @@ def record_integrity(cache: Path, sources: Iterable[str | os.PathLike[str]] = ()
     for s in sources:
         p = Path(s).expanduser().absolute()
         if p.is_file():
-            srcs[str(p)] = {"size": p.stat().st_size, "sha256": _digest(p)}
+            srcs[_source_key(cache, p)] = {
+                "size": p.stat().st_size,
+                "sha256": _digest(p),
+                "absolute": str(p),
+            }
     return {"files": files, "sources": srcs}
+
+
+def _source_key(cache: Path, source: Path) -> str:
+    """A source's key in the marker: its path relative to the cache folder, which moves with
+    the data root the cache lives in."""
+    try:
+        return Path(os.path.relpath(source, cache.absolute())).as_posix()
+    except ValueError:  # another drive (Windows): only the absolute path can name it
+        return str(source)
+
+
+def _locate_source(cache: Path, key: str, entry: Mapping[str, Any]) -> Path | None:
+    """Where a recorded source is now: relative to the cache (a moved data root), else at its
+    recorded absolute path (a cache kept elsewhere, or a marker keyed by absolute paths, as
+    earlier versions wrote); None when it is gone (a source removed after preparing)."""
+    # Lexical, as the key was made (os.path.relpath): the folders named need not exist.
+    for candidate in (os.path.normpath(cache.absolute() / key), entry.get("absolute")):
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
 
 
 def write_stamp(cache: Path, integrity: Mapping[str, Any]) -> None:
@@ -87,9 +113,10 @@ def write_stamp(cache: Path, integrity: Mapping[str, Any]) -> None:
     status = {}
     for rel in integrity.get("files", {}):
         status[rel] = _status(cache / rel)
-    for src in integrity.get("sources", {}):
-        if Path(src).exists():
-            status[src] = _status(Path(src))
+    for key, entry in integrity.get("sources", {}).items():
+        found = _locate_source(cache, key, entry)
+        if found is not None:
+            status[key] = _status(found)
     _write_atomic(cache / STAMP, json.dumps(status, sort_keys=True) + "\n")
 
 
@@ -128,8 +155,11 @@ def check_cache(cache: str | os.PathLike[str], full: bool = False) -> bool:
     except (OSError, ValueError):
         stamp = {}
     changed = [rel for rel in files if full or stamp.get(rel) != _status(cache / rel)]
+    located = {key: _locate_source(cache, key, entry) for key, entry in sources.items()}
     changed_sources = [
-        s for s in sources if Path(s).exists() and (full or stamp.get(s) != _status(Path(s)))
+        key
+        for key, found in located.items()
+        if found is not None and (full or stamp.get(key) != _status(found))
     ]
     if not changed and not changed_sources:
         return False
@@ -149,9 +179,11 @@ def check_cache(cache: str | os.PathLike[str], full: bool = False) -> bool:
                 f"cache was prepared ({files[rel]['sha256'][:16]}... vs {got[:16]}...). "
                 f"{rebuild_hint(cache)}"
             )
-    for src in changed_sources:
-        got = _digest(Path(src))
-        if got != sources[src]["sha256"]:
+    for key in changed_sources:
+        src = located[key]
+        assert src is not None  # only located sources are checked
+        got = _digest(src)
+        if got != sources[key]["sha256"]:
             raise CacheError(
                 f"the source file {src} changed since the cache {cache} was prepared from it "
                 "(its SHA-256 differs): the cache holds the old content. If the new file is "
@@ -196,6 +228,11 @@ def check_npy(
         raise CacheError(
             f"{path} does not start with a valid .npy header ({err}). {rebuild_hint(cache)}"
         ) from None
+    if np.dtype(found).hasobject:  # np.load(allow_pickle=False) would fail with numpy's error
+        raise CacheError(
+            f"{path} holds Python objects (dtype {found}), which megalab never writes nor loads "
+            f"(unpickling them could run code): the file was replaced. {rebuild_hint(cache)}"
+        )
     if dtype is not None and np.dtype(found) != np.dtype(dtype):
         raise CacheError(f"{path} holds {found}, not {np.dtype(dtype)}. {rebuild_hint(cache)}")
     if ndim is not None and len(shape) != ndim:

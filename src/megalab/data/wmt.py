@@ -674,9 +674,14 @@ class WMT16EnDeDataModule(SequenceDataModule):
         return cache
 
     def build_datasets(self) -> dict[str, Dataset]:
+        from megalab.data.cache import check_npy
+
         cache = self._ready()
         out: dict[str, Dataset] = {}
         for split in ("train", "val", "test"):
+            for lang in (self.source_lang, self.target_lang):
+                for name in ("ids", "offsets"):
+                    check_npy(cache / f"{split}.{lang}.{name}.npy", ndim=1, cache=cache)
             arrays = {
                 f"{side}{suffix}": np.load(cache / f"{split}.{lang}.{name}.npy", mmap_mode="r")
                 for side, lang in (("src", self.source_lang), ("tgt", self.target_lang))

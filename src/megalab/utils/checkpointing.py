@@ -204,10 +204,13 @@ def _alternatives(path: Path) -> str:
     return f" Resume from another checkpoint of the run instead:\n{listed}"
 
 
-def verify_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Check a checkpoint's recorded SHA-256; True if verified, False if it records none.
+def verify_checkpoint(path: str | os.PathLike[str], allow_unverified: bool = False) -> bool:
+    """Check a checkpoint's recorded SHA-256; True if verified.
 
-    Raises `CheckpointError` for an empty file or a checksum mismatch.
+    Raises `CheckpointError` for an empty file, a checksum mismatch, or a checksum that cannot
+    be read (the file's end is damaged, or another program wrote it): a damaged tag must not
+    turn verification off. With `allow_unverified` (the user's `ckpt_verify=false`) such a
+    file is let through unverified (False).
     """
     path = Path(path)
     if not path.is_file():
@@ -216,7 +219,14 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> bool:
         raise CheckpointError(f"the checkpoint {path} is empty (0 bytes): it was never written")
     want = stored_digest(path)
     if want is None:
-        return False
+        if allow_unverified:
+            return False
+        raise CheckpointError(
+            f"the checkpoint {path} has no readable checksum: the SHA-256 megalab records at the "
+            "end of each checkpoint is missing or damaged (or another program wrote the file), "
+            "so its content cannot be verified and it is not loaded. Only if you trust this "
+            "file (one written by plain Lightning, say) load it unverified with ckpt_verify=false"
+        )
     got = content_digest(path)
     if got != want:
         raise CheckpointError(
@@ -227,15 +237,19 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 
 def read_checkpoint(
-    path: str | os.PathLike[str], map_location: Any = "cpu", offer_alternatives: bool = True
+    path: str | os.PathLike[str],
+    map_location: Any = "cpu",
+    offer_alternatives: bool = True,
+    verify: bool = True,
 ) -> dict[str, Any]:
     """Verify and load a checkpoint with `torch.load(weights_only=True)`.
 
     Errors name the file and, with `offer_alternatives`, the run's other valid checkpoints.
+    `verify=False` loads a file whose checksum cannot be read (never one that mismatches).
     """
     path = Path(path)
     try:
-        verified = verify_checkpoint(path)
+        verified = verify_checkpoint(path, allow_unverified=not verify)
         try:
             checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as err:  # torch reports truncation and garbage in many ways
@@ -253,12 +267,40 @@ def read_checkpoint(
             raise
         raise CheckpointError(f"{err}.{_alternatives(path)}") from None
     if not verified:
-        log.warning("%s records no checksum (not written by megalab): loaded unverified", path)
+        log.warning("%s records no readable checksum: loaded unverified (ckpt_verify=false)", path)
     return checkpoint
 
 
+# What Lightning reads from every checkpoint it resumes or tests (a dict without them fails
+# deep inside Lightning with a KeyError).
+LIGHTNING_KEYS = ("pytorch-lightning_version", "state_dict")
+
+
+def check_lightning_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Raise `CheckpointError` naming `path` when `checkpoint` is not a Lightning run's."""
+    missing = [k for k in LIGHTNING_KEYS if k not in checkpoint]
+    if not missing:
+        return
+    held = ", ".join(repr(k) for k in list(checkpoint)[:5]) or "nothing"
+    more = " ..." if len(checkpoint) > 5 else ""
+    raise CheckpointError(
+        f"{path} is not a checkpoint of a megalab run: it has no {' or '.join(map(repr, missing))} "
+        f"(it holds {held}{more}). Pass a checkpoint a run wrote (<run>/checkpoints/last.ckpt "
+        "or best-*.ckpt); an authors' checkpoint is converted first (megalab.convert)."
+        f"{_alternatives(Path(path))}"
+    )
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint IO with atomic, checksummed writes and verified safe reads."""
+    """Lightning's checkpoint IO with atomic, checksummed writes and verified safe reads.
+
+    `verify=False` (the entry points' `ckpt_verify=false`) loads a checkpoint whose checksum
+    cannot be read; one whose checksum does not match is refused all the same.
+    """
+
+    def __init__(self, verify: bool = True) -> None:
+        super().__init__()
+        self.verify = verify
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -271,7 +313,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         # weights_only is always True: a checkpoint is data and never runs code when loaded.
-        return read_checkpoint(path, map_location if map_location is not None else "cpu")
+        location = map_location if map_location is not None else "cpu"
+        checkpoint = read_checkpoint(path, location, verify=self.verify)
+        check_lightning_checkpoint(checkpoint, path)
+        return checkpoint
+
+
+def set_verification(trainer: L.Trainer, verify: bool) -> None:
+    """Apply the entry point's `ckpt_verify` to the trainer's checkpoint IO."""
+    io = getattr(trainer.strategy, "checkpoint_io", None)
+    if isinstance(io, AtomicCheckpointIO):
+        io.verify = bool(verify)
+    if not verify:
+        log.warning(
+            "ckpt_verify=false: a checkpoint without a readable checksum is loaded unverified"
+        )
 
 
 # -- what Lightning does not save: epoch accumulations of logged training values ----------------
@@ -315,6 +371,13 @@ def restore_train_results(trainer: L.Trainer, saved: list[dict[str, Any]]) -> No
     results = trainer.fit_loop.epoch_loop._results
     module = trainer.lightning_module
     attributes = dict(module.named_modules())
+    if saved:
+        # Lightning zeroes the plain-tensor accumulations of each hook at the first value that
+        # hook logs in an epoch (`_first_loop_iter` True, `LightningModule.log`): a resumed epoch
+        # looks like a new one, so the values restored here would be dropped (the torchmetrics
+        # objects are spared, which is why classification kept its epoch metrics). Marking the
+        # first batch as already under way keeps them; a new epoch resets as before.
+        trainer._logger_connector._first_loop_iter = True
     for entry in saved:
         if entry["key"] in results:
             continue
@@ -547,6 +610,12 @@ class LastCheckpoint(Checkpoint):
 
     def _restore_handlers(self) -> None:
         for signum, handler in self._previous_handlers.items():
+            # Only where ours is still installed: Lightning's teardown, which runs before this
+            # callback's, has put its own original back already, and restoring the handler it
+            # had replaced (Lightning's, holding its trainer, model and data) would keep every
+            # finished run of the process alive, each one's handler holding the one before.
+            if signal.getsignal(signum) != self._on_signal:
+                continue
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous_handlers = {}

@@ -17,6 +17,7 @@ import contextlib
 import difflib
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator, Sequence
@@ -100,6 +101,32 @@ def _raised_in_megalab(err: BaseException) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR)
 
 
+class DataLoaderWorkerError(RuntimeError):
+    """A data-loading worker process died (killed, most often for memory): what to do."""
+
+
+# torch's messages: "DataLoader worker (pid 123) is killed by signal: Killed." and
+# "DataLoader worker (pid(s) 123, 124) exited unexpectedly".
+_WORKER_DIED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? [^)]*\) (?:is killed by signal|exited)"
+)
+
+
+def _worker_died(err: BaseException) -> DataLoaderWorkerError | None:
+    for e in _chain(err):
+        text = str(e)
+        if isinstance(e, RuntimeError) and _WORKER_DIED.search(text):
+            first = text.strip().splitlines()[0].strip().rstrip(".")
+            return DataLoaderWorkerError(
+                f"a data-loading worker process died: {first}. A worker killed (SIGKILL) is "
+                "most often the system's out-of-memory killer: lower data.num_workers or "
+                "data.batch_size, or give the job more memory (a bus error: more shared "
+                "memory, /dev/shm). A training run resumes from its last checkpoint with "
+                "ckpt_path=auto in the same run folder"
+            )
+    return None
+
+
 def actionable(err: BaseException) -> BaseException | None:
     """The exception in `err`'s chain whose message a user can act on, or None (a bug)."""
     types = user_error_types()
@@ -110,7 +137,7 @@ def actionable(err: BaseException) -> BaseException | None:
     for e in reversed(chain):
         if type(e) in (ValueError, FileNotFoundError) and _raised_in_megalab(e):
             return e
-    return None
+    return _worker_died(err)
 
 
 def full_errors() -> bool:

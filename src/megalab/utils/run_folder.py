@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
-from megalab.utils.checkpointing import read_checkpoint
-from megalab.utils.locking import lock_run_folder
+from megalab.utils.checkpointing import CheckpointError, read_checkpoint, verify_checkpoint
+from megalab.utils.locking import _is_rank_zero, lock_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -34,24 +35,89 @@ class RunFolderError(RuntimeError):
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | os.PathLike[str]) -> str | None:
-    """`last`: this run folder's `checkpoints/last.ckpt` (it must exist); `auto`: it if it
-    exists, else None (a fresh start: what a requeued cluster job wants); a path: that file."""
+    """`last`: this run folder's `checkpoints/last.ckpt` (it must exist); `auto`: the newest of
+    the folder's checkpoints a run resumes exactly from (`resumable_checkpoint`), else None (a
+    fresh start: what a requeued cluster job wants); a path: that file."""
     if ckpt_path in (None, "", "none", "null"):
         return None
     last = Path(output_dir) / "checkpoints" / "last.ckpt"
     if ckpt_path == "auto":
-        return str(last) if last.exists() else None
+        found = resumable_checkpoint(output_dir)
+        return str(found) if found is not None else None
     if ckpt_path == "last":
         if not last.exists():
+            found = resumable_checkpoint(output_dir)
+            instead = (
+                f" The run can resume exactly from {found}: pass ckpt_path=auto (or "
+                f"ckpt_path={found})."
+                if found is not None
+                else ""
+            )
             raise RunFolderError(
-                f"ckpt_path=last but {last} does not exist. To resume a run, start it again in "
-                "its own output directory: `hydra.run.dir=<run dir> ckpt_path=last` "
-                "(ckpt_path=auto starts afresh when there is nothing to resume)"
+                f"ckpt_path=last but {last} does not exist.{instead} To resume a run, start it "
+                "again in its own output directory: `hydra.run.dir=<run dir> ckpt_path=last` "
+                "(ckpt_path=auto resumes from the newest resumable checkpoint, or starts afresh "
+                "when there is none)"
             )
         return str(last)
     if not Path(ckpt_path).exists():
         raise RunFolderError(f"checkpoint not found: {ckpt_path}")
     return str(ckpt_path)
+
+
+def _peek(path: Path) -> tuple[int, bool] | None:
+    """(global step, holds the loop and optimizer state?) of a checkpoint, read lazily
+    (memory-mapped, nothing verified yet); None when it is not a readable checkpoint."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        return None
+    if not isinstance(checkpoint, dict):
+        return None
+    loops, optimizers = checkpoint.get("loops"), checkpoint.get("optimizer_states")
+    return int(checkpoint.get("global_step", -1)), bool(loops) and bool(optimizers)
+
+
+def resumable_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint of the run folder a run resumes exactly from: one that records the loops'
+    progress and the optimizer (a weights-only file does not), passes its checksum, and was
+    written at the latest step (`last.ckpt` on a tie). A run killed before its first `last.ckpt`
+    (the time-based schedule) resumes from its best checkpoint, written after a validation."""
+    folder = Path(output_dir) / "checkpoints"
+    if not folder.is_dir():
+        return None
+    candidates = []
+    for path in folder.glob("*.ckpt"):
+        peeked = _peek(path)
+        if peeked is not None and peeked[1]:
+            candidates.append((peeked[0], path.name == "last.ckpt", path))
+    for step, _, path in sorted(candidates, reverse=True):
+        try:
+            verify_checkpoint(path, allow_unverified=False)
+        except CheckpointError as err:
+            log.warning("ckpt_path=auto: %s cannot be used (%s)", path, err)
+            continue
+        log.info("ckpt_path=auto: resuming from %s (step %d)", path, step)
+        return path
+    return None
+
+
+def set_aside_earlier_run(output_dir: str | os.PathLike[str]) -> Path:
+    """Move what an earlier run left in `output_dir` (checkpoints, `metrics.json`, CSV log)
+    into `<output_dir>/earlier/<time>/`, so a fresh run starts there without overwriting it."""
+    folder = Path(output_dir)
+    aside = folder / "earlier" / time.strftime("%Y%m%d-%H%M%S")
+    n = 1
+    while aside.exists():
+        aside = aside.with_name(f"{aside.name.split('.')[0]}.{n}")
+        n += 1
+    aside.mkdir(parents=True)
+    for name in ("checkpoints", "metrics.json", "csv"):
+        if (folder / name).exists():
+            os.replace(folder / name, aside / name)
+    return aside
 
 
 def earlier_run_outputs(output_dir: str | os.PathLike[str]) -> list[Path]:
@@ -83,12 +149,25 @@ def start_run(cfg: DictConfig, output_dir: str | os.PathLike[str]) -> str | None
     ckpt_path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
     if ckpt_path is None:
         earlier = earlier_run_outputs(output_dir)
-        if earlier:
+        if earlier and cfg.get("ckpt_path") == "auto":
+            # Nothing there resumes exactly (no checkpoint with the loop state passes its
+            # checksum): start over, keeping the earlier files, so a requeued job never loops.
+            if _is_rank_zero():
+                aside = set_aside_earlier_run(output_dir)
+                log.warning(
+                    "ckpt_path=auto: no checkpoint in %s resumes exactly; the earlier run's "
+                    "files were moved to %s and the run starts over",
+                    output_dir,
+                    aside,
+                )
+        elif earlier:
             listed = ", ".join(p.name for p in earlier[:4]) + (" ..." if len(earlier) > 4 else "")
             raise RunFolderError(
                 f"the run folder {output_dir} holds an earlier run ({listed}); a new run there "
-                "would overwrite it. Resume that run with ckpt_path=last (or ckpt_path=auto), or "
-                "start this one in another folder (a new hydra.run.dir)"
+                "would overwrite it. Resume that run with ckpt_path=last (its last.ckpt) or "
+                "ckpt_path=auto (the newest checkpoint it resumes exactly from, else a fresh "
+                "start with the earlier files kept aside), or start this one in another folder "
+                "(a new hydra.run.dir)"
             )
     else:
         reuse_wandb_run(cfg, output_dir)
