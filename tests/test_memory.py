@@ -278,7 +278,9 @@ def test_planning_again_and_again_leaves_nothing_behind(compose_cfg) -> None:
     task = hydra.utils.instantiate(_cfg(compose_cfg, *long).task)
     rss = _rss()
     plan = plan_memory(_cfg(compose_cfg, *long), task, exact=True)
-    assert plan is not None and plan.train_peak(16) > 256 * 2**20
+    # (about 0.2 GB of live tensors: the test process runs with glibc's default malloc, so the
+    # plan's allocator overhead is 1.0 here)
+    assert plan is not None and plan.train_peak(16) > 128 * 2**20
     # The heap is trimmed when the probes grew it by more than TRIM_ABOVE; below that it is kept
     # for the next steps to reuse.
     assert _rss() - rss < memory.TRIM_ABOVE + 8 * 2**20

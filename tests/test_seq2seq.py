@@ -21,6 +21,7 @@ from megalab.tasks.seq2seq import Seq2SeqTask, decoder_inputs
 from megalab.train import train
 from megalab.translate import CheckpointError, load_translator
 from megalab.translate import main as translate_main
+from megalab.utils.checkpointing import write_checkpoint
 
 SMALL = {
     "mega/wmt16_en_de": [
@@ -135,14 +136,16 @@ def test_the_task_needs_an_encoder_decoder() -> None:
 
 def test_translate_refuses_checkpoints_naming_other_classes(tmp_path: Path) -> None:
     bad = tmp_path / "bad.ckpt"
-    torch.save(
+    # Checksummed, as megalab writes them: what refuses them is the class they name (a file
+    # without a readable checksum is refused before it is read at all).
+    write_checkpoint(
         {"state_dict": {}, "text_pipeline": {}, "seq2seq_model": {"class": "os.system",
                                                                  "config": {}}},
         bad,
     )  # fmt: skip
     with pytest.raises(CheckpointError, match=r"os\.system"):
         load_translator(bad)
-    torch.save({"state_dict": {}}, bad)
+    write_checkpoint({"state_dict": {}}, bad)
     with pytest.raises(CheckpointError, match="task=seq2seq"):
         load_translator(bad)
     assert translate_main(["--checkpoint", str(bad), "--input", "-"]) == 2
