@@ -59,6 +59,9 @@ def test_state_headers_round_trip_without_pickling() -> None:
         unflatten_state(header.replace("MegaState", "Evil"), tensors)
 
 
+# The exchange itself is tested in the default suite (two gloo ranks = one rank); this 16 s
+# end-to-end run through trainer=chunk_parallel_cpu is slow.
+@pytest.mark.slow
 def test_trainer_option_trains_like_one_process(fixture_data_dir: Path, tmp_path: Path) -> None:
     """`trainer=chunk_parallel_cpu` (2 gloo processes, one group) trains Mega-chunk on the
     halves of each window and logs the losses of a single process on the whole windows."""

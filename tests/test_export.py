@@ -86,7 +86,12 @@ def _same_outputs(a: Any, b: Any, cfg: Any) -> None:
         torch.testing.assert_close(b.encode(x, mask).y, a.encode(x, mask).y, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model", MODELS + SEQ2SEQ)
+# Size presets (llama_100m ... llama_7b: the llama code path at other sizes) run in the slow suite.
+CASES = [pytest.param(m, marks=pytest.mark.slow) if m.startswith("llama_") else m
+         for m in MODELS + SEQ2SEQ]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", CASES)
 def test_every_model_config_round_trips(compose_cfg, tmp_path: Path, model: str) -> None:
     cfg = compose_cfg(*_model_overrides(compose_cfg, model))
     task = _fake_run(cfg, tmp_path / "run")

@@ -268,6 +268,8 @@ def test_dry_run_prints_and_writes_nothing(tmp_path: Path, capsys) -> None:
     assert "no_such_key" in capsys.readouterr().err
 
 
+# make reproduce-mega-lra SMOKE=1 runs a sweep in the default suite; this grid (13 s) is slow.
+@pytest.mark.slow
 def test_offline_sweep_runs_a_two_point_smoke_grid_and_plots(tmp_path: Path) -> None:
     path = _sweep_file(tmp_path, [16, -1])
     out = tmp_path / "out"

@@ -426,6 +426,8 @@ def test_make_reproduce_mega_lm_and_imagenet_smoke(tmp_path: Path) -> None:
     assert "| Mega | paper | 90 | 82.3 |" in _table(tmp_path, "reproduce-mega-imagenet")
 
 
+# Same path as reproduce-mega-lra (default suite), for Megalodon's table: slow (18 s).
+@pytest.mark.slow
 @needs_make
 def test_make_reproduce_megalodon_lra_smoke_listops(tmp_path: Path) -> None:
     """Megalodon's LRA target on one task: its sweeps and Mega's, then Table 6 beside ours."""

@@ -158,6 +158,8 @@ def test_quickstart_trains_two_steps_from_an_empty_directory(
     assert (tmp_path / "data" / "lra" / "listops_quick").is_dir()
 
 
+# The wheel trains the quickstart in the default suite; the smoke reproduction (22 s) is slow.
+@pytest.mark.slow
 def test_smoke_data_and_a_smoke_reproduction_run_from_the_wheel(
     venv: Path, tmp_path: Path, user_env: dict[str, str]
 ) -> None:
