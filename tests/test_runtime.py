@@ -23,14 +23,16 @@ import json, os, resource
 {prelude}
 import torch
 faults = []
-for step in range(10):
+for step in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     x = torch.ones(16 << 20)
     y = x * 2
     del x, y
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 env = {{k: v for k, v in os.environ.items() if k.startswith("OMP_")}}
-print(json.dumps({{"faults": sum(faults[-3:]), "env": env}}))
+# the 3 quietest of the last 5 steps: a settled heap, even if a background thread's allocation
+# (an imported library's) made the heap grow once more on one of those steps
+print(json.dumps({{"faults": sum(sorted(faults[-5:])[:3]), "env": env}}))
 """
 
 
