@@ -70,3 +70,46 @@ def test_fsdp_blocks_trains_a_llama_two_steps(compose_cfg) -> None:
         "model.backbone.num_layers=2", "data.batch_size=4",
     )  # fmt: skip
     assert train(cfg)["global_step"] == 2
+
+
+class _Root(torch.nn.Module):
+    """Stands in for the FSDP-wrapped root (FSDP needs CUDA): records its clipping calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clipped: list[float] = []
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        self.clipped.append(max_norm)
+        return torch.tensor(0.0)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_clipping_by_norm_goes_through_the_fsdp_root(compose_cfg, strategy: str) -> None:
+    """Lightning's FSDP precision refuses clipping by norm, which the experiments set: under
+    FSDP the task clips through the sharded root's `clip_grad_norm_` (its norm spans every
+    rank's shards); elsewhere Lightning's own clipping runs."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+
+    task = hydra.utils.instantiate(compose_cfg("model=mega").task)
+    weight = next(task.parameters())
+    weight.grad = torch.full_like(weight, 10.0)
+    built = FSDPStrategy() if strategy == "fsdp" else DDPStrategy()
+    root = _Root()
+    built.model = root
+    precision = SimpleNamespace(clip_gradients=lambda opt, val, alg: calls.append((val, alg)))
+    calls: list[tuple] = []
+    task._trainer = SimpleNamespace(  # type: ignore[assignment]
+        strategy=built,
+        precision_plugin=precision,
+        gradient_clip_val=0.25,
+        gradient_clip_algorithm="norm",
+    )
+    task.configure_gradient_clipping(torch.optim.SGD(task.parameters()), 0.25, "norm")
+    if strategy == "fsdp":
+        assert root.clipped == [0.25] and not calls
+    else:
+        assert root.clipped == [] and [(v, str(a.value)) for v, a in calls] == [(0.25, "norm")]
+    task._trainer = None

@@ -116,6 +116,28 @@ class TaskBase(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._t_last = None
 
+    def configure_gradient_clipping(
+        self,
+        optimizer: Any,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Lightning's clipping, but by norm under FSDP through the sharded root's own
+        `clip_grad_norm_`: the norm of sharded gradients needs every rank's shards, so
+        Lightning's FSDP precision refuses `gradient_clip_algorithm=norm`, which the papers'
+        experiments set (`trainer.gradient_clip_val`)."""
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        by_norm = (gradient_clip_algorithm or "norm") == "norm"
+        if gradient_clip_val and by_norm and isinstance(self.trainer.strategy, FSDPStrategy):
+            root = self.trainer.strategy.model
+            clip = getattr(root, "clip_grad_norm_", None)
+            if clip is None:  # not wrapped (yet): no FSDP root to clip through
+                raise RuntimeError("FSDP gradient clipping needs the FSDP-wrapped root module")
+            clip(float(gradient_clip_val))
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
     # -- exact resume ---------------------------------------------------------------------------
     # Every process saves its own random number generators (dropout masks, augmentation) and the
     # accumulated state of its metrics (a resumed epoch reports the same accuracy, the best
