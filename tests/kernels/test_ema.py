@@ -19,10 +19,13 @@ from megalab.nn import ema_kernel
 from megalab.nn.cema import CEMAState, ComplexEMA
 from megalab.nn.ema import DampedEMA
 
-pytestmark = pytest.mark.skipif(
-    not (kernels.triton_available() and (kernels.interpreting() or torch.cuda.is_available())),
-    reason="needs Triton (the gpu or dev extra), with CUDA or TRITON_INTERPRET=1",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (kernels.triton_available() and (kernels.interpreting() or torch.cuda.is_available())),
+        reason="needs Triton (the gpu or dev extra), with CUDA or TRITON_INTERPRET=1",
+    ),
+    pytest.mark.usefixtures("kernel_device"),  # CUDA tensors when compiled (conftest)
+]
 
 
 def perturbed(module: nn.Module, seed: int = 0) -> nn.Module:

@@ -19,10 +19,13 @@ from megalab.kernels import timestep_norm as tsk
 from megalab.models.megalodon import Megalodon
 from megalab.nn.timestep_norm import TimestepNorm, TimestepNormState
 
-pytestmark = pytest.mark.skipif(
-    not (kernels.triton_available() and (kernels.interpreting() or torch.cuda.is_available())),
-    reason="needs Triton (its interpreter without CUDA)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (kernels.triton_available() and (kernels.interpreting() or torch.cuda.is_available())),
+        reason="needs Triton (its interpreter without CUDA)",
+    ),
+    pytest.mark.usefixtures("kernel_device"),  # CUDA tensors when compiled (conftest)
+]
 
 B, L, D, G = 2, 300, 16, 2
 BLOCK_T = 64  # 5 blocks of steps per sequence (the last one partial)
@@ -217,12 +220,13 @@ def test_module_takes_the_kernel_only_where_chosen(monkeypatch: pytest.MonkeyPat
     m = norm(8, 2)
     x = torch.randn(2, 5, 8)
     m(x)
-    assert not calls  # CPU tensors: the PyTorch path unless forced
+    auto = int(x.is_cuda)  # CUDA tensors take the kernel; CPU ones the PyTorch path unless forced
+    assert len(calls) == auto
     with kernels.forced("timestep_norm"):
         y, _ = m(x)
-        assert len(calls) == 1
+        assert len(calls) == auto + 1
         m.double()(x.double())  # float64 stays on the PyTorch path
-        assert len(calls) == 1
+        assert len(calls) == auto + 1
     with kernels.disabled("timestep_norm"):
         ref, _ = m.float()(x)
     torch.testing.assert_close(y, ref)
@@ -261,7 +265,9 @@ def test_the_authors_golden_case_with_the_kernel() -> None:
     """The authors' float32 run (carried counts 7, 0, 12, right pads; then leading and middle
     pads, forward only) within the golden tests' float32 tolerances: outputs and state 1e-5,
     gradients 5e-5 (tests/models/test_megalodon_golden.py)."""
-    d = golden.load_case("megalodon", "timestep_norm")
+    dev = torch.get_default_device()  # CUDA when compiled (conftest)
+    d = {k: v.to(dev) if isinstance(v, torch.Tensor) else v
+         for k, v in golden.load_case("megalodon", "timestep_norm").items()}  # fmt: skip
     cfg = json.loads(d["config"])
     m = TimestepNorm(cfg["num_features"], cfg["num_groups"], eps=cfg["eps"])
     m.load_state_dict(convert_timestep_norm(prefixed(d, "state_dict.")))
