@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_gpu  # noqa: E402
 import gpu_check  # noqa: E402
 
 
@@ -128,6 +129,24 @@ def test_pytest_counts_come_from_junit(tmp_path: Path) -> None:
     assert gpu_check.junit_counts(tmp_path / "missing.xml") is None
 
 
+def test_the_record_says_why_each_test_failed(tmp_path: Path) -> None:
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite tests="3" failures="1" errors="1">'
+        '<testcase classname="tests.test_a" name="test_ok"/>'
+        '<testcase classname="tests.test_a" name="test_bad[x]">'
+        '<failure message="ValueError: no clipping by norm&#10;more">trace</failure></testcase>'
+        '<testcase classname="tests.test_b" name="test_err"><error message="">Timeout &gt;45.0s'
+        "</error></testcase></testsuite></testsuites>"
+    )
+    assert gpu_check.junit_failures(junit) == [
+        {"test": "tests.test_a::test_bad[x]", "kind": "failure",
+         "message": "ValueError: no clipping by norm"},
+        {"test": "tests.test_b::test_err", "kind": "error", "message": "Timeout >45.0s"},
+    ]  # fmt: skip
+    assert gpu_check.junit_failures(tmp_path / "missing.xml") == []
+
+
 def test_a_pytest_part_that_only_skipped_did_not_pass() -> None:
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 49}
     part = {"status": "passed", "returncode": 0, "counts": counts}
@@ -150,3 +169,13 @@ def test_the_gpu_parts_find_their_tests() -> None:
     assert set(cmds) == set(gpu_check.PARTS)
     assert cmds["kernels"][1] == {"TRITON_INTERPRET": ""}
     assert sum(gpu_check.BUDGETS.values()) <= 8 * 60 - 15
+
+
+def test_speed_ratios_are_of_throughput_when_micro_batches_differ() -> None:
+    """A case stepping half the baseline's sequences in 0.6 of its time runs at 0.83x its
+    tokens per second, not 1.67x (LRA Text: Mega's 25 sequences against the Transformer's 50)."""
+    base = {"tokens_per_step": 50 * 4000, "times_s": [1.0, 1.0, 1.0]}
+    half = {"tokens_per_step": 25 * 4000, "times_s": [0.6, 0.5, 0.6]}
+    ratio = bench_gpu.speed_ratio(base, half)
+    assert ratio["median"] == pytest.approx(1.0 / 0.6 / 2)
+    assert ratio["min"] == pytest.approx(1.0 / 0.6 / 2) and ratio["max"] == pytest.approx(1.0)
