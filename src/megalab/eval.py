@@ -36,6 +36,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from megalab.config_schema import validate as validate_config  # noqa: E402
+from megalab.data.download import caches_written_under  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import set_verification  # noqa: E402
@@ -123,6 +124,12 @@ def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
     validate_config(cfg)
+    # Nothing written outside the output folder: prepared data the data folder lacks goes there.
+    with caches_written_under(cfg.paths.output_dir):
+        return _evaluate_in(cfg)
+
+
+def _evaluate_in(cfg: DictConfig) -> dict[str, Any]:
     mode = cfg.get("mode", "test")
     if mode == "long_context":
         from megalab.long_context import evaluate_long_context

@@ -518,3 +518,47 @@ def test_a_cache_with_a_pickled_array_runs_nothing(tmp_path: Path, marker: Path)
         np.load(cache / "tokens.npy", mmap_mode="r")
     with pytest.raises(ValueError, match="allow_pickle"):
         np.load(cache / "tokens.npy")
+
+
+def test_eval_prepares_missing_data_in_its_output_folder_only(
+    compose_cfg, fixture_data_dir: Path, tmp_path: Path
+) -> None:
+    """Evaluation writes nothing outside its output folder: data the run's folder has not
+    prepared (here enwik8, raw archive only) is prepared below the output folder, and a
+    finished cache is then read in place without its verification stamp being written."""
+    import shutil
+
+    import hydra
+
+    from megalab.data.download import caches_written_under
+
+    data = tmp_path / "data"
+    (data / "enwik8").mkdir(parents=True)  # the raw archive alone, nothing prepared yet
+    shutil.copy(fixture_data_dir / "enwik8" / "enwik8.zip", data / "enwik8")
+
+    def tree() -> dict[str, int]:
+        return {str(p): p.stat().st_mtime_ns for p in data.rglob("*")}
+
+    small = ["data.max_len=32", "data.valid_size=2000", "data.test_size=2000", "data.sha256=null"]
+
+    def load(out: Path) -> None:
+        cfg = compose_cfg("data=enwik8", f"paths.data_dir={data}", *small)
+        with caches_written_under(out):
+            dm = hydra.utils.instantiate(cfg.data)
+            dm.prepare_data()
+            dm.setup("test")
+            assert next(iter(dm.test_dataloader()))["inputs"].shape[-1] == 32
+
+    before = tree()
+    load(tmp_path / "eval1")
+    assert tree() == before  # the data folder untouched
+    assert list((tmp_path / "eval1" / "prepared").rglob(".complete"))
+    # Prepared in the data folder (as training does), evaluation reads it and writes nothing.
+    cfg = compose_cfg("data=enwik8", f"paths.data_dir={data}", *small)
+    hydra.utils.instantiate(cfg.data).prepare_data()
+    (stamp,) = data.rglob(".verified")
+    stamp.unlink()
+    before = tree()
+    load(tmp_path / "eval2")
+    assert tree() == before
+    assert not (tmp_path / "eval2" / "prepared").exists()

@@ -108,8 +108,10 @@ def _locate_source(cache: Path, key: str, entry: Mapping[str, Any]) -> Path | No
 
 def write_stamp(cache: Path, integrity: Mapping[str, Any]) -> None:
     """Record the status of every checked file: later loads skip the full checksums."""
-    from megalab.data.download import _write_atomic
+    from megalab.data.download import _write_atomic, may_write
 
+    if not may_write(cache):  # read in place by evaluation: verified again next time
+        return
     status = {}
     for rel in integrity.get("files", {}):
         status[rel] = _status(cache / rel)

@@ -26,6 +26,7 @@ import contextlib
 import gzip
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -38,7 +39,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from http.client import HTTPException
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
@@ -65,6 +66,7 @@ CACHE_FORMAT_VERSION = 1
 
 _USER_AGENT = "megalab-data/0.1 (+python-urllib)"
 _OFFLINE_VARS = ("MEGALAB_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+log = logging.getLogger(__name__)
 _COMPLETE = ".complete"
 _DATA_DIR_HINT = (
     "The data root is the `paths.data_dir` setting; to keep data elsewhere, run with "
@@ -798,6 +800,30 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# Where prepared caches may be written: anywhere (None), or only below one folder. Evaluation
+# writes nothing outside its output folder (`caches_written_under`): a cache the data folder
+# lacks is prepared below the output folder instead, and a finished one is read in place
+# without writing its verification stamp there.
+_WRITE_ROOT: Path | None = None
+
+
+@contextlib.contextmanager
+def caches_written_under(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """Within this context prepared caches are written only below `<folder>/prepared`."""
+    global _WRITE_ROOT
+    before = _WRITE_ROOT
+    _WRITE_ROOT = Path(folder).expanduser().absolute() / "prepared"
+    try:
+        yield _WRITE_ROOT
+    finally:
+        _WRITE_ROOT = before
+
+
+def may_write(path: str | os.PathLike[str]) -> bool:
+    """Whether a cache folder may be written to (`caches_written_under`)."""
+    return _WRITE_ROOT is None or Path(path).absolute().is_relative_to(_WRITE_ROOT)
+
+
 def cache_dir(
     root: str | os.PathLike[str], name: str, params: Mapping[str, Any], *, version: int = 0
 ) -> Path:
@@ -810,6 +836,12 @@ def cache_dir(
     """
     key = {"format": CACHE_FORMAT_VERSION, "version": version, "params": dict(params)}
     path = Path(root).expanduser().absolute() / name / _short_hash(key)
+    if not may_write(path):
+        if (path / _COMPLETE).is_file():
+            return path  # finished: read in place, nothing written there
+        assert _WRITE_ROOT is not None
+        path = _WRITE_ROOT / name / _short_hash(key)
+        log.info("preparing %s data under %s (the data folder is not written)", name, path.parent)
     path.mkdir(parents=True, exist_ok=True)
     text = json.dumps(key, sort_keys=True, indent=2, default=_json_default) + "\n"
     pfile = path / "params.json"
