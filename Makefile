@@ -14,7 +14,7 @@ CONSTRAINTS ?= constraints.txt
 PYTEST_ARGS ?=
 ARGS ?=
 
-.PHONY: help install train test test-full lint format clean
+.PHONY: help install train test test-full test-memory lint format clean
 
 help: ## Show this help
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  \033[36m%-26s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -42,6 +42,9 @@ test: install ## Run the default test suite (excludes tests marked slow)
 
 test-full: install ## Run every test, including the slow ones
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-memory: install ## The default suite with each test's peak resident memory (fails past 6 GB; report in test-memory.json)
+	MEGALAB_TEST_MEMORY=$(CURDIR)/test-memory.json $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: install ## Check style with ruff and types with mypy (basic mode, src/)
 	$(BIN)/ruff check src tests benchmarks

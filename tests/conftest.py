@@ -111,6 +111,60 @@ def run_cli(
     )
 
 
+# -- peak memory per test (`make test-memory`, docs/reliability.md) -------------------------------
+# With MEGALAB_TEST_MEMORY=<file.json>, each test's peak resident set is measured (VmHWM, reset to
+# the current RSS before the test through /proc/self/clear_refs) together with the largest child
+# process waited for so far (runs started with run_cli, spawned ranks), and written to that file,
+# largest first. MEGALAB_TEST_MEMORY_LIMIT_GB (default 6) fails the session past it.
+_MEMORY_REPORT = os.environ.get("MEGALAB_TEST_MEMORY")
+_memory: dict[str, dict[str, float]] = {}
+
+
+def _vm_hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    if not _MEMORY_REPORT:
+        yield
+        return
+    import resource
+
+    Path("/proc/self/clear_refs").write_text("5")
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    yield
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    _memory[item.nodeid] = {
+        "peak_gb": _vm_hwm_bytes() / 2**30,
+        "child_peak_gb": (children / 2**30) if children > children_before else 0.0,
+    }
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not _MEMORY_REPORT or not _memory:
+        return
+    import json
+
+    limit = float(os.environ.get("MEGALAB_TEST_MEMORY_LIMIT_GB", "6"))
+    ranked = sorted(_memory.items(), key=lambda kv: -max(kv[1].values()))
+    worst = max(max(v.values()) for v in _memory.values())
+    Path(_MEMORY_REPORT).write_text(
+        json.dumps(
+            {"tests": len(_memory), "max_gb": worst, "limit_gb": limit, "peaks": dict(ranked)},
+            indent=1,
+        )
+        + "\n"
+    )
+    over = [n for n, v in ranked if max(v.values()) > limit]
+    if over:
+        print(f"\n{len(over)} test(s) over {limit} GB resident: {over[:10]}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `gpu` need CUDA; without it they are skipped, saying why."""
     if torch.cuda.is_available():
