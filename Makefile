@@ -43,7 +43,7 @@ test: install ## Run the default test suite (excludes tests marked slow)
 test-full: install ## Run every test, including the slow ones
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: install ## Check style with ruff and types with mypy (basic mode, src/)
+lint: install ## Check style with ruff and types with mypy (src/, every function annotated)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src
