@@ -46,7 +46,7 @@ test-full: install ## Run every test, including the slow ones
 test-memory: install ## The default suite with each test's peak resident memory (fails past 6 GB; report in test-memory.json)
 	MEGALAB_TEST_MEMORY=$(CURDIR)/test-memory.json $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-lint: install ## Check style with ruff and types with mypy (basic mode, src/)
+lint: install ## Check style with ruff and types with mypy (src/, every function annotated)
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy src

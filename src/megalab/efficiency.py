@@ -45,6 +45,7 @@ import lightning as L
 import torch
 import yaml
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +181,7 @@ class EfficiencyMonitor(Callback):
         self,
         trainer: L.Trainer,
         pl_module: L.LightningModule,
-        outputs: Any,
+        outputs: STEP_OUTPUT,
         batch: Any,
         batch_idx: int,
     ) -> None:
@@ -217,22 +218,50 @@ class EfficiencyMonitor(Callback):
         self.eval_tokens += count_tokens(batch) or 0
         self._eval_t0 = None
 
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+    def on_validation_batch_start(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_start(trainer)
 
     def on_validation_batch_end(
-        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
-    ):
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_end(trainer, batch)
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._device = pl_module.device
         self._world = trainer.world_size
 
-    def on_test_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+    def on_test_batch_start(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_start(trainer)
 
-    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+    def on_test_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: STEP_OUTPUT,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         self._eval_end(trainer, batch)
 
     # -- summary -----------------------------------------------------------------------------

@@ -54,7 +54,7 @@ import math
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import Tensor, nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,13 @@ class _LiveBytes(TorchDispatchMode):
             del self.refs[key]
             self.total -= nbytes
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, tuple | list) else (out,):
             if not isinstance(t, Tensor) or t.device.type == "meta":

@@ -40,6 +40,7 @@ import json
 import re
 import shutil
 import sys
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -200,7 +201,7 @@ def to_hf_state_dict(sd: Mapping[str, Tensor], tie_word_embeddings: bool) -> dic
 
 
 # ----------------------------------------------------------------------------------- files
-def _safetensors():
+def _safetensors() -> types.ModuleType:
     try:
         import safetensors.torch
     except ImportError:

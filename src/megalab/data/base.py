@@ -9,7 +9,7 @@ length) that model configs interpolate from `${data.*}`; `setup` checks the data
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ class ShardedSampler(Sampler[int]):
             order = self.order if self.order is not None else list(range(self.size))
         return order[self.rank :: self.world_size]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self.indices()[self.skip :])
 
     def __len__(self) -> int:
@@ -249,7 +250,7 @@ class ResumableDataLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self.position = position
 
-    def __iter__(self):
+    def __iter__(self) -> _BaseDataLoaderIter:
         if isinstance(self.sampler, ShardedSampler):
             done = self.position() if self.position is not None else 0
             self.sampler.skip = done * (self.batch_size or 1)

@@ -556,9 +556,12 @@ class WMT16EnDeDataModule(SequenceDataModule):
         }
         return cache_dir(self.cache_root, "wmt16_en_de", params, version=_CACHE_VERSION)
 
-    def _pairs(self, source: HubDataset, split: str, limit: int | None = None):
+    def _pairs(
+        self, source: HubDataset, split: str, limit: int | None = None
+    ) -> dict[str, list[str]]:
         """(English, German) sentences of a split."""
-        en, de = [], []
+        en: list[str] = []
+        de: list[str] = []
         for i, row in enumerate(source.rows(split, batch_size=4096)):
             if limit is not None and i >= limit:
                 break
@@ -623,7 +626,9 @@ class WMT16EnDeDataModule(SequenceDataModule):
         log.info("WMT'16 En-De prepared: %s; %d subword types", json.dumps(sizes), len(counts))
 
     @staticmethod
-    def _chunks(bpe: BPE, tok: dict[str, list[str]], size: int = 100_000):
+    def _chunks(
+        bpe: BPE, tok: dict[str, list[str]], size: int = 100_000
+    ) -> Iterator[tuple[int, list[list[str]], list[list[str]]]]:
         """(first index, English subwords, German subwords) of consecutive chunks."""
         for start in range(0, len(tok["en"]), size):
             yield (

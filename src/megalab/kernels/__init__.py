@@ -10,6 +10,11 @@ The PyTorch code stays the reference and the CPU path: a kernel runs only where 
 Switches, for a run or a test: `MEGALAB_KERNELS=0` turns every kernel off, `MEGALAB_KERNELS=
 timestep_norm,ema` turns on only those, `MEGALAB_KERNELS=-attention` all but those; in Python,
 `with megalab.kernels.disabled("attention"): ...`. An unknown name is refused with the list.
+
+Parameters of `@triton.jit` functions are annotated `tl.constexpr` or `tl.tensor`, nothing else:
+Triton reads these annotations (`int` or `float` would fix an argument's type, torch's `Tensor`
+fails to compile), and `tl.tensor` leaves the compiled kernels as they were unannotated
+(tests/kernels/test_annotations.py).
 """
 
 from __future__ import annotations

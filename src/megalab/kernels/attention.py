@@ -123,7 +123,7 @@ if triton is not None:
     _SIGMA = tl.constexpr(LAPLACE_SIGMA)
 
     @triton.jit
-    def _mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    def _mm(a: tl.tensor, b: tl.tensor, PRECISION: tl.constexpr, UPCAST: tl.constexpr) -> tl.tensor:
         """a @ b accumulated in float32; with UPCAST (bf16/fp16 in the interpreter, whose
         half-precision `tl.dot` gives wrong sums in Triton 3.9) on float32 copies of a and b."""
         if UPCAST:
@@ -132,20 +132,20 @@ if triton is not None:
 
     @triton.jit
     def _scores(
-        q,
-        k,
-        offs_m,
-        offs_n,
-        n,
-        W,
-        VALID,
-        FIRST,
-        stride_valid,
-        Cq,
-        Ck,
-        q_offset,
-        positions,
-        scale,
+        q: tl.tensor,
+        k: tl.tensor,
+        offs_m: tl.tensor,
+        offs_n: tl.tensor,
+        n: tl.tensor,
+        W: tl.tensor,
+        VALID: tl.tensor,
+        FIRST: tl.tensor,
+        stride_valid: tl.tensor,
+        Cq: tl.tensor,
+        Ck: tl.tensor,
+        q_offset: tl.tensor,
+        positions: tl.tensor,
+        scale: tl.tensor,
         FN: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         HAS_VALID: tl.constexpr,
@@ -153,7 +153,7 @@ if triton is not None:
         EMPTY_CAUSAL: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
-    ):
+    ) -> tuple[tl.tensor, tl.tensor]:
         """S (BM, BN) in float32 of a query tile against a key tile, and the keys each row sees."""
         s = _mm(q, tl.trans(k), PRECISION, UPCAST) * scale
         pos = offs_m + q_offset  # the queries' key positions
@@ -186,7 +186,7 @@ if triton is not None:
         return s, allowed
 
     @triton.jit
-    def _activate(s, FN: tl.constexpr):
+    def _activate(s: tl.tensor, FN: tl.constexpr) -> tl.tensor:
         """f(S) for laplace (FN 1) or relu2 (FN 2)."""
         if FN == 1:
             return 0.5 * (1.0 + tl.erf((s - _MU) / (_SIGMA * 1.4142135623730951)))
@@ -194,7 +194,7 @@ if triton is not None:
         return r * r
 
     @triton.jit
-    def _derivative(s, FN: tl.constexpr):
+    def _derivative(s: tl.tensor, FN: tl.constexpr) -> tl.tensor:
         """f'(S): exp(−(S − μ)²/(2σ²)) / (σ√(2π)) (laplace) or 2 relu(S) (relu2)."""
         if FN == 1:
             x = s - _MU
@@ -203,14 +203,19 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        Q, K, V, W, VALID, FIRST, OUT, LSE,
-        sqn, sqh, sqm, sqz, skn, skh, skm, skz, svn, svh, svm, sve, son, soh, som, soe,
-        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        Q: tl.tensor, K: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
+        OUT: tl.tensor, LSE: tl.tensor,
+        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
+        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
+        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
+        son: tl.tensor, soh: tl.tensor, som: tl.tensor, soe: tl.tensor,
+        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
+        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):  # fmt: skip
+    ) -> None:  # fmt: skip
         pid_b, pid_m, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n, h = pid_b // H, pid_b % H
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -267,11 +272,14 @@ if triton is not None:
 
     @triton.jit
     def _weights(
-        q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck, q_offset,
-        positions, scale, FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
+        q: tl.tensor, k: tl.tensor, offs_m: tl.tensor, offs_n: tl.tensor, n: tl.tensor,
+        W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor, LSE: tl.tensor, pid_b: tl.tensor,
+        stride_valid: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, q_offset: tl.tensor,
+        positions: tl.tensor, scale: tl.tensor, FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+        HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
-    ):  # fmt: skip
+    ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:  # fmt: skip
         """The recomputed weights P (softmax: from the saved lse), the logits S and the mask."""
         s, allowed = _scores(
             q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
@@ -286,14 +294,19 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dv_kernel(
-        Q, K, W, VALID, FIRST, LSE, DO, DV,
-        sqn, sqh, sqm, sqz, skn, skh, skm, skz, sdn, sdh, sdm, sde, svn, svh, svm, sve,
-        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        Q: tl.tensor, K: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
+        LSE: tl.tensor, DO: tl.tensor, DV: tl.tensor,
+        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
+        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
+        sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
+        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
+        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
+        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):  # fmt: skip
+    ) -> None:  # fmt: skip
         """dV = Pᵀ dO for one key block and value tile, looping over query blocks."""
         pid_b, pid_n, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         n, h = pid_b // H, pid_b % H
@@ -335,11 +348,14 @@ if triton is not None:
 
     @triton.jit
     def _grad_scores(
-        p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA,
-        svn, svh, svm, sve, sdn, sdh, sdm, sde, Cq, Ck, E,
+        p: tl.tensor, s: tl.tensor, allowed: tl.tensor, offs_m: tl.tensor, offs_n: tl.tensor,
+        n: tl.tensor, h: tl.tensor, pid_b: tl.tensor, V: tl.tensor, DO: tl.tensor, DELTA: tl.tensor,
+        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
+        sdn: tl.tensor,
+        sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, E: tl.tensor,
         FN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):  # fmt: skip
+    ) -> tl.tensor:  # fmt: skip
         """dS of a tile: dP = dO Vᵀ over every value tile, then the softmax or f' chain rule."""
         dp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start_e in range(0, E, BLOCK_E):
@@ -362,14 +378,19 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dk_kernel(
-        Q, K, V, W, VALID, FIRST, LSE, DELTA, DO, DK, DW,
-        sqn, sqh, sqm, sqz, skn, skh, skm, skz, svn, svh, svm, sve, sdn, sdh, sdm, sde,
-        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        Q: tl.tensor, K: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
+        LSE: tl.tensor, DELTA: tl.tensor, DO: tl.tensor, DK: tl.tensor, DW: tl.tensor,
+        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
+        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
+        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
+        sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
+        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
+        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):  # fmt: skip
+    ) -> None:  # fmt: skip
         """dK = dSᵀ Q τ⁻¹ for one key block, and the Toeplitz bias gradient of its tiles."""
         pid_b, pid_n = tl.program_id(0), tl.program_id(1)
         n, h = pid_b // H, pid_b % H
@@ -412,14 +433,19 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dq_kernel(
-        Q, K, V, W, VALID, FIRST, LSE, DELTA, DO, DQ,
-        sqn, sqh, sqm, sqz, skn, skh, skm, skz, svn, svh, svm, sve, sdn, sdh, sdm, sde,
-        stride_valid, H, Cq, Ck, Z, E, q_offset, positions, scale,
+        Q: tl.tensor, K: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
+        LSE: tl.tensor, DELTA: tl.tensor, DO: tl.tensor, DQ: tl.tensor,
+        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
+        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
+        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
+        sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
+        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
+        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
         FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
         CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ):  # fmt: skip
+    ) -> None:  # fmt: skip
         """dQ = dS K τ⁻¹ for one query block, looping over key blocks."""
         pid_b, pid_m = tl.program_id(0), tl.program_id(1)
         n, h = pid_b // H, pid_b % H

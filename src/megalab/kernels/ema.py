@@ -51,7 +51,7 @@ _BLOCK_T_REDUCE = 128
 
 
 @triton.jit
-def _kahan(total, comp, value):
+def _kahan(total: tl.tensor, comp: tl.tensor, value: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
     """total + value with the running compensation `comp` (Kahan summation)."""
     y = value - comp
     s = total + y
@@ -60,18 +60,18 @@ def _kahan(total, comp, value):
 
 @triton.jit
 def _apply_kernel(
-    c_ptr,  # (G·D, N) float32, or (G·D, N, 2) interleaved complex
-    q_ptr,  # (D, N) log q, or (D, N, 2) interleaved complex
-    out_ptr,  # (G·D, L) float32
-    D,
-    N,
-    L,
-    base,
+    c_ptr: tl.tensor,  # (G·D, N) float32, or (G·D, N, 2) interleaved complex
+    q_ptr: tl.tensor,  # (D, N) log q, or (D, N, 2) interleaved complex
+    out_ptr: tl.tensor,  # (G·D, L) float32
+    D: tl.tensor,
+    N: tl.tensor,
+    L: tl.tensor,
+    base: tl.tensor,
     REVERSE: tl.constexpr,
     COMPLEX: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)  # g·D + d
     d = row % D
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -102,20 +102,20 @@ def _apply_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    w_ptr,  # (G·D, L) float32
-    q_ptr,  # (D, N) log q, or (D, N, 2) interleaved complex
-    s0_ptr,  # (G·D, N) Σ_t w z, or (G·D, N, 2) complex
-    s1_ptr,  # (G·D, N) Σ_t w e z, or (G·D, N, 2) complex (written when WITH_S1)
-    D,
-    N,
-    L,
-    base,
+    w_ptr: tl.tensor,  # (G·D, L) float32
+    q_ptr: tl.tensor,  # (D, N) log q, or (D, N, 2) interleaved complex
+    s0_ptr: tl.tensor,  # (G·D, N) Σ_t w z, or (G·D, N, 2) complex
+    s1_ptr: tl.tensor,  # (G·D, N) Σ_t w e z, or (G·D, N, 2) complex (written when WITH_S1)
+    D: tl.tensor,
+    N: tl.tensor,
+    L: tl.tensor,
+    base: tl.tensor,
     REVERSE: tl.constexpr,
     COMPLEX: tl.constexpr,
     WITH_S1: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     d = row % D
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -328,24 +328,24 @@ def state_decay(h: Tensor, log_q: Tensor, length: int) -> Tensor:
 # --------------------------------------------------------------------------------- the output
 @triton.jit
 def _skip_fwd_kernel(
-    y_ptr,  # (B, D, L) float32, any strides: the EMA term
-    x_ptr,  # (B, L, D) any strides, any float dtype: the skip input
-    w_ptr,  # (D,) float32: ω
-    out_ptr,  # (B, L, D) contiguous, the output dtype
-    pre_ptr,  # (B, L, D) contiguous float32: the pre-activation (written when SAVE_PRE)
-    L,
-    D,
-    sy_b,
-    sy_d,
-    sy_t,
-    sx_b,
-    sx_t,
-    sx_d,
+    y_ptr: tl.tensor,  # (B, D, L) float32, any strides: the EMA term
+    x_ptr: tl.tensor,  # (B, L, D) any strides, any float dtype: the skip input
+    w_ptr: tl.tensor,  # (D,) float32: ω
+    out_ptr: tl.tensor,  # (B, L, D) contiguous, the output dtype
+    pre_ptr: tl.tensor,  # (B, L, D) contiguous float32: the pre-activation (written when SAVE_PRE)
+    L: tl.tensor,
+    D: tl.tensor,
+    sy_b: tl.tensor,
+    sy_d: tl.tensor,
+    sy_t: tl.tensor,
+    sx_b: tl.tensor,
+    sx_t: tl.tensor,
+    sx_d: tl.tensor,
     SILU: tl.constexpr,
     SAVE_PRE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -365,20 +365,20 @@ def _skip_fwd_kernel(
 
 @triton.jit
 def _skip_bwd_kernel(
-    g_ptr,  # (B, L, D) any strides: the output's gradient
-    pre_ptr,  # (B, L, D) contiguous float32 (read when SILU)
-    w_ptr,  # (D,) float32
-    dy_ptr,  # (B, D, L) contiguous float32
-    dx_ptr,  # (B, L, D) contiguous, x's dtype
-    L,
-    D,
-    sg_b,
-    sg_t,
-    sg_d,
+    g_ptr: tl.tensor,  # (B, L, D) any strides: the output's gradient
+    pre_ptr: tl.tensor,  # (B, L, D) contiguous float32 (read when SILU)
+    w_ptr: tl.tensor,  # (D,) float32
+    dy_ptr: tl.tensor,  # (B, D, L) contiguous float32
+    dx_ptr: tl.tensor,  # (B, L, D) contiguous, x's dtype
+    L: tl.tensor,
+    D: tl.tensor,
+    sg_b: tl.tensor,
+    sg_t: tl.tensor,
+    sg_d: tl.tensor,
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)

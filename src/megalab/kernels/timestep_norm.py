@@ -31,6 +31,9 @@ fp32; this is the same arithmetic in a three-pass form. docs/kernels.md has the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
@@ -41,9 +44,10 @@ __all__ = ["timestep_norm"]
 
 @triton.jit
 def _load_tile(
-    x_ptr, mask_ptr, b, g, blk, L, D, Dg,
+    x_ptr: tl.tensor, mask_ptr: tl.tensor, b: tl.tensor, g: tl.tensor, blk: tl.tensor, L: tl.tensor,
+    D: tl.tensor, Dg: tl.tensor,
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> tuple[tl.tensor, ...]:  # fmt: skip
     """The (BLOCK_T, BLOCK_D) tile of group g's features at the block's steps, in float32, its
     offsets, and which steps are real (in range and unmasked)."""
     offs_t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -61,9 +65,10 @@ def _load_tile(
 
 @triton.jit
 def _load_step_stats(
-    x_ptr, mask_ptr, b, g, blk, L, D, Dg,
+    x_ptr: tl.tensor, mask_ptr: tl.tensor, b: tl.tensor, g: tl.tensor, blk: tl.tensor, L: tl.tensor,
+    D: tl.tensor, Dg: tl.tensor,
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> tuple[tl.tensor, ...]:  # fmt: skip
     """`_load_tile`, plus each step's group mean and population variance (two-pass)."""
     x, offs, offs_t, in_t, in_d, valid = _load_tile(
         x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
@@ -74,7 +79,7 @@ def _load_step_stats(
 
 
 @triton.jit
-def _two_sum(hi, lo, add):
+def _two_sum(hi: tl.tensor, lo: tl.tensor, add: tl.tensor) -> tuple[tl.tensor, tl.tensor]:
     """hi + lo += add, with the rounding error of the addition kept in lo (Neumaier)."""
     s = hi + add
     bp = s - hi
@@ -84,9 +89,10 @@ def _two_sum(hi, lo, add):
 
 @triton.jit
 def _fwd_block_stats(
-    x_ptr, mask_ptr, stats_ptr, L, D, Dg, G, NBLK,
+    x_ptr: tl.tensor, mask_ptr: tl.tensor, stats_ptr: tl.tensor, L: tl.tensor, D: tl.tensor,
+    Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor,
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
     blk = pid % NBLK
     bg = pid // NBLK
@@ -107,7 +113,9 @@ def _fwd_block_stats(
 
 
 @triton.jit
-def _chan(n_a, m_a, M2_a, n_b, m_b, M2_b):
+def _chan(
+    n_a: tl.tensor, m_a: tl.tensor, M2_a: tl.tensor, n_b: tl.tensor, m_b: tl.tensor, M2_b: tl.tensor
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Chan's merge of two (count, mean, M2) statistics (associative: a scan's combine)."""
     n = n_a + n_b
     inv = 1.0 / tl.maximum(n, 1.0)
@@ -118,9 +126,11 @@ def _chan(n_a, m_a, M2_a, n_b, m_b, M2_b):
 
 @triton.jit
 def _fwd_scan_blocks(
-    stats_ptr, prefix_ptr, count_ptr, mean0_ptr, var0_ptr, mean_out_ptr, var_out_ptr, G, NBLK,
+    stats_ptr: tl.tensor, prefix_ptr: tl.tensor, count_ptr: tl.tensor, mean0_ptr: tl.tensor,
+    var0_ptr: tl.tensor, mean_out_ptr: tl.tensor, var_out_ptr: tl.tensor, G: tl.tensor,
+    NBLK: tl.tensor,
     CHUNK: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     """The statistics before each block: `CHUNK` blocks at a time, a tree scan (Chan's merge)
     within the chunk from the running totals, which take each chunk's total compensated."""
     bg = tl.program_id(0)
@@ -182,9 +192,11 @@ def _fwd_scan_blocks(
 
 @triton.jit
 def _fwd_normalize(
-    x_ptr, mask_ptr, w_ptr, b_ptr, prefix_ptr, y_ptr, mu_ptr, rstd_ptr, L, D, Dg, G, NBLK, eps,
+    x_ptr: tl.tensor, mask_ptr: tl.tensor, w_ptr: tl.tensor, b_ptr: tl.tensor,
+    prefix_ptr: tl.tensor, y_ptr: tl.tensor, mu_ptr: tl.tensor, rstd_ptr: tl.tensor, L: tl.tensor,
+    D: tl.tensor, Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor, eps: tl.tensor,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
     blk = pid % NBLK
     bg = pid // NBLK
@@ -224,11 +236,13 @@ def _fwd_normalize(
 
 @triton.jit
 def _bwd_step_terms(
-    x_ptr, dy_ptr, mask_ptr, w_ptr, mu_ptr, rstd_ptr, prefix_ptr, dmean_ptr, dvar_ptr,
-    b, g, bg, blk, L, D, Dg, G, NBLK,
+    x_ptr: tl.tensor, dy_ptr: tl.tensor, mask_ptr: tl.tensor, w_ptr: tl.tensor, mu_ptr: tl.tensor,
+    rstd_ptr: tl.tensor, prefix_ptr: tl.tensor, dmean_ptr: tl.tensor, dvar_ptr: tl.tensor,
+    b: tl.tensor, g: tl.tensor, bg: tl.tensor, blk: tl.tensor, L: tl.tensor, D: tl.tensor,
+    Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> tuple[tl.tensor, ...]:  # fmt: skip
     """Per step of the block: the mean and variance terms u_t, c_t, p_t of the backward (see
     `_TimestepNormFn`), with x̂ and the gradient g = dy·(1 + γ) at x̂ (zero at padded steps)."""
     x, offs, offs_t, in_t, in_d, valid = _load_tile(
@@ -260,11 +274,13 @@ def _bwd_step_terms(
 
 @triton.jit
 def _bwd_block_sums(
-    x_ptr, dy_ptr, mask_ptr, w_ptr, mu_ptr, rstd_ptr, prefix_ptr, dmean_ptr, dvar_ptr,
-    sums_ptr, dw_ptr, db_ptr, L, D, Dg, G, NBLK,
+    x_ptr: tl.tensor, dy_ptr: tl.tensor, mask_ptr: tl.tensor, w_ptr: tl.tensor, mu_ptr: tl.tensor,
+    rstd_ptr: tl.tensor, prefix_ptr: tl.tensor, dmean_ptr: tl.tensor, dvar_ptr: tl.tensor,
+    sums_ptr: tl.tensor, dw_ptr: tl.tensor, db_ptr: tl.tensor, L: tl.tensor, D: tl.tensor,
+    Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
     blk = pid % NBLK
     bg = pid // NBLK
@@ -286,7 +302,13 @@ def _bwd_block_sums(
 
 
 @triton.jit
-def _bwd_scan_blocks(sums_ptr, suffix_ptr, total_ptr, NBLK, CHUNK: tl.constexpr):
+def _bwd_scan_blocks(
+    sums_ptr: tl.tensor,
+    suffix_ptr: tl.tensor,
+    total_ptr: tl.tensor,
+    NBLK: tl.tensor,
+    CHUNK: tl.constexpr,
+) -> None:
     """What the blocks after each block add to (u, c, p): `CHUNK` blocks at a time from the
     end, a tree scan within the chunk from the running totals, which are compensated."""
     bg = tl.program_id(0)
@@ -314,11 +336,13 @@ def _bwd_scan_blocks(sums_ptr, suffix_ptr, total_ptr, NBLK, CHUNK: tl.constexpr)
 
 @triton.jit
 def _bwd_dx(
-    x_ptr, dy_ptr, mask_ptr, w_ptr, mu_ptr, rstd_ptr, prefix_ptr, dmean_ptr, dvar_ptr,
-    suffix_ptr, dx_ptr, L, D, Dg, G, NBLK,
+    x_ptr: tl.tensor, dy_ptr: tl.tensor, mask_ptr: tl.tensor, w_ptr: tl.tensor, mu_ptr: tl.tensor,
+    rstd_ptr: tl.tensor, prefix_ptr: tl.tensor, dmean_ptr: tl.tensor, dvar_ptr: tl.tensor,
+    suffix_ptr: tl.tensor, dx_ptr: tl.tensor, L: tl.tensor, D: tl.tensor, Dg: tl.tensor,
+    G: tl.tensor, NBLK: tl.tensor,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+) -> None:  # fmt: skip
     pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
     blk = pid % NBLK
     bg = pid // NBLK
@@ -340,7 +364,7 @@ def _bwd_dx(
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=in_t[:, None] & in_d[None, :])
 
 
-def _f32(make, like: Tensor, *shape: int) -> Tensor:
+def _f32(make: Callable[..., Tensor], like: Tensor, *shape: int) -> Tensor:
     """A float32 buffer on `like`'s device (`make`: torch.empty or torch.zeros)."""
     return make(*shape, dtype=torch.float32, device=like.device)
 
@@ -395,7 +419,7 @@ class _TimestepNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, mask: Tensor | None,
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None, mask: Tensor | None,
         count: Tensor, mean0: Tensor, var0: Tensor, num_groups: int, eps: float,
         block_t: int | None,
     ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
@@ -430,7 +454,7 @@ class _TimestepNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx, dy: Tensor, dmean: Tensor | None, dvar: Tensor | None
+        ctx: Any, dy: Tensor, dmean: Tensor | None, dvar: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         x, weight, bias, mask, count, mean0, var0, mu, rstd, prefix = ctx.saved_tensors
         B, L, D, G, BLOCK_T, BLOCK_D, nblk = ctx.shape

@@ -25,7 +25,12 @@ from megalab.nn.regularization import DropPath, drop_path_rates
 POSITIONS = ("sinusoidal", "learned", "none")
 
 
-def sinusoidal_positions(length: int, d_model: int, device=None, dtype=None) -> Tensor:
+def sinusoidal_positions(
+    length: int,
+    d_model: int,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
     """The fixed sin/cos table of Vaswani et al.: (L, D), sin on even and cos on odd channels."""
     position = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
     inv_freq = torch.exp(

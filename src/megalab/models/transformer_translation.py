@@ -138,8 +138,17 @@ class _Sublayer(nn.Module):
 
 
 class TransformerEncoderLayer(nn.Module):
-    def __init__(self, d_model, num_heads, ffn_dim, dropout, attention_dropout,
-                 activation_dropout, activation, prenorm) -> None:  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        ffn_dim: int,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        prenorm: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
         self.attn_block = _Sublayer(d_model, dropout, prenorm)
@@ -154,8 +163,17 @@ class TransformerEncoderLayer(nn.Module):
 
 
 class TransformerDecoderLayer(nn.Module):
-    def __init__(self, d_model, num_heads, ffn_dim, dropout, attention_dropout,
-                 activation_dropout, activation, prenorm) -> None:  # fmt: skip
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        ffn_dim: int,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        prenorm: bool,
+    ) -> None:
         super().__init__()
         self.self_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
         self.self_attn_block = _Sublayer(d_model, dropout, prenorm)

@@ -256,7 +256,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                 continue
             self.out_projs[i] = encoder.emb_projs[0 if self.div_val == 1 else i]
 
-    def _logits(self, hidden: Tensor, weight: Tensor, bias: Tensor, proj: Tensor | None):
+    def _logits(self, hidden: Tensor, weight: Tensor, bias: Tensor, proj: Tensor | None) -> Tensor:
         if proj is not None:
             hidden = F.linear(hidden, proj.t())
         return F.linear(hidden, weight, bias)

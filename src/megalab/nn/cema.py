@@ -210,7 +210,7 @@ class ComplexEMA(nn.Module):
                         h = h + ops.state_decay(h0, log_q, L)  # + q^L h
             omega = self.omega.to(cdt)  # + ω ⊙ x̃, back to (B, L, D) (fused on CUDA)
             out = ema_ops(y, omega).skip_output(y, xt.transpose(1, 2), omega, False, x.dtype)
-        new_state = CEMAState(h) if want_state else None
+        new_state = CEMAState(h) if h is not None else None  # h is set exactly when want_state
         return out, new_state
 
     def initial_state(self, batch_size: int, like: Tensor) -> CEMAState:

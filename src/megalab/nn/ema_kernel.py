@@ -143,7 +143,9 @@ def state_decay(h: Tensor, log_q: Tensor, length: int) -> Tensor:
     return torch.exp(length * log_q) * h
 
 
-def recurrent_step(x: Tensor, h: Tensor, w_in: Tensor, w_out: Tensor, log_q: Tensor):
+def recurrent_step(
+    x: Tensor, h: Tensor, w_in: Tensor, w_out: Tensor, log_q: Tensor
+) -> tuple[Tensor, Tensor]:
     """One step: h ← w_in x + q h; y = Σ_n w_out h.  x (B, D), h (B, D, N) -> (y, h)."""
     h = w_in * x.unsqueeze(-1).to(w_in.dtype) + torch.exp(log_q) * h
     return (h * w_out).sum(-1), h

@@ -9,6 +9,7 @@ The residual always uses the un-normalised input. Linears are initialised N(0, 0
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ def gelu_accurate(x: Tensor) -> Tensor:
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
     "gelu_accurate": gelu_accurate,
@@ -31,7 +32,7 @@ ACTIVATIONS = {
 }
 
 
-def get_activation(name: str):
+def get_activation(name: str) -> Callable[[Tensor], Tensor]:
     """The activation function called `name` (silu, gelu, gelu_accurate or relu)."""
     try:
         return ACTIVATIONS[name]

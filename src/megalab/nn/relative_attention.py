@@ -112,7 +112,11 @@ def rel_shift_future(x: Tensor) -> Tensor:
 
 
 def causal_mask(
-    qlen: int, mlen: int, same_length: bool = False, mem_len: int = 0, device=None
+    qlen: int,
+    mlen: int,
+    same_length: bool = False,
+    mem_len: int = 0,
+    device: torch.device | str | None = None,
 ) -> Tensor:
     """(L, K) bool, True where query i must not see key j: j > m + i (the future) and, with
     `same_length`, keys more than `mem_len` positions back (as XL's `dec_attn_mask`)."""
@@ -131,7 +135,7 @@ def look_ahead_window(mlen: int, qlen: int) -> tuple[int, int]:
     return max(mlen - qlen + 1, 1), mlen + 1
 
 
-def look_ahead_mask(mlen: int, qlen: int, device=None) -> Tensor:
+def look_ahead_mask(mlen: int, qlen: int, device: torch.device | str | None = None) -> Tensor:
     """(m, w) bool, True where memory row i must not see window column c: keys at or left of i
     (strictly-right attention; the last column, the first current token, is always seen)."""
     w = min(mlen, qlen)

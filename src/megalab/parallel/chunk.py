@@ -34,13 +34,13 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megalab.models.base import BackboneOutput
+from megalab.models.base import BackboneOutput, BackboneProtocol
 from megalab.models.state import STATE_CLASSES, _fields, state_class_name
 
 _TENSOR = "\x00tensor:"
@@ -49,6 +49,15 @@ _DTYPES = {
     for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64,
               torch.complex128, torch.int64, torch.int32, torch.bool, torch.uint8)
 }  # fmt: skip
+
+#: A forward pre-hook with keyword arguments: the new (args, kwargs), or None to keep them.
+_PreHook = Callable[
+    [nn.Module, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]] | None
+]
+#: A forward hook with keyword arguments on a carried module: its new (y, state), or None.
+_PostHook = Callable[
+    [nn.Module, tuple[Any, ...], dict[str, Any], tuple[Tensor, Any]], tuple[Tensor, Any] | None
+]
 
 
 # ------------------------------------------------------------------------- state <-> tensors
@@ -134,14 +143,14 @@ class _SendState(torch.autograd.Function):
     """Forward: send tensors to the next rank. Backward: receive their gradients from it."""
 
     @staticmethod
-    def forward(ctx, link: ChunkParallel, tag: int, *tensors: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, link: ChunkParallel, tag: int, *tensors: Tensor) -> Tensor:  # type: ignore[override]
         ctx.link, ctx.tag = link, tag
         ctx.meta = [(t.shape, t.dtype, t.device, _is_float(t)) for t in tensors]
         link._isend_tensors([t.detach() for t in tensors], link.next_rank, tag)
         return torch.zeros((), device=tensors[0].device if tensors else None)
 
     @staticmethod
-    def backward(ctx, _grad: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, _grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         floats = [(s, d, dev) for s, d, dev, f in ctx.meta if f]
         received = ctx.link._recv_tensors(floats, ctx.link.next_rank, ctx.tag + 1)
         it = iter(received)
@@ -153,7 +162,9 @@ class _RecvState(torch.autograd.Function):
     """Forward: receive tensors from the previous rank. Backward: send their gradients back."""
 
     @staticmethod
-    def forward(ctx, link: ChunkParallel, tag: int, meta: list, anchor: Tensor) -> Any:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, link: ChunkParallel, tag: int, meta: list, anchor: Tensor
+    ) -> tuple[Tensor, ...]:
         ctx.link, ctx.tag = link, tag
         tensors = link._recv_tensors(meta, link.prev_rank, tag)
         ctx.meta = [(t.shape, t.dtype, t.device, _is_float(t)) for t in tensors]
@@ -161,7 +172,7 @@ class _RecvState(torch.autograd.Function):
         return tuple(tensors)
 
     @staticmethod
-    def backward(ctx, *grads: Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, None, None, None]:  # type: ignore[override]
         out = []
         for g, (shape, dtype, device, is_float) in zip(grads, ctx.meta):
             if is_float:
@@ -305,46 +316,57 @@ class ChunkParallel:
         link = self
         stateless: list[bool] = []
 
-        def backbone_pre(module, args, kwargs):
+        def backbone_pre(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
             if not link.active:
                 return None
             link.wait()
-            args, kwargs = list(args), dict(kwargs)
-            x = args[0] if args else kwargs["x"]
-            state = args[2] if len(args) > 2 else kwargs.get("state")
+            new_args, kwargs = list(args), dict(kwargs)
+            x = new_args[0] if new_args else kwargs["x"]
+            state = new_args[2] if len(new_args) > 2 else kwargs.get("state")
             stateless.append(state is None)
             if state is None:
-                state = module.initial_state(x.shape[0], x)
-                if len(args) > 2:
-                    args[2] = state
+                state = cast(BackboneProtocol, module).initial_state(x.shape[0], x)
+                if len(new_args) > 2:
+                    new_args[2] = state
                 else:
                     kwargs["state"] = state
-            return tuple(args), kwargs
+            return tuple(new_args), kwargs
 
-        def backbone_post(module, args, kwargs, out: BackboneOutput):
+        def backbone_post(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: BackboneOutput
+        ) -> BackboneOutput | None:
             if not link.active:
                 return None
             if stateless.pop():
                 return BackboneOutput(out.y, None, out.aux)
             return out
 
-        def layer_pre(index: int):
-            def hook(module, args, kwargs):
+        def layer_pre(index: int) -> _PreHook:
+            def hook(
+                module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
                 if link.prev_rank is None or not link.active:
                     return None
-                args, kwargs = list(args), dict(kwargs)
-                x = args[0] if args else kwargs["x"]
+                new_args, kwargs = list(args), dict(kwargs)
+                x = new_args[0] if new_args else kwargs["x"]
                 state = link.receive_state(index, x)
-                if len(args) > 2:
-                    args[2] = state
+                if len(new_args) > 2:
+                    new_args[2] = state
                 else:
                     kwargs["state"] = state
-                return tuple(args), kwargs
+                return tuple(new_args), kwargs
 
             return hook
 
-        def layer_post(index: int):
-            def hook(module, args, kwargs, out):
+        def layer_post(index: int) -> _PostHook:
+            def hook(
+                module: nn.Module,
+                args: tuple[Any, ...],
+                kwargs: dict[str, Any],
+                out: tuple[Tensor, Any],
+            ) -> tuple[Tensor, Any] | None:
                 if link.next_rank is None or not link.active:
                     return None
                 y, state = out

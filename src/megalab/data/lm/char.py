@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +91,7 @@ class CharLMDataModule(LMStreamDataModule):
         sha256: str | None = None,
         valid_size: int = 5_000_000,
         test_size: int = 5_000_000,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(data_dir, max_len, **kwargs)
         self.url, self.sha256 = url, sha256
@@ -152,7 +153,7 @@ class Enwik8DataModule(CharLMDataModule):
         sha256: str | None = ENWIK8_SHA256,
         drop_newlines: bool = False,
         vocab_size: int = 256,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(data_dir, max_len, url, sha256, vocab_size=vocab_size, **kwargs)
         self.drop_newlines = drop_newlines
@@ -182,7 +183,7 @@ class Text8DataModule(CharLMDataModule):
         url: str = TEXT8_URL,
         sha256: str | None = TEXT8_SHA256,
         vocab_size: int = 27,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(data_dir, max_len, url, sha256, vocab_size=vocab_size, **kwargs)
 

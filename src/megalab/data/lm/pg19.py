@@ -28,6 +28,7 @@ import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +50,9 @@ from megalab.data.lm.stream import (
     write_tokens,
 )
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 log = logging.getLogger(__name__)
 
 TOKENIZER_MODELS = ("bpe", "unigram")
@@ -57,7 +61,7 @@ _WORD = re.compile(r"\S+")
 
 def train_tokenizer(
     texts: Iterator[str], model: str, vocab_size: int, eos_token: str, length: int | None = None
-):
+) -> Tokenizer:
     """Train a byte-level BPE or a unigram (Metaspace) tokenizer with `eos_token` as id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -119,7 +123,7 @@ class PG19DataModule(LMStreamDataModule):
         tokenizer_seed: int = 0,
         eos_token: str = "<eos>",
         encode_batch_books: int = 8,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(data_dir, max_len, vocab_size=vocab_size, **kwargs)
         if tokenizer is None and tokenizer_model not in TOKENIZER_MODELS:
@@ -142,7 +146,7 @@ class PG19DataModule(LMStreamDataModule):
         self.tokenizer_seed = tokenizer_seed
         self.eos_token = eos_token
         self.encode_batch_books = encode_batch_books
-        self._tokenizer = None
+        self._tokenizer: Tokenizer | None = None
 
     # -- tokenizer ------------------------------------------------------------------------------
     def tokenizer_path(self) -> Path:
@@ -179,10 +183,12 @@ class PG19DataModule(LMStreamDataModule):
         texts = (t for i, t in enumerate(self.source.texts("train", 16)) if i in chosen)
         return texts, k
 
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         """The tokenizer: a named/loaded one, or the cached locally trained one (trained now)."""
         if self._tokenizer is not None:
             return self._tokenizer
+        vocab_size = self.spec.vocab_size
+        assert vocab_size is not None  # a required data setting
         from tokenizers import Tokenizer
 
         name = self.tokenizer_name
@@ -207,20 +213,20 @@ class PG19DataModule(LMStreamDataModule):
                 log.info(
                     "PG-19: training a %s tokenizer (vocabulary %d) on %d books",
                     self.tokenizer_model,
-                    self.spec.vocab_size,
+                    vocab_size,
                     n,
                 )
                 tok = train_tokenizer(
-                    texts, self.tokenizer_model, self.spec.vocab_size, self.eos_token, length=n
+                    texts, self.tokenizer_model, vocab_size, self.eos_token, length=n
                 )
                 tmp = path.with_name(".tokenizer.json.tmp")
                 tok.save(str(tmp))
                 tmp.replace(path)
         size = tok.get_vocab_size()
-        if size > self.spec.vocab_size:
+        if size > vocab_size:
             raise ValueError(
                 f"PG-19: the tokenizer has {size:,} tokens but data.vocab_size="
-                f"{self.spec.vocab_size:,}; set data.vocab_size={size}"
+                f"{vocab_size:,}; set data.vocab_size={size}"
             )
         if tok.token_to_id(self.eos_token) is None:
             raise ValueError(
@@ -237,10 +243,13 @@ class PG19DataModule(LMStreamDataModule):
         params = {"source": self.source.fingerprint(), "tokenizer": digest, "eos": self.eos_token}
         return cache_dir(self.cache_root, "tokens", params)
 
-    def _encode(self, split: str, counts: list[int], with_words: bool):
+    def _encode(
+        self, split: str, counts: list[int], with_words: bool
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Chunks of (token ids, words per token) for `split`; counts[0] += total words."""
         tok = self.tokenizer()
         eos = tok.token_to_id(self.eos_token)
+        assert eos is not None  # checked by tokenizer()
         texts = self.source.texts(split, self.encode_batch_books)
         yield np.array([eos]), np.zeros(1, dtype=np.int64)
         while True:
@@ -271,7 +280,12 @@ class PG19DataModule(LMStreamDataModule):
             total = [0]
             word_chunks: list[np.ndarray] = []
 
-            def ids(split=split, total=total, with_words=with_words, word_chunks=word_chunks):
+            def ids(
+                split: str = split,
+                total: list[int] = total,
+                with_words: bool = with_words,
+                word_chunks: list[np.ndarray] = word_chunks,
+            ) -> Iterator[np.ndarray]:
                 for chunk, words in self._encode(split, total, with_words):
                     if with_words:
                         word_chunks.append(words)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -506,7 +506,8 @@ class BatchIndexSampler(ShardedSampler):
     def __init__(self, num_batches: int) -> None:
         super().__init__(num_batches, shuffle=False)
 
-    def __iter__(self):
+    # (epoch, batch) pairs where ShardedSampler yields plain indices
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         return ((self.epoch, i) for i in range(self.skip, self.size))
 
 

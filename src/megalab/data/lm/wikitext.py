@@ -29,6 +29,7 @@ from array import array
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -111,7 +112,7 @@ class WikiText103DataModule(LMStreamDataModule):
         text_column: str = "text",
         known_vocab_size: int | None = KNOWN_VOCAB_SIZE,
         known_train_tokens: int | None = KNOWN_TRAIN_TOKENS,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         super().__init__(data_dir, max_len, vocab_size=vocab_size, **kwargs)
         self.source = HubDataset(

@@ -310,7 +310,7 @@ class ListOpsDataModule(SequenceDataModule):
         generator_workers: int = 2,
         prepend_cls: bool = False,
         truncate: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ) -> None:
         kwargs.setdefault("vocab_size", len(VOCAB))
         kwargs.setdefault("num_classes", NUM_CLASSES)

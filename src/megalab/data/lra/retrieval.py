@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from megalab.data.base import SequenceDataModule, TokenSequences
 from megalab.data.download import cache_dir, mark_prepared, prepared, require_files
 from megalab.data.lra.release import LRAFormatError, data_root_of, release_how
@@ -131,7 +133,9 @@ class AANDataModule(SequenceDataModule):
             labels: list[int] = []
             cut = [0]
 
-            def docs(path: Path = path, labels: list[int] = labels, cut: list[int] = cut):
+            def docs(
+                path: Path = path, labels: list[int] = labels, cut: list[int] = cut
+            ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
                 for label, a, b in read_pairs(path):
                     labels.append(label)
                     cut[0] += int(len(a) > room or len(b) > room)
