@@ -448,6 +448,10 @@ def test_markers_parse_and_the_checker_catches_an_unmarked_block(tmp_path: Path)
     doc.write_text("<!-- docs-test: skip `wandb` (network: W&B) -->\n```bash\nwandb login\n```\n")
     (block,) = blocks(doc)
     assert block.skip_of(block.commands()[0]).category == "network"
+    # A `with` argument replaces the same key, `--option value` pairs included.
+    words = ["megalab-sweep", "s.yaml", "--seeds", "3", "trainer=gpu", "--smoke"]
+    merged = merge_arguments(words, ["--seeds=1", "trainer=cpu"])
+    assert merged == ["megalab-sweep", "s.yaml", "--smoke", "--seeds=1", "trainer=cpu"]
 
 
 def test_every_library_snippet_says_what_it_prints() -> None:
@@ -459,7 +463,7 @@ def test_every_library_snippet_says_what_it_prints() -> None:
     assert all(b.expected_output() for b in run), [b.where for b in run if not b.expected_output()]
 
 
-def test_commands_not_run_here_compose() -> None:
+def test_commands_not_run_here_compose(tmp_path: Path) -> None:
     """A `megalab-train`/`-eval`/`-generate` command that is skipped, or runs in the slow suite
     only, still composes: its experiment, groups and keys exist (checked by Hydra and, for
     training, by megalab's config schema)."""
@@ -478,7 +482,7 @@ def test_commands_not_run_here_compose() -> None:
             overrides = [re.sub(r"<([^>]+)>", "value", o) for o in hydra_overrides(command.words)]
             cfg = composed(HYDRA_APPS[app], overrides)
             if app == "megalab.train":
-                cfg.hydra.runtime.output_dir = "/tmp/never-written"  # paths.output_dir resolves
+                cfg.hydra.runtime.output_dir = str(tmp_path)  # paths.output_dir resolves
                 validate(cfg)
             checked += 1
     assert checked >= 5
