@@ -130,6 +130,21 @@ def test_trained_run_card_shows_its_metrics(compose_cfg, tmp_path: Path) -> None
     _same_outputs(reference.eval(), loaded, cfg)
 
 
+def test_export_runs_outside_hydra_on_the_run_folder_hydra_wrote(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """A run's `.hydra/config.yaml` keeps `${hydra:...}` values, which resolve inside a Hydra
+    app only: `megalab-export`, a plain command, takes the experiment from metrics.json."""
+    from hydra.core.hydra_config import HydraConfig
+
+    cfg = compose_cfg("model=mega", *SMALL, *LM, "model.backbone.causal=true")
+    _fake_run(cfg, tmp_path / "run")
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"experiment": "mega/enwik8"}))
+    HydraConfig.instance().cfg = None  # as in a fresh `megalab-export` process
+    out = export_run(tmp_path / "run", tmp_path / "export", "last")
+    assert json.loads((out / "config.json").read_text())["experiment"] == "mega/enwik8"
+
+
 def test_tokenizer_files_travel_with_the_model(compose_cfg, tmp_path: Path) -> None:
     """WikiText-103's vocabulary is exported beside the weights (`tokenizer/vocab.txt`)."""
     cfg = compose_cfg("model=transformer_xl", *SMALL, "data=wikitext103", "task=language_modeling",

@@ -242,7 +242,10 @@ def export_run(
             **{k: OmegaConf.select(cfg, f"data.{k}", default=None) for k in DATA_SPEC_KEYS},
         },
         "tokenizer": sorted(tokenizer),
-        "experiment": cfg.get("experiment_name"),
+        # metrics.json records the experiment as training resolved it: the saved config's
+        # `${hydra:runtime.choices.experiment}` resolves inside a Hydra app only.
+        "experiment": metrics.get("experiment")
+        or OmegaConf.select(cfg, "experiment_name", throw_on_resolution_failure=False),
         "command": command.strip(),
         "checkpoint": {"file": ckpt.name, "global_step": state.get("global_step")},
         "parameters": sum(p.numel() for p in task.parameters()),
