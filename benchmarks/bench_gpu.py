@@ -1,7 +1,7 @@
 """Speed and memory on one CUDA GPU: blocks at scale, LRA Text (Mega Table 2), Megalodon vs Llama.
 
     python benchmarks/bench_gpu.py [--sections blocks lra_text e2e] [--widths 1024 4096]
-        [--lengths 4096 16384 65536] [--tokens-per-step 65536] [--rounds 3] [--warmup 0]
+        [--lengths 4096 32768] [--tokens-per-step 65536] [--rounds 3] [--warmup 0]
         [--time-box 180] [--json benchmarks/results/bench_gpu.json] [--smoke]
     python benchmarks/bench_gpu.py --render benchmarks/results/bench_gpu.json
 
@@ -10,8 +10,9 @@ Sections (every case forward + backward; one optimizer step where stated):
 - blocks: one Llama block, one Mega-chunk block and one Megalodon-chunk block at d = 1024 and
   d = 4096 (Llama: heads of 128, its SwiGLU width; Mega-chunk and Megalodon-chunk: z = d/4,
   v = 2d, chunk 2048, Megalodon with a SwiGLU of 2.75 d and a head per 1024 channels), causal,
-  dropout 0, under bf16 autocast (float32 weights), at 4K to 64K tokens per sequence with
-  `--tokens-per-step` tokens per step (a batch of tokens_per_step / L sequences).
+  dropout 0, under bf16 autocast (float32 weights), at 4K and 32K tokens per sequence (the
+  targets' lengths; `--lengths`) with `--tokens-per-step` tokens per step (a batch of
+  tokens_per_step / L sequences).
 - lra_text: Mega's Table 2 speed on LRA Text at the paper configurations and micro-batch
   (`data.batch_size / trainer.accumulate_grad_batches` of each experiment, 4K bytes), float32:
   mega, mega_chunk, seqboat and megalodon_chunk against the SDPA transformer, one AdamW step
@@ -540,7 +541,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     ap.add_argument("--widths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 32768])
     ap.add_argument("--tokens-per-step", type=int, default=65536)
     ap.add_argument("--chunk", type=int, default=2048, help="Mega-chunk/Megalodon-chunk chunk")
     ap.add_argument("--rounds", type=int, default=3)
