@@ -8,13 +8,21 @@ one pass (causal variants with a state); the state survives `pack_state`/`unpack
 checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` matches eager; bf16
 autocast runs and stays finite; `max_len` is enforced with a clear error.
 
+The constructor of every backbone class these configs build names and types each option: no
+`*args`/`**kwargs`, and a backbone built from a config dataclass (`from_config`) takes exactly
+that dataclass's fields, in order, with the same types and defaults, and hands each one on.
+
 A new model is tested by adding its config; variants that reach its other code paths (causal,
 chunked, other attention functions) go into `contract_variants/<model>.yaml`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import io
+import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +95,21 @@ STATEFUL = [c for c in CASES if stateful(_BUILT[c])]
 EXACT = [c for c in STATEFUL if _BUILT[c].exact_streaming]
 
 
+# Every backbone class the model configs build.
+BACKBONE_TYPES = sorted({type(m) for m in _BUILT.values()}, key=lambda cls: cls.__name__)
+TYPE_IDS = [cls.__name__ for cls in BACKBONE_TYPES]
+
+
+def config_type(cls: type) -> Any:
+    """The config dataclass a backbone is built from (`from_config`'s argument), or None."""
+    if "from_config" not in vars(cls):
+        return None
+    return typing.get_type_hints(cls.from_config)["cfg"]
+
+
+CONFIGURED = [cls for cls in BACKBONE_TYPES if config_type(cls) is not None]
+
+
 def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: list[int]):
     """Run x segment by segment from the initial state; return (outputs, final state)."""
     state = model.initial_state(x.shape[0], x)
@@ -102,6 +125,53 @@ def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: lis
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> None:
     torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cls", BACKBONE_TYPES, ids=TYPE_IDS)
+def test_constructor_names_and_types_every_option(cls: type) -> None:
+    """Type checkers and IDEs see the options: explicit, annotated parameters, and for a model
+    with a config dataclass exactly its fields (names, order, types as written, defaults)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    assert [p.name for p in params if p.kind in variadic] == []
+    assert [p.name for p in params if p.annotation is inspect.Parameter.empty] == []
+    config = config_type(cls)
+    if config is None:  # its arguments are its only record of the options (Transformer)
+        return
+    fields = [f for f in dataclasses.fields(config) if f.init]
+    assert [(p.name, p.annotation, p.default) for p in params] == [
+        (f.name, f.type, f.default) for f in fields
+    ]
+
+
+@pytest.mark.parametrize("cls", CONFIGURED, ids=[cls.__name__ for cls in CONFIGURED])
+def test_constructor_hands_every_option_to_the_config(cls: type, monkeypatch) -> None:
+    """Each argument, by name or by position, reaches the config dataclass unchanged (a
+    stand-in for the dataclass records what the constructor passes, then stops it)."""
+    config = config_type(cls)
+    names = [f.name for f in dataclasses.fields(config) if f.init]
+
+    class RecordedError(Exception):
+        pass
+
+    received: dict[str, Any] = {}
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        assert args == (), "the config is built from keyword arguments"
+        received.update(kwargs)
+        raise RecordedError
+
+    monkeypatch.setattr(sys.modules[cls.__module__], config.__name__, record)
+    values = {name: object() for name in names}
+    for call in (lambda: cls(**values), lambda: cls(*values.values())):
+        received.clear()
+        with pytest.raises(RecordedError):
+            call()
+        assert received.keys() == values.keys()
+        assert all(received[n] is values[n] for n in names)
+    monkeypatch.undo()
+    tiny = next(m for m in _BUILT.values() if type(m) is cls)
+    assert cls.from_config(tiny.config).config == tiny.config
 
 
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
