@@ -230,6 +230,8 @@ class Llama(Backbone):
     into that frozen config (`self.config`).
     """
 
+    block_class = LlamaBlock
+
     def __init__(
         self,
         d_model: int = 256,

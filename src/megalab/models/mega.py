@@ -346,6 +346,8 @@ class Mega(Backbone):
     validated once into that frozen config (`self.config`), which the blocks read.
     """
 
+    block_class = MegaBlock
+
     def __init__(
         self,
         d_model: int = 128,

@@ -306,6 +306,8 @@ class Megalodon(Backbone):
     (`self.config`).
     """
 
+    block_class = MegalodonBlock
+
     def __init__(
         self,
         d_model: int = 1024,
