@@ -11,7 +11,8 @@ autocast runs and stays finite; `max_len` is enforced with a clear error.
 The hooks other code uses, declared on `Backbone` (`megalab.models.base`), are checked against
 what each model does: `block_class` is the type of every layer and activation checkpointing of
 it changes nothing; `carried_modules()` are called once per forward, in order, with their part
-of the state, and return the backbone's state; `exact_streaming` false means streaming differs
+of the state, and return the backbone's state; `data_dependent_parameters` is true exactly when
+a pass leaves a parameter without a gradient; `exact_streaming` false means streaming differs
 from one pass; `ext_len` positions re-read by the next segment give the one-pass outputs;
 `refresh_norm_state` with a state's own statistics changes nothing (and refuses where a model
 carries none).
@@ -395,6 +396,24 @@ def test_declared_block_class_is_every_layer_and_a_checkpointing_unit(
         assert (a is None) == (b is None)
         if a is not None:
             close(a, b)
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_data_dependent_parameters_are_declared(name: str, variant: str) -> None:
+    """`data_dependent_parameters` is true exactly when a training pass leaves a parameter
+    without a gradient (DDP then looks for unused ones): a stateless pass, and for a model
+    with a state the second segment of a stream as well."""
+    model = build(name, variant).train()
+    x = inputs(model, L=20)
+    model(x, lengths_mask(20, [20, 13])).y.sum().backward()
+    unused = {n for n, p in model.named_parameters() if p.grad is None}
+    if (name, variant) in STATEFUL:
+        model.zero_grad()
+        with torch.no_grad():
+            _, state = stream(model, x[:, :9], None, [9])
+        model(x[:, 9:], None, state).y.sum().backward()
+        unused |= {n for n, p in model.named_parameters() if p.grad is None}
+    assert bool(unused) == model.data_dependent_parameters, sorted(unused)
 
 
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)

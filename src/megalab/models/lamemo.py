@@ -267,6 +267,9 @@ class LaMemo(RelativeMemoryBackbone):
             if cfg.rpe == "disentangled"
             else None
         )
+        # v₋ serves the look-ahead attention only, which needs a carried memory: the first
+        # segment of a stream (and every segment without look-ahead) leaves it unused.
+        self.data_dependent_parameters = self.v_future is not None
         self.reset_parameters()
 
     @property
