@@ -217,6 +217,7 @@ class LaMemo(RelativeMemoryBackbone):
     """
 
     config: LaMemoConfig
+    block_class = LaMemoLayer
 
     def __init__(
         self,

@@ -500,6 +500,8 @@ class SeqBoat(Backbone):
     once into that frozen config (`self.config`), which the layers read.
     """
 
+    block_class = SeqBoatBlock
+
     def __init__(
         self,
         d_model: int = 128,

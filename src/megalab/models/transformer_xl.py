@@ -133,6 +133,7 @@ class TransformerXL(RelativeMemoryBackbone):
     """
 
     config: TransformerXLConfig
+    block_class = XLLayer
 
     def __init__(
         self,
