@@ -239,3 +239,19 @@ def test_plain_ddp_also_looks_for_unused_adaptive_bands(compose_cfg) -> None:
     assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is True
     trainer = ddp("experiment=megalodon/pg19_100m", *TRAINER_CASES["megalodon/pg19_100m"])
     assert trainer.strategy._ddp_kwargs["find_unused_parameters"] is False
+
+
+def test_a_backbone_with_data_dependent_parameters_makes_ddp_look_for_unused_ones() -> None:
+    """LaMemo's v₋ serves the look-ahead attention over a carried memory only, which the first
+    segment of a stream has not: the backbone declares `data_dependent_parameters` and DDP
+    looks for unused parameters; Transformer-XL uses every parameter in every pass."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from megalab.parallel.lightning import find_unused_data_dependent_parameters
+
+    for name, variant, search in [("lamemo", "look_ahead", True),
+                                  ("lamemo", "xl_rpe_no_interpolation_short_memory", False),
+                                  ("transformer_xl", "long_memory", False)]:  # fmt: skip
+        strategy = DDPStrategy(find_unused_parameters=False)
+        find_unused_data_dependent_parameters(strategy, build_lm(name, variant))
+        assert strategy._ddp_kwargs["find_unused_parameters"] is search, (name, variant)

@@ -23,6 +23,11 @@ CASES = [
     # Megalodon: complex CEMA parameters, timestep norms, chunked attention with two heads.
     ("megalodon", "chunked_swiglu_two_heads", 16, False),
     ("megalodon", "chunked_swiglu_two_heads", 16, True),
+    # SeqBoat (data-dependent packing inside each block), and the memory models' layers, which
+    # take the root's position biases u, v as arguments.
+    ("seqboat", "causal_softmax_rotary", 16, True),
+    ("transformer_xl", "long_memory", 12, True),
+    ("lamemo", "xl_rpe_no_interpolation_short_memory", 12, True),
 ]
 
 

@@ -25,7 +25,8 @@ statistics in their evaluation code (not in the paper): once the statistics cove
 tokens, they are recomputed by a fresh pass over the last `norm_refresh_window` tokens and
 swapped into the state (CEMA state and key/value cache kept). The reference uses 8 and 6 chunks
 of 2,048 (16,384 and 12,288 tokens) with segments of 2 chunks. It needs a backbone with
-timestep-norm statistics, which implements `refresh_norm_state(state, fresh_state)`.
+timestep-norm statistics, which overrides `Backbone.refresh_norm_state(state, fresh_state)`
+(the default refuses).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from megalab.models.state import map_state
 
@@ -120,17 +121,6 @@ class LongContextResult:
     settings: dict[str, Any] = field(default_factory=dict)
 
 
-def _refresh(backbone: nn.Module, state: Any, fresh: Any) -> Any:
-    hook = getattr(backbone, "refresh_norm_state", None)
-    if hook is None:
-        raise ValueError(
-            f"{type(backbone).__name__} has no timestep-norm statistics to re-estimate "
-            "(`refresh_norm_state`): norm_refresh_after is for models with TimestepNorm "
-            "(Megalodon); set it to null"
-        )
-    return hook(state, fresh)
-
-
 @torch.inference_mode()
 def score_stream(
     task: LanguageModelingTask,
@@ -199,7 +189,7 @@ def score_stream(
             recent = starts[:, None] + lo + np.arange(norm_refresh_window)[None, :]
             recent_t = torch.as_tensor(np.asarray(tokens[recent], dtype=np.int64), device=device)
             fresh = task(recent_t, None, backbone.initial_state(rows, like)).state
-            state = _refresh(backbone, state, fresh)
+            state = backbone.refresh_norm_state(state, fresh)
             covered = norm_refresh_window
     seconds = time.perf_counter() - t0
     total_nll = sum(b.nll for b in buckets)

@@ -8,13 +8,31 @@ one pass (causal variants with a state); the state survives `pack_state`/`unpack
 checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` matches eager; bf16
 autocast runs and stays finite; `max_len` is enforced with a clear error.
 
+The hooks other code uses, declared on `Backbone` (`megalab.models.base`), are checked against
+what each model does: `block_class` is the type of every layer and activation checkpointing of
+it changes nothing; `carried_modules()` are called once per forward, in order, with their part
+of the state, and return the backbone's state; `data_dependent_parameters` is true exactly when
+a pass leaves a parameter without a gradient; `exact_streaming` false means streaming differs
+from one pass; `ext_len` positions re-read by the next segment give the one-pass outputs;
+`refresh_norm_state` with a state's own statistics changes nothing (and refuses where a model
+carries none).
+
+The constructor of every backbone class these configs build names and types each option: no
+`*args`/`**kwargs`, and a backbone built from a config dataclass (`from_config`) takes exactly
+that dataclass's fields, in order, with the same types and defaults, and hands each one on.
+
 A new model is tested by adding its config; variants that reach its other code paths (causal,
 chunked, other attention functions) go into `contract_variants/<model>.yaml`.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import inspect
 import io
+import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +42,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from megalab.models.base import BackboneOutput, BackboneProtocol
-from megalab.models.state import pack_state, select_state, unpack_state
+from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
+from megalab.models.state import map_state, pack_state, select_state, unpack_state
+from megalab.utils.distributed import block_classes
 from megalab.utils.paths import CONFIG_DIR, group_config
 
 DT = torch.float64
@@ -50,10 +69,13 @@ CASES = model_variants()
 IDS = [f"{n}-{v}" for n, v in CASES]
 
 
-def build(name: str, variant: str, dtype: torch.dtype = DT, seed: int = 0) -> Any:
-    """The tiny backbone of a model config variant, parameters perturbed, in eval mode."""
+def build(
+    name: str, variant: str, dtype: torch.dtype = DT, seed: int = 0, extra: tuple[str, ...] = ()
+) -> Any:
+    """The tiny backbone of a model config variant (and `extra` overrides), parameters
+    perturbed, in eval mode."""
     cfg = OmegaConf.create({"model": group_config("model", name), "data": DATA_SPEC})
-    for override in TINY + VARIANTS.get(name, {}).get(variant, []):
+    for override in [*TINY, *VARIANTS.get(name, {}).get(variant, []), *extra]:
         key, value = override.split("=", 1)
         OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)
     torch.manual_seed(seed)
@@ -87,6 +109,21 @@ STATEFUL = [c for c in CASES if stateful(_BUILT[c])]
 EXACT = [c for c in STATEFUL if _BUILT[c].exact_streaming]
 
 
+# Every backbone class the model configs build.
+BACKBONE_TYPES = sorted({type(m) for m in _BUILT.values()}, key=lambda cls: cls.__name__)
+TYPE_IDS = [cls.__name__ for cls in BACKBONE_TYPES]
+
+
+def config_type(cls: type) -> Any:
+    """The config dataclass a backbone is built from (`from_config`'s argument), or None."""
+    if "from_config" not in vars(cls):
+        return None
+    return typing.get_type_hints(cls.from_config)["cfg"]
+
+
+CONFIGURED = [cls for cls in BACKBONE_TYPES if config_type(cls) is not None]
+
+
 def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: list[int]):
     """Run x segment by segment from the initial state; return (outputs, final state)."""
     state = model.initial_state(x.shape[0], x)
@@ -102,6 +139,53 @@ def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: lis
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> None:
     torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cls", BACKBONE_TYPES, ids=TYPE_IDS)
+def test_constructor_names_and_types_every_option(cls: type) -> None:
+    """Type checkers and IDEs see the options: explicit, annotated parameters, and for a model
+    with a config dataclass exactly its fields (names, order, types as written, defaults)."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    assert [p.name for p in params if p.kind in variadic] == []
+    assert [p.name for p in params if p.annotation is inspect.Parameter.empty] == []
+    config = config_type(cls)
+    if config is None:  # its arguments are its only record of the options (Transformer)
+        return
+    fields = [f for f in dataclasses.fields(config) if f.init]
+    assert [(p.name, p.annotation, p.default) for p in params] == [
+        (f.name, f.type, f.default) for f in fields
+    ]
+
+
+@pytest.mark.parametrize("cls", CONFIGURED, ids=[cls.__name__ for cls in CONFIGURED])
+def test_constructor_hands_every_option_to_the_config(cls: type, monkeypatch) -> None:
+    """Each argument, by name or by position, reaches the config dataclass unchanged (a
+    stand-in for the dataclass records what the constructor passes, then stops it)."""
+    config = config_type(cls)
+    names = [f.name for f in dataclasses.fields(config) if f.init]
+
+    class RecordedError(Exception):
+        pass
+
+    received: dict[str, Any] = {}
+
+    def record(*args: Any, **kwargs: Any) -> None:
+        assert args == (), "the config is built from keyword arguments"
+        received.update(kwargs)
+        raise RecordedError
+
+    monkeypatch.setattr(sys.modules[cls.__module__], config.__name__, record)
+    values = {name: object() for name in names}
+    for call in (lambda: cls(**values), lambda: cls(*values.values())):
+        received.clear()
+        with pytest.raises(RecordedError):
+            call()
+        assert received.keys() == values.keys()
+        assert all(received[n] is values[n] for n in names)
+    monkeypatch.undo()
+    tiny = next(m for m in _BUILT.values() if type(m) is cls)
+    assert cls.from_config(tiny.config).config == tiny.config
 
 
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
@@ -261,3 +345,169 @@ def test_torch_compile_matches_eager(name: str, variant: str, backend: str) -> N
     y = torch.compile(model, backend=backend)(x, mask).y
     y.sum().backward()
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+
+
+# -- the declared hooks against behaviour ---------------------------------------------------------
+def overrides(model: Any, name: str) -> bool:
+    """Whether `model`'s class overrides the `Backbone` hook `name`."""
+    return getattr(type(model), name) is not getattr(Backbone, name)
+
+
+def no_dropout(model: Any) -> Any:
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_declared_block_class_is_every_layer_and_a_checkpointing_unit(
+    name: str, variant: str
+) -> None:
+    """Every layer is a `block_class` and nothing else is (FSDP units and checkpointed regions
+    cover the stack, none inside another), and recomputing each block in the backward
+    (activation checkpointing, as FSDP applies it) leaves outputs and gradients unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    model = no_dropout(build(name, variant)).train()
+    block = type(model).block_class
+    if block is None:
+        return
+    assert block in block_classes()
+    layers = list(model.layers)
+    assert layers and all(type(layer) is block for layer in layers)
+    assert {id(m) for m in model.modules() if isinstance(m, block)} == {id(m) for m in layers}
+    wrapped = copy.deepcopy(model)
+    apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, block))
+    x = inputs(model)
+    mask = lengths_mask(21, [21, 15])
+    grads = []
+    for m in (model, wrapped):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, mask).y
+        y.pow(2).sum().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+        if m is model:
+            ref = y.detach()
+    close(y.detach(), ref)
+    for a, b in zip(*grads, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            close(a, b)
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_data_dependent_parameters_are_declared(name: str, variant: str) -> None:
+    """`data_dependent_parameters` is true exactly when a training pass leaves a parameter
+    without a gradient (DDP then looks for unused ones): a stateless pass, and for a model
+    with a state the second segment of a stream as well."""
+    model = build(name, variant).train()
+    x = inputs(model, L=20)
+    model(x, lengths_mask(20, [20, 13])).y.sum().backward()
+    unused = {n for n, p in model.named_parameters() if p.grad is None}
+    if (name, variant) in STATEFUL:
+        model.zero_grad()
+        with torch.no_grad():
+            _, state = stream(model, x[:, :9], None, [9])
+        model(x[:, 9:], None, state).y.sum().backward()
+        unused |= {n for n, p in model.named_parameters() if p.grad is None}
+    assert bool(unused) == model.data_dependent_parameters, sorted(unused)
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_carried_modules_carry_the_whole_state(name: str, variant: str) -> None:
+    """What chunk parallelism relies on: each carried module is a sub-module called once per
+    streamed forward, in the declared order, with its part of the state (third argument or
+    `state=`), returning `(y, new_state)`; their new states make up the backbone's state."""
+    model = build(name, variant)
+    if not model.causal or (name, variant) not in STATEFUL:
+        return
+    carried = model.carried_modules()
+    if carried is None:
+        return
+    inside = {id(m) for m in model.modules()}
+    assert carried and all(id(m) in inside for m in carried)
+    calls: list[tuple[int, Any, Any]] = []
+
+    def record(index: int):
+        def hook(module, args, kwargs, out) -> None:
+            state = args[2] if len(args) > 2 else kwargs.get("state")
+            calls.append((index, state, out))
+
+        return hook
+
+    handles = [m.register_forward_hook(record(i), with_kwargs=True) for i, m in enumerate(carried)]
+    x = inputs(model, L=9)
+    try:
+        with torch.no_grad():
+            out = model(x, None, model.initial_state(2, x))
+    finally:
+        for h in handles:
+            h.remove()
+    assert [i for i, _, _ in calls] == list(range(len(carried)))
+    returned: set[int] = set()
+    for _, state, result in calls:
+        assert state is not None and isinstance(result, tuple) and len(result) == 2
+        map_state(result[1], lambda t: returned.add(id(t)) or t)
+    in_state: set[int] = set()
+    map_state(out.state, lambda t: in_state.add(id(t)) or t)
+    assert in_state == returned
+
+
+@pytest.mark.parametrize(("name", "variant"), STATEFUL, ids=[f"{n}-{v}" for n, v in STATEFUL])
+def test_inexact_streaming_is_declared(name: str, variant: str) -> None:
+    """`exact_streaming = False` only where streamed outputs really differ from one pass (the
+    exact ones are `test_streaming_equals_one_pass`)."""
+    model = build(name, variant)
+    if model.exact_streaming:
+        return
+    x = inputs(model, L=28)
+    with torch.no_grad():
+        streamed, _ = stream(model, x, None, [5, 1, 12, 3, 7])
+        assert not torch.allclose(streamed, model(x).y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "variant"), STATEFUL, ids=[f"{n}-{v}" for n, v in STATEFUL])
+def test_ext_len_positions_are_re_read_by_the_next_segment(name: str, variant: str) -> None:
+    """`ext_len` is 0 unless the model has that option; with it set, the memory leaves the last
+    ext_len positions of each segment out, and a stream whose segments re-read them (as the
+    data does, `data.ext_len`) gives the outputs of one pass."""
+    model = build(name, variant)
+    assert model.ext_len == 0
+    if "ext_len" not in {f.name for f in dataclasses.fields(model.config)}:
+        return
+    k = 3
+    model = build(name, variant, extra=(f"model.backbone.ext_len={k}",))
+    assert model.ext_len == k
+    x = inputs(model, L=28)
+    with torch.no_grad():
+        full = model(x).y
+        state, end, outs = model.initial_state(2, x), 0, []
+        for stop in (8, 14, 20, 28):
+            start = max(0, end - k)
+            out = model(x[:, start:stop], None, state)
+            outs.append(out.y[:, end - start :])
+            state, end = out.state, stop
+    close(torch.cat(outs, 1), full)
+
+
+@pytest.mark.parametrize(("name", "variant"), STATEFUL, ids=[f"{n}-{v}" for n, v in STATEFUL])
+def test_refresh_norm_state_with_its_own_statistics_changes_nothing(
+    name: str, variant: str
+) -> None:
+    """A model that carries normalisation statistics swaps them in from a fresh state: from
+    the state itself, the stream goes on unchanged. Any other model refuses with the message
+    long-context scoring shows."""
+    model = build(name, variant)
+    x = inputs(model, L=20)
+    with torch.no_grad():
+        _, state = stream(model, x, None, [11])
+        if not overrides(model, "refresh_norm_state"):
+            with pytest.raises(ValueError, match="no timestep-norm statistics"):
+                model.refresh_norm_state(state, state)
+            return
+        refreshed = model.refresh_norm_state(state, state)
+        assert type(refreshed) is type(state)
+        close(model(x[:, 11:], state=refreshed).y, model(x[:, 11:], state=state).y, tol=0)

@@ -18,6 +18,24 @@ Attributes every backbone has:
   segments, each with the state the previous one returned, equal those of one pass over their
   concatenation. Without a state the pass is stateless and `out.state` is None.
 
+Hooks other code uses, declared on `Backbone` with a default that fits a model without the
+ability (override them where a model has it; nothing probes for them):
+
+- `exact_streaming`: False when streamed outputs differ from one pass (LaMemo's look-ahead).
+- `ext_len`: positions at the end of each segment kept out of the carried state (Transformer-XL's
+  extended context; 0 by default); language modelling checks it against `data.ext_len`, and
+  generation and long-context scoring refuse a model that has it.
+- `carried_modules()`: the sub-modules that carry the state along time, for chunk parallelism
+  (`megalab.parallel.chunk`); None (the default) when the model cannot run chunk-parallel.
+- `refresh_norm_state(state, fresh)`: `state` with its normalisation statistics taken from
+  `fresh` (Megalodon's timestep norms, `megalab.long_context`); raises by default.
+- `block_class`: the class of the blocks in the model's `layers`, each one FSDP unit and
+  activation-checkpointing region (`megalab.utils.distributed.block_classes`); None: no such
+  unit.
+- `data_dependent_parameters`: True when some parameters take no part for some inputs or
+  states, so DDP must look for unused parameters (`megalab.parallel.lightning`); False by
+  default.
+
 `Backbone` is the small base class the models derive from; `BackboneProtocol` is the same
 contract as a structural type, for code that only calls a backbone.
 """
@@ -25,7 +43,7 @@ contract as a structural type, for code that only calls a backbone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -61,15 +79,26 @@ class BackboneProtocol(Protocol):
 
 
 class Backbone(nn.Module):
-    """Base class of megalab's backbones: the contract's attributes with their defaults.
+    """Base class of megalab's backbones: the contract's attributes and hooks with their defaults.
 
     Subclasses set `d_model` and `causal`, implement `forward(x, mask, state)` returning a
     `BackboneOutput`, and override `max_len` and `initial_state` when they have a length
-    limit or a streaming state.
+    limit or a streaming state, and the hooks below where they have the ability.
     """
 
     d_model: int
     causal: bool
+
+    block_class: ClassVar[type[nn.Module] | None] = None
+    """The class of the blocks in `layers`: FSDP shards each block as its own unit and
+    activation checkpointing recomputes it (`megalab.utils.distributed.block_classes` collects
+    the classes). None: the model has no such block."""
+
+    data_dependent_parameters: bool = False
+    """Whether some parameters take no part in the forward for some inputs or states (an expert
+    no token reaches, a bias used only once a memory is carried): DDP then looks for unused
+    parameters (`megalab.parallel.lightning`). False: every parameter gets a gradient from every
+    batch."""
 
     @property
     def exact_streaming(self) -> bool:
@@ -77,6 +106,14 @@ class Backbone(nn.Module):
         (while it fits the model's memory). LaMemo's look-ahead memory, refreshed by later
         segments, is the exception."""
         return True
+
+    @property
+    def ext_len(self) -> int:
+        """Positions at the end of each segment kept out of the carried state, for the next
+        segment to re-read as extended context (Transformer-XL's `ext_len`; 0: none). The data
+        must re-feed exactly as many (`data.ext_len`); generation and long-context scoring,
+        which feed the stream without overlap, refuse a model with ext_len > 0."""
+        return 0
 
     @property
     def max_len(self) -> int | None:
@@ -106,6 +143,23 @@ class Backbone(nn.Module):
     def length_advice(self) -> str:
         """What to change when an input is too long (appended to the length error)."""
         return ": lower `data.max_len` or raise the model's maximum length"
+
+    def carried_modules(self) -> list[nn.Module] | None:
+        """The sub-modules that carry the state along time, in order, for chunk parallelism
+        (`megalab.parallel.chunk`): each is called as `m(x, mask, state, ...)` and returns
+        `(y, new_state)`, and the states of the list make up the backbone's state. None (the
+        default): the model cannot run chunk-parallel."""
+        return None
+
+    def refresh_norm_state(self, state: Any, fresh: Any) -> Any:
+        """`state` with its normalisation statistics replaced by those of `fresh`, the state of
+        a fresh pass over the recent tokens (`megalab.long_context`'s `norm_refresh_after`);
+        the rest of `state` is kept. The default raises: the model carries no statistics."""
+        raise ValueError(
+            f"{type(self).__name__} has no timestep-norm statistics to re-estimate "
+            "(`refresh_norm_state`): norm_refresh_after is for models with TimestepNorm "
+            "(Megalodon); set it to null"
+        )
 
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: Any = None

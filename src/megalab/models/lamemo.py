@@ -46,7 +46,6 @@ set-up, output, initialisation) is `megalab.nn.relative_memory`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -211,12 +210,56 @@ class LaMemo(RelativeMemoryBackbone):
         rpe: "disentangled" (|i − j| with v₋ for look-ahead keys) or "xl" (XL's R_{i−j} at
             negative distances with v; Table 3's diverging ablation).
         eps: ε of the interpolation weight (the code's 1e-6).
+
+    The arguments are the fields of `LaMemoConfig`, flat and in its order (the shared ones of
+    `RelativeMemoryConfig` first); they are validated once into that frozen config
+    (`self.config`).
     """
 
     config: LaMemoConfig
+    block_class = LaMemoLayer
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        cfg = LaMemoConfig(*args, **kwargs)
+    def __init__(
+        self,
+        d_model: int = 410,
+        num_layers: int = 16,
+        num_heads: int = 10,
+        head_dim: int | None = None,
+        ffn_dim: int = 2100,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        pre_lnorm: bool = False,
+        mem_len: int = 150,
+        eval_mem_len: int | None = None,
+        same_length: bool = False,
+        clamp_len: int = -1,
+        init_std: float = 0.02,
+        causal: bool = True,
+        look_ahead: bool = True,
+        interpolation: bool = True,
+        rpe: str = "disentangled",
+        eps: float = 1e-6,
+    ) -> None:
+        cfg = LaMemoConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            ffn_dim=ffn_dim,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            pre_lnorm=pre_lnorm,
+            mem_len=mem_len,
+            eval_mem_len=eval_mem_len,
+            same_length=same_length,
+            clamp_len=clamp_len,
+            init_std=init_std,
+            causal=causal,
+            look_ahead=look_ahead,
+            interpolation=interpolation,
+            rpe=rpe,
+            eps=eps,
+        )
         super().__init__(cfg, LaMemoLayer)
         # Besides u and v₊ = v (the code's r_w_bias, r_r_bias): v₋ for keys on the right
         # (r_r_bias_future); XL's encoding reuses v for both.
@@ -225,6 +268,9 @@ class LaMemo(RelativeMemoryBackbone):
             if cfg.rpe == "disentangled"
             else None
         )
+        # v₋ serves the look-ahead attention only, which needs a carried memory: the first
+        # segment of a stream (and every segment without look-ahead) leaves it unused.
+        self.data_dependent_parameters = self.v_future is not None
         self.reset_parameters()
 
     @property

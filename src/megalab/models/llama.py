@@ -32,7 +32,6 @@ context length, which `benchmarks/bench_long_context.py` measures.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -227,12 +226,46 @@ class Llama(Backbone):
             not extrapolate far beyond its training context).
         causal: decoder (True) or a bidirectional encoder without state (False).
 
-    The flat arguments are validated into a frozen `LlamaConfig` (`self.config`).
+    The arguments are the fields of `LlamaConfig`, flat and in its order; they are validated
+    into that frozen config (`self.config`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    block_class = LlamaBlock
+
+    def __init__(
+        self,
+        d_model: int = 256,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        num_kv_heads: int | None = None,
+        ffn_dim: int | None = None,
+        multiple_of: int = 256,
+        ffn_dim_multiplier: float | None = None,
+        rope_base: float = 10000.0,
+        norm_eps: float = 1e-5,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        init_std: float = 0.02,
+        max_len: int | None = None,
+        causal: bool = True,
+    ) -> None:
         super().__init__()
-        cfg = LlamaConfig(*args, **kwargs)
+        cfg = LlamaConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            ffn_dim=ffn_dim,
+            multiple_of=multiple_of,
+            ffn_dim_multiplier=ffn_dim_multiplier,
+            rope_base=rope_base,
+            norm_eps=norm_eps,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            init_std=init_std,
+            max_len=max_len,
+            causal=causal,
+        )
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

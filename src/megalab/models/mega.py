@@ -38,7 +38,7 @@ FFN it acts on the branch before its plain residual.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -341,13 +341,79 @@ class Mega(Backbone):
             (faster), None keeps them for spans of at most 512 keys (chunks) and recomputes
             longer ones (`megalab.nn.attention.ChunkedAttention`).
 
-    The arguments are flat, in this order (so `model.backbone.chunk_size=128` overrides one);
-    they are validated once into a frozen `MegaConfig` (`self.config`) that the blocks read.
+    The arguments are the fields of `MegaConfig`, flat and in its order (so
+    `model.backbone.chunk_size=128` overrides one, and type checkers see each); they are
+    validated once into that frozen config (`self.config`), which the blocks read.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    block_class = MegaBlock
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        num_layers: int = 4,
+        z_dim: int = 64,
+        v_dim: int = 256,
+        ffn_dim: int = 256,
+        ema_dim: int = 16,
+        chunk_size: int = -1,
+        truncation: int | None = None,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_positions: int = 1024,
+        norm_type: str = "layernorm",
+        prenorm: bool = True,
+        final_norm_affine: bool = True,
+        norm_affine: bool = True,
+        embed_norm: bool = False,
+        embed_dropout: float = 0.0,
+        causal: bool = False,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "silu",
+        ema_shift: bool = False,
+        drop_path: float = 0.0,
+        positions: str = "none",
+        max_len: int | None = None,
+        output_proj: bool = False,
+        checkpoint_activations: bool = False,
+        attention_recompute: bool | None = None,
+    ) -> None:
         super().__init__()
-        cfg = MegaConfig(*args, **kwargs)
+        cfg = MegaConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            z_dim=z_dim,
+            v_dim=v_dim,
+            ffn_dim=ffn_dim,
+            ema_dim=ema_dim,
+            chunk_size=chunk_size,
+            truncation=truncation,
+            attention_activation=attention_activation,
+            rel_pos_bias=rel_pos_bias,
+            max_positions=max_positions,
+            norm_type=norm_type,
+            prenorm=prenorm,
+            final_norm_affine=final_norm_affine,
+            norm_affine=norm_affine,
+            embed_norm=embed_norm,
+            embed_dropout=embed_dropout,
+            causal=causal,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            activation_dropout=activation_dropout,
+            activation=activation,
+            ema_shift=ema_shift,
+            drop_path=drop_path,
+            positions=positions,
+            max_len=max_len,
+            output_proj=output_proj,
+            checkpoint_activations=checkpoint_activations,
+            attention_recompute=attention_recompute,
+        )
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -301,13 +301,57 @@ class Megalodon(Backbone):
         hidden_dropout: on X'', on Γ ⊙ O and on the FFN hidden layer.
         drop_path: stochastic depth of the last block (block i of n: drop_path · i / (n − 1)).
 
-    The arguments are flat (so `model.backbone.chunk_size=128` overrides one) and validated
-    once into a frozen `MegalodonConfig` (`self.config`).
+    The arguments are the fields of `MegalodonConfig`, flat and in its order (so
+    `model.backbone.chunk_size=128` overrides one) and validated once into that frozen config
+    (`self.config`).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    block_class = MegalodonBlock
+
+    def __init__(
+        self,
+        d_model: int = 1024,
+        num_layers: int = 8,
+        z_dim: int = 256,
+        v_dim: int = 2048,
+        num_heads: int = 1,
+        ffn_dim: int = 2048,
+        swiglu: bool = False,
+        cema_dim: int = 16,
+        chunk_size: int = 2048,
+        norm_groups: int = 32,
+        norm_eps: float = 1e-5,
+        norm_prior_count: int = 0,
+        norm_type: str | None = None,
+        rope_base: float = 10000.0,
+        causal: bool = True,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        drop_path: float = 0.0,
+    ) -> None:
         super().__init__()
-        cfg = MegalodonConfig(*args, **kwargs)
+        cfg = MegalodonConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            z_dim=z_dim,
+            v_dim=v_dim,
+            num_heads=num_heads,
+            ffn_dim=ffn_dim,
+            swiglu=swiglu,
+            cema_dim=cema_dim,
+            chunk_size=chunk_size,
+            norm_groups=norm_groups,
+            norm_eps=norm_eps,
+            norm_prior_count=norm_prior_count,
+            norm_type=norm_type,
+            rope_base=rope_base,
+            causal=causal,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            drop_path=drop_path,
+        )
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

@@ -495,11 +495,83 @@ class SeqBoat(Backbone):
         dropout: on H, the GAU or layer branch, the FFN output.  attention_dropout: attention
             weights.  hidden_dropout: V.  activation_dropout: FFN hidden layer.
         input_dropout: on the input after the absolute positions (the code's embedding dropout).
+
+    The arguments are the fields of `SeqBoatConfig`, flat and in its order; they are validated
+    once into that frozen config (`self.config`), which the layers read.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    block_class = SeqBoatBlock
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        num_layers: int = 4,
+        z_dim: int = 64,
+        v_dim: int = 256,
+        ema_dim: int = 16,
+        ssm: str = "ema",
+        truncation: int | None = None,
+        attention: str = "local",
+        chunk_size: int = 128,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        local_pos: bool = False,
+        max_positions: int = 1024,
+        positions: str = "none",
+        norm_type: str = "layernorm",
+        norm_affine: bool = True,
+        prenorm: bool = False,
+        final_norm_affine: bool = True,
+        causal: bool = False,
+        router: str = "softmax",
+        init_temp_scale: float = 1.0,
+        act_bias: float = 0.0,
+        gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995),
+        gumbel_hard: bool = False,
+        always_compress: bool | None = None,
+        ffn_dim: int = 0,
+        ffn_mode: str = "after",
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        input_dropout: float = 0.0,
+    ) -> None:
         super().__init__()
-        cfg = SeqBoatConfig(*args, **kwargs)
+        cfg = SeqBoatConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            z_dim=z_dim,
+            v_dim=v_dim,
+            ema_dim=ema_dim,
+            ssm=ssm,
+            truncation=truncation,
+            attention=attention,
+            chunk_size=chunk_size,
+            attention_activation=attention_activation,
+            rel_pos_bias=rel_pos_bias,
+            local_pos=local_pos,
+            max_positions=max_positions,
+            positions=positions,
+            norm_type=norm_type,
+            norm_affine=norm_affine,
+            prenorm=prenorm,
+            final_norm_affine=final_norm_affine,
+            causal=causal,
+            router=router,
+            init_temp_scale=init_temp_scale,
+            act_bias=act_bias,
+            gumbel_tau=gumbel_tau,
+            gumbel_hard=gumbel_hard,
+            always_compress=always_compress,
+            ffn_dim=ffn_dim,
+            ffn_mode=ffn_mode,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            activation_dropout=activation_dropout,
+            input_dropout=input_dropout,
+        )
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

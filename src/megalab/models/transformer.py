@@ -123,6 +123,8 @@ class Transformer(Backbone):
     layer (`megalab.nn.checkpoint`): less memory, about a third more compute, same results.
     """
 
+    block_class = TransformerLayer
+
     def __init__(
         self,
         d_model: int = 256,

@@ -39,7 +39,6 @@ attend to the padded positions kept in memory.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -127,12 +126,51 @@ class TransformerXL(RelativeMemoryBackbone):
         same_length: every query sees the same number (mem_len) of keys.
         clamp_len: cap on relative distances (≤ 0: none).
         init_std: scale of the initialisation.  causal: always true (a language model).
+
+    The arguments are the fields of `TransformerXLConfig`, flat and in its order (the shared
+    ones of `RelativeMemoryConfig` first); they are validated once into that frozen config
+    (`self.config`).
     """
 
     config: TransformerXLConfig
+    block_class = XLLayer
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(TransformerXLConfig(*args, **kwargs), XLLayer)
+    def __init__(
+        self,
+        d_model: int = 410,
+        num_layers: int = 16,
+        num_heads: int = 10,
+        head_dim: int | None = None,
+        ffn_dim: int = 2100,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        pre_lnorm: bool = False,
+        mem_len: int = 150,
+        eval_mem_len: int | None = None,
+        same_length: bool = False,
+        clamp_len: int = -1,
+        init_std: float = 0.02,
+        causal: bool = True,
+        ext_len: int = 0,
+    ) -> None:
+        cfg = TransformerXLConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            ffn_dim=ffn_dim,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            pre_lnorm=pre_lnorm,
+            mem_len=mem_len,
+            eval_mem_len=eval_mem_len,
+            same_length=same_length,
+            clamp_len=clamp_len,
+            init_std=init_std,
+            causal=causal,
+            ext_len=ext_len,
+        )
+        super().__init__(cfg, XLLayer)
         self.reset_parameters()
 
     @classmethod

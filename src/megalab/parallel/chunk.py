@@ -9,11 +9,12 @@ slice only.
 
 The state is exchanged per carried sub-module (per layer), at the moment the layer runs, so
 the forward is a wavefront: rank r's layer l waits for rank r − 1's layer l only, as in the
-authors' code. The hook a backbone implements is one method,
+authors' code. The hook a backbone implements is one method of `Backbone`,
 
-    carried_modules() -> list[nn.Module]
+    carried_modules() -> list[nn.Module] | None
 
-the sub-modules that carry state along time, in order; each is called as
+the sub-modules that carry state along time, in order (None, the default: the model cannot run
+chunk-parallel); each is called as
 `m(x, mask, state, ...)` (state third, or `state=`) and returns `(y, new_state)`: Mega's and
 Llama's blocks, and for Megalodon its blocks (CEMA state and timestep-norm statistics) plus the
 final timestep norm. Whatever the state holds is exchanged: Mega's EMA state (and the keys and
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from megalab.models.base import BackboneOutput, BackboneProtocol
+from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
 from megalab.models.state import STATE_CLASSES, _fields, state_class_name
 
 _TENSOR = "\x00tensor:"
@@ -292,7 +293,7 @@ class ChunkParallel:
             self.active = active
 
     @contextmanager
-    def attach(self, backbone: nn.Module) -> Iterator[None]:
+    def attach(self, backbone: Backbone) -> Iterator[None]:
         """Run `backbone` chunk-parallel inside the block (see `install`)."""
         handles = self.install(backbone)
         try:
@@ -301,18 +302,18 @@ class ChunkParallel:
             for h in handles:
                 h.remove()
 
-    def install(self, backbone: nn.Module) -> list[Any]:
+    def install(self, backbone: Backbone) -> list[Any]:
         """Hooks that make every forward of `backbone` exchange state with the neighbours:
         a stateless call (state=None) runs from the initial state and returns no state; each
         carried module receives its incoming state from rank − 1 and sends its final state to
         rank + 1. Returns the hook handles."""
-        carried = getattr(backbone, "carried_modules", None)
+        carried = backbone.carried_modules()
         if carried is None:
             raise TypeError(
                 f"{type(backbone).__name__} cannot run chunk-parallel: it has no "
                 "carried_modules() (the sub-modules that carry state along time)"
             )
-        modules = list(carried())
+        modules = list(carried)
         link = self
         stateless: list[bool] = []
 

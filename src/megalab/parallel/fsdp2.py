@@ -3,9 +3,10 @@
 
 Lightning's `ModelParallelStrategy` builds a device mesh (data parallel x tensor parallel) and
 leaves the sharding to the module's `configure_model`; the tasks call `shard_blocks` there. Every
-backbone block (`megalab.utils.distributed.block_classes`: LlamaBlock, MegaBlock, ...) becomes
-its own FSDP2 unit, optionally recomputed in the backward (activation checkpointing), then the
-whole task (embedding, head, final norm) is the root unit. Parameters, gradients and optimizer
+backbone block (the `block_class` each backbone declares, collected by
+`megalab.utils.distributed.block_classes`: LlamaBlock, MegaBlock, ...) becomes its own FSDP2
+unit, optionally recomputed in the backward (activation checkpointing), then the whole task
+(embedding, head, final norm) is the root unit. Parameters, gradients and optimizer
 state are sharded over the mesh's data-parallel dimension as DTensors.
 
 Unlike FSDP1 (`FullyShardedDataParallel`, Lightning's `FSDPStrategy`), FSDP2 runs on CPU
@@ -61,8 +62,9 @@ def shard_blocks(
     if not units:
         raise ValueError(
             f"no backbone block in {type(module).__name__} to shard (block classes: "
-            f"{', '.join(sorted(c.__name__ for c in classes))}); add the backbone's block class "
-            "to megalab.utils.distributed.block_classes"
+            f"{', '.join(sorted(c.__name__ for c in classes))}); declare the backbone's "
+            "`block_class` (megalab.models.base.Backbone) and export the backbone from "
+            "megalab.models"
         )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for unit in units:

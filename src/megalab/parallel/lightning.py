@@ -32,8 +32,10 @@ def find_unused_data_dependent_parameters(strategy: Any, task: Any) -> None:
     A band of an adaptive input or softmax that has no token in a rank's batch (or, chunk
     parallel, in its slice of the sequence) leaves its parameters out of that rank's graph; DDP
     then stops with "parameters that were not used" unless it looks for them (the other ranks'
-    gradients are averaged with this rank's zero: still the whole batch's gradient). Models
-    without such parameters keep the faster setting.
+    gradients are averaged with this rank's zero: still the whole batch's gradient). Any module
+    of the task may say so: a backbone declares it (`Backbone.data_dependent_parameters`), the
+    adaptive encoders and heads set the same attribute. Models without such parameters keep the
+    faster setting.
     """
     if not isinstance(strategy, DDPStrategy) or strategy._ddp_kwargs.get("find_unused_parameters"):
         return
@@ -77,8 +79,8 @@ class ChunkParallelStrategy(DDPStrategy):
                 f"{type(task).__name__} is not one (use task=language_modeling, or "
                 "trainer=ddp / model_parallel for this task)"
             )
-        backbone = getattr(task, "backbone", None)
-        if getattr(backbone, "carried_modules", None) is None:
+        backbone = task.backbone  # a language model's (`use_chunk_parallel` checked above)
+        if backbone.carried_modules() is None:
             raise TypeError(
                 f"{type(backbone).__name__} cannot run chunk-parallel: it has no "
                 "carried_modules() (the sub-modules that carry state along time; Mega, "

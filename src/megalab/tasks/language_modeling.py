@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torchmetrics import SumMetric
 
 from megalab.batch import Batch
-from megalab.models.base import BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput
 from megalab.models.state import detach_state, pack_state, state_to, unpack_state
 from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
@@ -95,12 +95,12 @@ def check_causal(backbone: nn.Module) -> None:
         )
 
 
-def check_ext_len(backbone: nn.Module, datamodule: Any) -> None:
+def check_ext_len(backbone: Backbone, datamodule: Any) -> None:
     """Fail early when the data's extended context (`data.ext_len`) and the backbone's
     (`model.backbone.ext_len`, Transformer-XL's) differ: the memory would then either repeat
     the re-read tokens or skip the ones it leaves out."""
     data_ext = int(getattr(datamodule, "ext_len", 0) or 0)
-    model_ext = int(getattr(backbone, "ext_len", 0) or 0)
+    model_ext = backbone.ext_len
     if data_ext != model_ext:
         raise ValueError(
             f"data.ext_len={data_ext} but the {type(backbone).__name__} backbone keeps "
@@ -109,11 +109,11 @@ def check_ext_len(backbone: nn.Module, datamodule: Any) -> None:
         )
 
 
-def check_no_extended_context(backbone: nn.Module, what: str) -> None:
+def check_no_extended_context(backbone: Backbone, what: str) -> None:
     """Fail early when `what` (generation, long-context scoring: contiguous segments without
     extended context) would run a backbone that leaves `ext_len` positions of every segment
     out of its memory: those tokens would be lost from the context."""
-    ext = int(getattr(backbone, "ext_len", 0) or 0)
+    ext = backbone.ext_len
     if ext:
         raise ValueError(
             f"{what} feeds the stream without extended context, but this "

@@ -28,15 +28,15 @@ def slurm_environment(auto_requeue: bool = True, requeue_signal: str = "SIGUSR1"
 
 
 def block_classes() -> set[type]:
-    """The block class of every megalab backbone: each block becomes its own FSDP unit and
-    activation-checkpointing region (Lightning's `auto_wrap_policy` /
-    `activation_checkpointing_policy` take a set of classes)."""
-    from megalab.models.llama import LlamaBlock
-    from megalab.models.mega import MegaBlock
-    from megalab.models.megalodon import MegalodonBlock
-    from megalab.models.transformer import TransformerLayer
+    """The block class of every megalab backbone (each declares its `block_class`): each block
+    becomes its own FSDP unit and activation-checkpointing region (Lightning's
+    `auto_wrap_policy` / `activation_checkpointing_policy` take a set of classes)."""
+    import megalab.models as models
+    from megalab.models.base import Backbone
 
-    return {LlamaBlock, MegaBlock, MegalodonBlock, TransformerLayer}
+    exported = [getattr(models, name) for name in models.__all__]
+    backbones = [c for c in exported if isinstance(c, type) and issubclass(c, Backbone)]
+    return {c.block_class for c in backbones if c.block_class is not None}
 
 
 def gather_from_ranks(obj: Any) -> list[Any]:
