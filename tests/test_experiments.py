@@ -103,6 +103,9 @@ HEAVY |= {"seqboat/enwik8"}
 # (up to 6.9 GB resident while probing) and trains in micro-batches where memory is short: 44 s
 # in all on 2 shared cores, twice the next slowest of the default suite.
 HEAVY |= {"transformer/lra_listops"}
+# Mega with full attention over CIFAR's 1,024 pixels (~20 s for two steps here, the slowest LRA
+# experiment of the default suite): Mega-chunk's Image experiment trains the same pipeline there.
+HEAVY |= {"mega/lra_image"}
 
 # WMT'16 En-De (megalab/testing/wmt.py): 160 training pairs, whose BPE and dictionary cover a
 # few dozen subwords; the dictionary is padded to data.vocab_size, 512 here instead of 33,000.
@@ -115,7 +118,11 @@ FIXTURE_OVERRIDES["wmt16_en_de"] = [
     "task.generation.max_len_b=30",
     "task.val_generation.max_len_b=30",
 ]
+# Mega-base En-De itself (6 + 6 layers, ~20 s for two steps here) too: Mega's translation model
+# trains in the default suite through docs/translation.md (tests/test_docs_commands.py, one layer
+# each side) and the Transformer's En-De experiment.
 HEAVY |= {
+    "mega/wmt16_en_de",
     "mega/wmt16_en_de_laplace",
     "mega/wmt16_de_en",
     "mega/wmt16_de_en_laplace",

@@ -321,10 +321,12 @@ def _first_variants() -> list[tuple[str, str]]:
 
 
 def _compile_cases() -> list[Any]:
+    """One aot_eager case per model config in the default suite, the rest slow. The Llama size
+    presets (`llama_1_3b`, ...) build `llama`'s code at other widths: theirs are slow too."""
     first = set(_first_variants())
     cases = []
     for n, v in CASES:
-        fast = (n, v) in first
+        fast = (n, v) in first and not n.startswith("llama_")
         cases.append(pytest.param(n, v, "aot_eager", marks=() if fast else pytest.mark.slow))
         cases.append(pytest.param(n, v, "inductor", marks=pytest.mark.slow))
     return cases
