@@ -20,8 +20,7 @@ from omegaconf import OmegaConf
 
 from megalab.config_schema import ConfigError, validate
 from megalab.convert.common import load_checkpoint
-from megalab.data.cache import CacheError
-from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.cache import CacheError, cache_dir, mark_prepared, prepared
 from megalab.utils.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,

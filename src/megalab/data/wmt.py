@@ -65,7 +65,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from megalab.data.base import SequenceDataModule
-from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, check_npy, mark_prepared, prepared
 from megalab.data.hub import HubDataset, HubFormatError
 
 log = logging.getLogger(__name__)
@@ -679,7 +679,6 @@ class WMT16EnDeDataModule(SequenceDataModule):
         return cache
 
     def build_datasets(self) -> dict[str, Dataset]:
-        from megalab.data.cache import check_npy
 
         cache = self._ready()
         out: dict[str, Dataset] = {}
