@@ -73,7 +73,8 @@ def test_crafted_carried_state_cannot_call_anything() -> None:
 
 @pytest.mark.parametrize(
     "target",
-    ["torch.load", "os.system", "subprocess.run", "megalab.utils.checkpointing.subprocess.call",
+    ["torch.load", "os.system", "subprocess.run",
+     "megalab.utils.checkpointing.callbacks.subprocess.call",
      "megalab.utils.run.atomic_write_text", "builtins.eval"],
 )  # fmt: skip
 def test_run_folder_config_cannot_name_other_targets(target: str) -> None:
