@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader
 
 from conftest import ROOT
 from megalab import tables as tb
-from megalab.efficiency import EfficiencyMonitor, count_tokens, render_efficiency
+from megalab.efficiency import EfficiencyMonitor, count_tokens
+from megalab.tables.efficiency import render_efficiency
 from megalab.train import train
 
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megalab.tables import Run, _select, collect_runs
+from megalab.tables.runs import Run, collect_runs, config_value
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def read_history(path: Path) -> tuple[dict[int, float], dict[int, float], list[f
 
 
 def _model_name(run: Run) -> str:
-    target = _select(run.config, "model.backbone._target_") or _select(
+    target = config_value(run.config, "model.backbone._target_") or config_value(
         run.config, "task.backbone._target_"
     )
     return str(target).rsplit(".", 1)[-1] if target else "?"
@@ -115,10 +115,10 @@ def load_curves(paths: Sequence[str | Path]) -> list[Curve]:
         if not loss:
             log.warning("no %s in %s: no curve", LOSS, history)
             continue
-        context = _select(run.config, "data.max_len")
+        context = config_value(run.config, "data.max_len")
         per_step: float | None = statistics.median(step_tokens) if step_tokens else None
         if per_step is None:
-            batch = _select(run.config, "data.batch_size")
+            batch = config_value(run.config, "data.batch_size")
             per_step = float(batch) * float(context) if batch and context else None
         curves.append(
             Curve(

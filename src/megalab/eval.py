@@ -36,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
 
 from megalab.config_schema import validate as validate_config  # noqa: E402
-from megalab.data.download import caches_written_under  # noqa: E402
+from megalab.data.cache import caches_written_under  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import set_verification  # noqa: E402

@@ -18,20 +18,17 @@ from pathlib import Path
 
 import pytest
 
+from megalab.data.archives import UnsafeArchiveError, extract
+from megalab.data.cache import cache_dir, mark_prepared, prepared
 from megalab.data.download import (
     ChecksumError,
     DatasetMissingError,
     DownloadError,
-    UnsafeArchiveError,
-    cache_dir,
     download,
-    extract,
-    file_digest,
     is_offline,
-    mark_prepared,
-    prepared,
     require_files,
 )
+from megalab.data.files import file_digest
 
 # --------------------------------------------------------------------------- local server
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megalab.data.download import DatasetMissingError, file_digest
+from megalab.data.download import DatasetMissingError
+from megalab.data.files import file_digest
 from megalab.data.lm.char import ENWIK8_URL, Enwik8DataModule, Text8DataModule
 from megalab.testing.lm import CHAR_SPLIT, enwik8_bytes, text8_bytes, zip_member
 

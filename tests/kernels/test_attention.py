@@ -318,6 +318,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megalab.kernels import attention as A
+from megalab.kernels import attention_jit as J
 
 POINTERS = {"Q": "q", "K": "q", "V": "q", "DO": "q", "DQ": "q", "DK": "q", "DV": "q", "OUT": "q",
             "W": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DW": "*fp32", "VALID": "*i8",
@@ -329,7 +330,7 @@ for dtype, z, e in json.loads(sys.argv[1]):
                    torch.device("cuda"), dt)
     meta = spec.meta()
     warps = meta.pop("num_warps")
-    for kernel in (A._fwd_kernel, A._bwd_dv_kernel, A._bwd_dk_kernel, A._bwd_dq_kernel):
+    for kernel in (J.fwd_kernel, J.bwd_dv_kernel, J.bwd_dk_kernel, J.bwd_dq_kernel):
         names = kernel.arg_names
         sig = {}
         for n in names:

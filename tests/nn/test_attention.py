@@ -11,8 +11,8 @@ from megalab.nn.attention import (
     ChunkedAttention,
     RotaryRelativePositionalBias,
     SimpleRelativePositionalBias,
-    laplace,
 )
+from megalab.nn.attention_functions import laplace
 
 DT = torch.float64
 FUNCS = ["softmax", "laplace", "relu2"]

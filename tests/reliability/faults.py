@@ -108,7 +108,7 @@ class Fault(L.Callback):
             self._patch_checkpoint_writes(trainer)
 
     def _patch_checkpoint_writes(self, trainer: L.Trainer) -> None:
-        from megalab.utils import checkpointing
+        from megalab.utils.checkpointing import files
 
         fault = self
         if self.phase == "checkpoint":
@@ -117,12 +117,12 @@ class Fault(L.Callback):
             def fsync(fd: int) -> None:
                 original_fsync(fd)
                 name = os.readlink(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else ""
-                if name.endswith(checkpointing.TEMP_SUFFIX) and fault._due(trainer):
+                if name.endswith(files.TEMP_SUFFIX) and fault._due(trainer):
                     fault._fire()
 
-            checkpointing.os.fsync = fsync  # type: ignore[attr-defined]
+            files.os.fsync = fsync  # type: ignore[attr-defined]
         else:
-            original_write = checkpointing._HashingWriter.write
+            original_write = files._HashingWriter.write
 
             def write(self: Any, data: Any) -> int:
                 n = original_write(self, data)
@@ -130,7 +130,7 @@ class Fault(L.Callback):
                     fault._fire()
                 return n
 
-            checkpointing._HashingWriter.write = write  # type: ignore[method-assign]
+            files._HashingWriter.write = write  # type: ignore[method-assign]
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
         if self.phase == "step" and self._due(trainer):

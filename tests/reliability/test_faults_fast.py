@@ -20,8 +20,7 @@ from omegaconf import OmegaConf
 
 from megalab.config_schema import ConfigError, validate
 from megalab.convert.common import load_checkpoint
-from megalab.data.cache import CacheError
-from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.cache import CacheError, cache_dir, mark_prepared, prepared
 from megalab.utils.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -74,7 +73,8 @@ def test_crafted_carried_state_cannot_call_anything() -> None:
 
 @pytest.mark.parametrize(
     "target",
-    ["torch.load", "os.system", "subprocess.run", "megalab.utils.checkpointing.subprocess.call",
+    ["torch.load", "os.system", "subprocess.run",
+     "megalab.utils.checkpointing.callbacks.subprocess.call",
      "megalab.utils.run.atomic_write_text", "builtins.eval"],
 )  # fmt: skip
 def test_run_folder_config_cannot_name_other_targets(target: str) -> None:

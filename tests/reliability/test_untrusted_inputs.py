@@ -505,7 +505,7 @@ def test_command_line_overrides_are_trusted(tmp_path: Path, capsys) -> None:
 
 # -- caches (megalab-data, every DataModule) ----------------------------------------------------
 def test_a_cache_with_a_pickled_array_runs_nothing(tmp_path: Path, marker: Path) -> None:
-    from megalab.data.download import cache_dir, mark_prepared, prepared
+    from megalab.data.cache import cache_dir, mark_prepared, prepared
 
     source = tmp_path / "source.txt"
     source.write_text("text\n")
@@ -530,7 +530,7 @@ def test_eval_prepares_missing_data_in_its_output_folder_only(
 
     import hydra
 
-    from megalab.data.download import caches_written_under
+    from megalab.data.cache import caches_written_under
 
     data = tmp_path / "data"
     (data / "enwik8").mkdir(parents=True)  # the raw archive alone, nothing prepared yet

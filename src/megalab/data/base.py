@@ -96,8 +96,15 @@ def cached_sequences(
     its files and of `sources` (`megalab.data.cache`); a load checks the headers, the offsets,
     and that token ids are below `vocab_size` and labels below `num_classes`.
     """
-    from megalab.data.cache import check_npy, check_offsets, check_range, read_marker
-    from megalab.data.download import cache_dir, mark_prepared, prepared
+    from megalab.data.cache import (
+        cache_dir,
+        check_npy,
+        check_offsets,
+        check_range,
+        mark_prepared,
+        prepared,
+        read_marker,
+    )
 
     path = cache_dir(cache_root, name, params)
     names = ("tokens", "offsets", "labels", "tokens2", "offsets2")

@@ -1,9 +1,11 @@
-"""Integrity of prepared-data caches: checksums, cheap invariants, one-time verification.
+"""Prepared-data caches: where they live, when they are finished, and that they stay intact.
 
-A prepared cache (`<data_dir>/prepared/<name>/<hash>/`, see `megalab.data.download.cache_dir`)
-is trusted by training for months. Its completion marker (`.complete`) records, besides what
-the dataset module wrote there, the size and SHA-256 of every file of the cache and of the
-source files it was prepared from (`record_integrity`). Then:
+A prepared cache is `<data_dir>/prepared/<name>/<hash>/`: `cache_dir` hashes the preprocessing
+parameters, so changing one re-prepares; `mark_prepared` writes the completion marker last, and
+`prepared` tells a finished cache from a half-written one. A prepared cache is trusted by
+training for months. Its completion marker (`.complete`) records, besides what the dataset
+module wrote there, the size and SHA-256 of every file of the cache and of the source files it
+was prepared from (`record_integrity`). Then:
 
 - Every load checks the cheap invariants: the files are there with their recorded sizes (a
   truncated file would fail deep in `mmap`), `.npy` headers parse with the expected dtype, token
@@ -21,14 +23,17 @@ Problems raise `CacheError` with the file, what is wrong, and how to rebuild the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from megalab.data.files import file_digest, json_default, short_hash, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,8 @@ MARKER = ".complete"
 STAMP = ".verified"
 _SKIP = {MARKER, STAMP, "params.json"}
 INTEGRITY_KEY = "integrity"
+#: Bumped when the layout of prepared caches changes, so old caches are not reused.
+CACHE_FORMAT_VERSION = 1
 
 
 class CacheError(RuntimeError):
@@ -49,6 +56,92 @@ def rebuild_hint(cache: Path) -> str:
     )
 
 
+# -- where prepared data lives ------------------------------------------------------------------
+# Where prepared caches may be written: anywhere (None), or only below one folder. Evaluation
+# writes nothing outside its output folder (`caches_written_under`): a cache the data folder
+# lacks is prepared below the output folder instead, and a finished one is read in place
+# without writing its verification stamp there.
+_WRITE_ROOT: Path | None = None
+
+
+@contextlib.contextmanager
+def caches_written_under(folder: str | os.PathLike[str]) -> Iterator[Path]:
+    """Within this context prepared caches are written only below `<folder>/prepared`."""
+    global _WRITE_ROOT
+    before = _WRITE_ROOT
+    _WRITE_ROOT = Path(folder).expanduser().absolute() / "prepared"
+    try:
+        yield _WRITE_ROOT
+    finally:
+        _WRITE_ROOT = before
+
+
+def may_write(path: str | os.PathLike[str]) -> bool:
+    """Whether a cache folder may be written to (`caches_written_under`)."""
+    return _WRITE_ROOT is None or Path(path).absolute().is_relative_to(_WRITE_ROOT)
+
+
+def cache_dir(
+    root: str | os.PathLike[str], name: str, params: Mapping[str, Any], *, version: int = 0
+) -> Path:
+    """Directory ``<root>/<name>/<hash>`` for data prepared with ``params``; created if needed.
+
+    The hash covers the JSON form of ``params`` (keys sorted), :data:`CACHE_FORMAT_VERSION` and
+    the dataset's own ``version``, so changing any preprocessing parameter (or the on-disk
+    format) selects a fresh directory. ``params.json`` inside records the parameters for
+    humans. Use :func:`prepared` / :func:`mark_prepared` to know whether preparation finished.
+    """
+    key = {"format": CACHE_FORMAT_VERSION, "version": version, "params": dict(params)}
+    path = Path(root).expanduser().absolute() / name / short_hash(key)
+    if not may_write(path):
+        if (path / MARKER).is_file():
+            return path  # finished: read in place, nothing written there
+        assert _WRITE_ROOT is not None
+        path = _WRITE_ROOT / name / short_hash(key)
+        log.info("preparing %s data under %s (the data folder is not written)", name, path.parent)
+    path.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(key, sort_keys=True, indent=2, default=json_default) + "\n"
+    pfile = path / "params.json"
+    if not pfile.exists() or pfile.read_text() != text:
+        write_atomic(pfile, text)
+    return path
+
+
+def prepared(path: str | os.PathLike[str]) -> bool:
+    """Whether :func:`mark_prepared` was called on ``path`` (the preparation finished).
+
+    A finished cache is checked on the way (:func:`check_cache`: sizes every time, checksums
+    once and after any change); a damaged one raises :class:`CacheError` saying how to rebuild
+    it.
+    """
+    path = Path(path)
+    if not (path / MARKER).is_file():
+        return False
+    check_cache(path)
+    return True
+
+
+def mark_prepared(
+    path: str | os.PathLike[str],
+    info: Mapping[str, Any] | None = None,
+    *,
+    sources: Iterable[str | os.PathLike[str]] = (),
+    checksums: bool = True,
+) -> None:
+    """Write the completion marker of ``path``; call it last, after every file is written.
+
+    With ``checksums`` the marker also records the size and SHA-256 of every file in ``path``
+    and of the ``sources`` it was prepared from (module doc).
+    """
+    path = Path(path)
+    body = dict(info or {})
+    if checksums:
+        body[INTEGRITY_KEY] = record_integrity(path, sources)
+        write_stamp(path, body[INTEGRITY_KEY])
+    write_atomic(path / MARKER, json.dumps(body, sort_keys=True, default=json_default) + "\n")
+
+
+# -- integrity ----------------------------------------------------------------------------------
 def _files(cache: Path) -> list[Path]:
     return sorted(
         p
@@ -58,8 +151,6 @@ def _files(cache: Path) -> list[Path]:
 
 
 def _digest(path: Path) -> str:
-    from megalab.data.download import file_digest
-
     return file_digest(path, "sha256")
 
 
@@ -108,8 +199,6 @@ def _locate_source(cache: Path, key: str, entry: Mapping[str, Any]) -> Path | No
 
 def write_stamp(cache: Path, integrity: Mapping[str, Any]) -> None:
     """Record the status of every checked file: later loads skip the full checksums."""
-    from megalab.data.download import _write_atomic, may_write
-
     if not may_write(cache):  # read in place by evaluation: verified again next time
         return
     status = {}
@@ -119,7 +208,7 @@ def write_stamp(cache: Path, integrity: Mapping[str, Any]) -> None:
         found = _locate_source(cache, key, entry)
         if found is not None:
             status[key] = _status(found)
-    _write_atomic(cache / STAMP, json.dumps(status, sort_keys=True) + "\n")
+    write_atomic(cache / STAMP, json.dumps(status, sort_keys=True) + "\n")
 
 
 def read_marker(cache: Path) -> dict[str, Any]:

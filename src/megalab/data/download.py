@@ -1,7 +1,7 @@
-"""Downloads, archive extraction and prepared-data caching shared by every dataset.
+"""Fetching a dataset's official files, and saying what to do when they cannot be fetched.
 
-Everything here uses the standard library only (``urllib``, ``tarfile``, ``zipfile``), so a
-dataset can fetch its official files without extra dependencies:
+Everything here uses the standard library only (``urllib``), so a dataset can fetch its official
+files without extra dependencies:
 
 - :func:`download` streams a URL (``http``, ``https`` or ``file``) to ``<dest>.part``, resumes an
   interrupted transfer with a ``Range`` request, verifies SHA-256/MD5 digests and only then
@@ -9,65 +9,46 @@ dataset can fetch its official files without extra dependencies:
   the ``.part`` a sidecar (``<dest>.part.json``) records the URL, size, ETag and Last-Modified
   of what is being fetched: a transfer resumes (``If-Range``) only when they still match, and a
   transfer whose length the server never states is not taken as complete without a checksum.
-- :func:`extract` unpacks ``.tar``/``.tar.gz``/``.tgz``/``.tar.bz2``/``.tar.xz``/``.zip`` archives
-  and single ``.gz`` files, refusing members that would land outside the destination, and marks
-  completion so that an interrupted extraction is redone.
 - :class:`DatasetMissingError` and :func:`require_files` turn "the data is not there" into one
   actionable message (what, from where, to which path) instead of a deep library traceback;
   offline mode (``MEGALAB_OFFLINE``/``HF_HUB_OFFLINE``) or a failed connection yields the same.
-- :func:`cache_dir`, :func:`prepared` and :func:`mark_prepared` key prepared data on its
-  preprocessing parameters, so changing a parameter re-prepares and a half-written cache is
-  never mistaken for a finished one.
+
+Archives are unpacked by :mod:`megalab.data.archives`; prepared data is kept by
+:mod:`megalab.data.cache`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gzip
-import hashlib
 import json
 import logging
 import os
 import re
-import shutil
 import socket
-import stat
 import sys
-import tarfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import zipfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from http.client import HTTPException
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, BinaryIO
 
+from megalab.data.files import file_digest
+
 __all__ = [
-    "CACHE_FORMAT_VERSION",
     "ChecksumError",
     "DatasetMissingError",
     "DownloadError",
-    "UnsafeArchiveError",
     "UnverifiableDownloadError",
-    "cache_dir",
     "download",
-    "extract",
-    "file_digest",
     "is_offline",
-    "mark_prepared",
-    "prepared",
     "require_files",
 ]
-
-#: Bumped when the layout of prepared caches changes, so old caches are not reused.
-CACHE_FORMAT_VERSION = 1
 
 _USER_AGENT = "megalab-data/0.1 (+python-urllib)"
 _OFFLINE_VARS = ("MEGALAB_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 log = logging.getLogger(__name__)
-_COMPLETE = ".complete"
 _DATA_DIR_HINT = (
     "The data root is the `paths.data_dir` setting; to keep data elsewhere, run with "
     "`paths.data_dir=/your/data/root` and put the files at the same relative paths there."
@@ -88,10 +69,6 @@ class ChecksumError(DownloadError):
 
 class UnverifiableDownloadError(DownloadError):
     """A transfer ended without any way to tell whether it is complete (no size, no checksum)."""
-
-
-class UnsafeArchiveError(ValueError):
-    """An archive member would be written outside the extraction directory."""
 
 
 # --------------------------------------------------------------------------- offline / messages
@@ -177,17 +154,6 @@ def _unreachable_error(
 
 
 # --------------------------------------------------------------------------- checksums
-
-
-def file_digest(
-    path: str | os.PathLike[str], algorithm: str = "sha256", chunk: int = 1 << 20
-) -> str:
-    """Hex digest of a file, read in chunks."""
-    h = hashlib.new(algorithm)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _expected_digests(sha256: str | None, md5: str | None) -> dict[str, str]:
@@ -595,294 +561,3 @@ def download(
             f"file has changed: check the official source, or download it by hand, verify it, "
             f"and save it as {dest}."
         )
-
-
-# --------------------------------------------------------------------------- extraction
-
-
-def _archive_kind(archive: Path) -> str:
-    name = archive.name.lower()
-    for suffix, kind in (
-        (".tar.gz", "tar"),
-        (".tgz", "tar"),
-        (".tar.bz2", "tar"),
-        (".tbz2", "tar"),
-        (".tar.xz", "tar"),
-        (".txz", "tar"),
-        (".tar", "tar"),
-        (".zip", "zip"),
-        (".gz", "gz"),
-    ):
-        if name.endswith(suffix):
-            if kind == "gz" and tarfile.is_tarfile(archive):
-                # Some official tarballs are named ``*.gz`` (LRA's ``lra_release.gz``).
-                return "tar"
-            return kind
-    if tarfile.is_tarfile(archive):
-        return "tar"
-    if zipfile.is_zipfile(archive):
-        return "zip"
-    raise ValueError(f"Cannot tell the archive type of {archive}")
-
-
-def _safe_relpath(name: str, archive: Path) -> PurePosixPath:
-    """The member's path relative to the destination; raise if it could escape it."""
-    norm = name.replace("\\", "/")
-    p = PurePosixPath(norm)
-    if p.is_absolute() or re.match(r"^[A-Za-z]:", norm) or ".." in p.parts:
-        raise UnsafeArchiveError(
-            f"Refusing to extract {archive}: member {name!r} would be written outside the "
-            f"destination directory."
-        )
-    parts = [q for q in p.parts if q not in ("", ".")]
-    return PurePosixPath(*parts) if parts else PurePosixPath(".")
-
-
-def _selected(rel: PurePosixPath, members: set[PurePosixPath] | None) -> bool:
-    if members is None:
-        return True
-    return any(rel == m or m in rel.parents for m in members)
-
-
-def _check_tar_members(tf: tarfile.TarFile, archive: Path) -> list[tarfile.TarInfo]:
-    out = []
-    for m in tf.getmembers():
-        rel = _safe_relpath(m.name, archive)
-        if m.issym() or m.islnk():
-            target = PurePosixPath(m.linkname.replace("\\", "/"))
-            base = rel.parent if m.issym() else PurePosixPath(".")
-            joined = target if target.is_absolute() else base / target
-            depth = 0
-            for part in joined.parts:
-                if part == "..":
-                    depth -= 1
-                elif part not in ("", "."):
-                    depth += 1
-                if depth < 0:
-                    break
-            if target.is_absolute() or depth < 0:
-                raise UnsafeArchiveError(
-                    f"Refusing to extract {archive}: link {m.name!r} -> {m.linkname!r} points "
-                    f"outside the destination directory."
-                )
-        elif not (m.isfile() or m.isdir()):
-            raise UnsafeArchiveError(
-                f"Refusing to extract {archive}: member {m.name!r} is a device, FIFO or other "
-                f"special file."
-            )
-        out.append(m)
-    return out
-
-
-def _extract_tar(archive: Path, tmp: Path, members: set[PurePosixPath] | None) -> None:
-    with tarfile.open(archive, "r:*") as tf:
-        chosen = [
-            m
-            for m in _check_tar_members(tf, archive)
-            if _selected(_safe_relpath(m.name, archive), members)
-        ]
-        kwargs: dict[str, Any] = {}
-        if hasattr(tarfile, "data_filter"):
-            kwargs["filter"] = "data"
-        tf.extractall(tmp, members=chosen, **kwargs)
-
-
-def _extract_zip(archive: Path, tmp: Path, members: set[PurePosixPath] | None) -> None:
-    with zipfile.ZipFile(archive) as zf:
-        for info in zf.infolist():
-            rel = _safe_relpath(info.filename, archive)
-            mode = info.external_attr >> 16
-            if stat.S_ISLNK(mode):
-                raise UnsafeArchiveError(
-                    f"Refusing to extract {archive}: member {info.filename!r} is a symbolic link."
-                )
-            if not _selected(rel, members):
-                continue
-            target = tmp / rel
-            if info.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with zf.open(info) as src, open(target, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-
-
-def _extract_gz(archive: Path, tmp: Path) -> None:
-    name = archive.name[:-3] if archive.name.lower().endswith(".gz") else archive.name + ".out"
-    with gzip.open(archive, "rb") as src, open(tmp / name, "wb") as out:
-        shutil.copyfileobj(src, out, 1 << 20)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def extract(
-    archive: str | os.PathLike[str],
-    dest_dir: str | os.PathLike[str],
-    *,
-    members: Iterable[str] | None = None,
-) -> Path:
-    """Extract ``archive`` into ``dest_dir`` safely and at most once; return ``dest_dir``.
-
-    Handles ``.tar`` (plain, gzip, bzip2, xz), ``.zip`` and single-file ``.gz``. Members with
-    absolute paths or ``..``, links pointing out of the tree and special files are rejected with
-    :class:`UnsafeArchiveError` before anything is written. ``members`` restricts extraction to
-    the given member paths (a directory selects everything below it).
-
-    The archive is unpacked into a temporary directory inside ``dest_dir``, its top-level
-    entries are then moved into place and a ``.<archive name>.complete`` marker is written last;
-    an interrupted extraction has no marker and is redone from scratch on the next call.
-    """
-    archive = Path(archive).expanduser().absolute()
-    dest_dir = Path(dest_dir).expanduser().absolute()
-    selected = None if members is None else {_safe_relpath(m, archive) for m in members}
-    tag = (
-        archive.name
-        if selected is None
-        else archive.name + "-" + _short_hash(sorted(map(str, selected)))
-    )
-    marker = dest_dir / f".{tag}{_COMPLETE}"
-    if marker.exists():
-        return dest_dir
-    if not archive.exists():
-        raise FileNotFoundError(f"Archive not found: {archive}")
-    kind = _archive_kind(archive)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    tmp = dest_dir / f".{tag}.extracting"
-    _remove(tmp)
-    tmp.mkdir()
-    try:
-        if kind == "tar":
-            _extract_tar(archive, tmp, selected)
-        elif kind == "zip":
-            _extract_zip(archive, tmp, selected)
-        else:
-            _extract_gz(archive, tmp)
-        for entry in sorted(tmp.iterdir()):
-            target = dest_dir / entry.name
-            _remove(target)  # left over from an interrupted earlier extraction
-            os.replace(entry, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    _write_atomic(marker, json.dumps({"archive": str(archive)}) + "\n")
-    return dest_dir
-
-
-# --------------------------------------------------------------------------- prepared-data cache
-
-
-def _short_hash(obj: Any, n: int = 12) -> str:
-    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
-    return hashlib.sha256(blob.encode()).hexdigest()[:n]
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
-    if isinstance(obj, (set, frozenset)):
-        return sorted(obj)
-    if hasattr(obj, "item"):  # numpy scalars
-        return obj.item()
-    raise TypeError(f"Cannot use {type(obj).__name__} in cache parameters: {obj!r}")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        with contextlib.suppress(OSError):
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-# Where prepared caches may be written: anywhere (None), or only below one folder. Evaluation
-# writes nothing outside its output folder (`caches_written_under`): a cache the data folder
-# lacks is prepared below the output folder instead, and a finished one is read in place
-# without writing its verification stamp there.
-_WRITE_ROOT: Path | None = None
-
-
-@contextlib.contextmanager
-def caches_written_under(folder: str | os.PathLike[str]) -> Iterator[Path]:
-    """Within this context prepared caches are written only below `<folder>/prepared`."""
-    global _WRITE_ROOT
-    before = _WRITE_ROOT
-    _WRITE_ROOT = Path(folder).expanduser().absolute() / "prepared"
-    try:
-        yield _WRITE_ROOT
-    finally:
-        _WRITE_ROOT = before
-
-
-def may_write(path: str | os.PathLike[str]) -> bool:
-    """Whether a cache folder may be written to (`caches_written_under`)."""
-    return _WRITE_ROOT is None or Path(path).absolute().is_relative_to(_WRITE_ROOT)
-
-
-def cache_dir(
-    root: str | os.PathLike[str], name: str, params: Mapping[str, Any], *, version: int = 0
-) -> Path:
-    """Directory ``<root>/<name>/<hash>`` for data prepared with ``params``; created if needed.
-
-    The hash covers the JSON form of ``params`` (keys sorted), :data:`CACHE_FORMAT_VERSION` and
-    the dataset's own ``version``, so changing any preprocessing parameter (or the on-disk
-    format) selects a fresh directory. ``params.json`` inside records the parameters for
-    humans. Use :func:`prepared` / :func:`mark_prepared` to know whether preparation finished.
-    """
-    key = {"format": CACHE_FORMAT_VERSION, "version": version, "params": dict(params)}
-    path = Path(root).expanduser().absolute() / name / _short_hash(key)
-    if not may_write(path):
-        if (path / _COMPLETE).is_file():
-            return path  # finished: read in place, nothing written there
-        assert _WRITE_ROOT is not None
-        path = _WRITE_ROOT / name / _short_hash(key)
-        log.info("preparing %s data under %s (the data folder is not written)", name, path.parent)
-    path.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(key, sort_keys=True, indent=2, default=_json_default) + "\n"
-    pfile = path / "params.json"
-    if not pfile.exists() or pfile.read_text() != text:
-        _write_atomic(pfile, text)
-    return path
-
-
-def prepared(path: str | os.PathLike[str]) -> bool:
-    """Whether :func:`mark_prepared` was called on ``path`` (the preparation finished).
-
-    A finished cache is checked on the way (:func:`megalab.data.cache.check_cache`: sizes every
-    time, checksums once and after any change); a damaged one raises
-    :class:`megalab.data.cache.CacheError` saying how to rebuild it.
-    """
-    path = Path(path)
-    if not (path / _COMPLETE).is_file():
-        return False
-    from megalab.data.cache import check_cache
-
-    check_cache(path)
-    return True
-
-
-def mark_prepared(
-    path: str | os.PathLike[str],
-    info: Mapping[str, Any] | None = None,
-    *,
-    sources: Iterable[str | os.PathLike[str]] = (),
-    checksums: bool = True,
-) -> None:
-    """Write the completion marker of ``path``; call it last, after every file is written.
-
-    With ``checksums`` the marker also records the size and SHA-256 of every file in ``path``
-    and of the ``sources`` it was prepared from (:mod:`megalab.data.cache`).
-    """
-    path = Path(path)
-    body = dict(info or {})
-    if checksums:
-        from megalab.data.cache import INTEGRITY_KEY, record_integrity, write_stamp
-
-        body[INTEGRITY_KEY] = record_integrity(path, sources)
-        write_stamp(path, body[INTEGRITY_KEY])
-    _write_atomic(path / _COMPLETE, json.dumps(body, sort_keys=True, default=_json_default) + "\n")

@@ -21,7 +21,7 @@ sequences of ceil(16000 / k) steps.
 
 `prepare_data` downloads and extracts the archive (only the needed folders) and stores every clip
 once as a memory-mapped int16 matrix keyed by its parameters and the file set
-(:func:`megalab.data.download.cache_dir`); `build_datasets` computes the split and the statistics.
+(:func:`megalab.data.cache.cache_dir`); `build_datasets` computes the split and the statistics.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ import torch
 from torch.utils.data import Dataset
 
 from megalab.data import download as dl
+from megalab.data.archives import extract
 from megalab.data.base import SequenceDataModule
+from megalab.data.cache import cache_dir, check_npy, check_range, mark_prepared, prepared
 
 log = logging.getLogger(__name__)
 
@@ -404,7 +406,7 @@ class SpeechCommandsDataModule(SequenceDataModule):
             "sample_rate": self.sample_rate,
             "files": files_digest(self.raw_dir, clips),
         }
-        return dl.cache_dir(self.cache_root, "waveforms", params, version=_CACHE_VERSION)
+        return cache_dir(self.cache_root, "waveforms", params, version=_CACHE_VERSION)
 
     # -- Lightning ------------------------------------------------------------------------------
     def prepare_data(self) -> None:
@@ -413,11 +415,11 @@ class SpeechCommandsDataModule(SequenceDataModule):
             self._fetch()
         clips = list_clips(self.raw_dir, self.classes)
         out = self.cache_path(clips)
-        if dl.prepared(out):
+        if prepared(out):
             return
         log.info("reading %d Speech Commands clips from %s", len(clips), self.raw_dir)
         write_waveform_cache(self.raw_dir, out, clips, self.clip_length, self.sample_rate)
-        dl.mark_prepared(out, {"clips": len(clips)})
+        mark_prepared(out, {"clips": len(clips)})
 
     def _fetch(self) -> None:
         how = (
@@ -437,7 +439,7 @@ class SpeechCommandsDataModule(SequenceDataModule):
             dl.download(self.url, self.archive, sha256=self.sha256, dataset="Speech Commands v0.02")
         members = [*self.classes, *LIST_FILES]
         log.info("extracting %s into %s", self.archive, self.raw_dir)
-        dl.extract(self.archive, self.raw_dir, members=members)
+        extract(self.archive, self.raw_dir, members=members)
         if not self._have_tree():
             missing = [m for m in members if not (self.raw_dir / m).exists()]
             raise SpeechCommandsFormatError(
@@ -458,12 +460,11 @@ class SpeechCommandsDataModule(SequenceDataModule):
             )
         clips = list_clips(self.raw_dir, self.classes)
         cache = self.cache_path(clips)
-        if not dl.prepared(cache):
+        if not prepared(cache):
             raise FileNotFoundError(
                 f"the prepared Speech Commands cache {cache} is missing or incomplete: call "
                 f"prepare_data() first, or run `megalab-data sc10 --root {self.data_dir.parent}`"
             )
-        from megalab.data.cache import check_npy, check_range
 
         check_npy(cache / "waves.npy", np.int16, 2, cache)
         check_npy(cache / "lengths.npy", np.int64, 1, cache)

@@ -51,14 +51,14 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megalab import kernels
-from megalab.nn.attention import LAPLACE_MU, LAPLACE_SIGMA
+from megalab.kernels import use_kernel
 
 try:
     import triton  # type: ignore[import-untyped]
-    import triton.language as tl  # type: ignore[import-untyped]
 except ImportError:  # the reference path needs no Triton (`use_kernel` is then False)
     triton = None
+else:
+    from megalab.kernels import attention_jit as jit
 
 __all__ = [
     "FUNCTIONS",
@@ -115,373 +115,6 @@ def sdpa_value_groups(
         for vg in v.split(group, dim=-1)
     ]
     return torch.cat(outs, dim=-1)
-
-
-if triton is not None:
-    # Compile-time constants of the kernels (Triton reads globals only as constexpr).
-    _MU = tl.constexpr(LAPLACE_MU)
-    _SIGMA = tl.constexpr(LAPLACE_SIGMA)
-
-    @triton.jit
-    def _mm(a: tl.tensor, b: tl.tensor, PRECISION: tl.constexpr, UPCAST: tl.constexpr) -> tl.tensor:
-        """a @ b accumulated in float32; with UPCAST (bf16/fp16 in the interpreter, whose
-        half-precision `tl.dot` gives wrong sums in Triton 3.9) on float32 copies of a and b."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b, input_precision=PRECISION)
-
-    @triton.jit
-    def _scores(
-        q: tl.tensor,
-        k: tl.tensor,
-        offs_m: tl.tensor,
-        offs_n: tl.tensor,
-        n: tl.tensor,
-        W: tl.tensor,
-        VALID: tl.tensor,
-        FIRST: tl.tensor,
-        stride_valid: tl.tensor,
-        Cq: tl.tensor,
-        Ck: tl.tensor,
-        q_offset: tl.tensor,
-        positions: tl.tensor,
-        scale: tl.tensor,
-        FN: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        HAS_VALID: tl.constexpr,
-        CAUSAL: tl.constexpr,
-        EMPTY_CAUSAL: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ) -> tuple[tl.tensor, tl.tensor]:
-        """S (BM, BN) in float32 of a query tile against a key tile, and the keys each row sees."""
-        s = _mm(q, tl.trans(k), PRECISION, UPCAST) * scale
-        pos = offs_m + q_offset  # the queries' key positions
-        in_range = (offs_m[:, None] < Cq) & (offs_n[None, :] < Ck)
-        if HAS_BIAS:
-            idx = positions - 1 + offs_n[None, :] - pos[:, None]
-            s += tl.load(W + idx, mask=in_range, other=0.0).to(tl.float32)
-        allowed = in_range
-        causal = offs_n[None, :] <= pos[:, None]
-        if HAS_VALID:
-            key = tl.load(VALID + n * stride_valid + offs_n, mask=offs_n < Ck, other=0) != 0
-            if FN == 0:
-                first = tl.load(FIRST + n)  # the first valid key (Ck: none)
-                if CAUSAL:
-                    empty = pos < first
-                else:
-                    empty = (offs_m * 0 + first) >= Ck
-                allowed = allowed & (key[None, :] | empty[:, None])
-                if CAUSAL:
-                    if EMPTY_CAUSAL:
-                        allowed = allowed & causal
-                    else:
-                        allowed = allowed & (causal | empty[:, None])
-            else:
-                allowed = allowed & key[None, :]
-                if CAUSAL:
-                    allowed = allowed & causal
-        elif CAUSAL:
-            allowed = allowed & causal
-        return s, allowed
-
-    @triton.jit
-    def _activate(s: tl.tensor, FN: tl.constexpr) -> tl.tensor:
-        """f(S) for laplace (FN 1) or relu2 (FN 2)."""
-        if FN == 1:
-            return 0.5 * (1.0 + tl.erf((s - _MU) / (_SIGMA * 1.4142135623730951)))
-        r = tl.maximum(s, 0.0)
-        return r * r
-
-    @triton.jit
-    def _derivative(s: tl.tensor, FN: tl.constexpr) -> tl.tensor:
-        """f'(S): exp(−(S − μ)²/(2σ²)) / (σ√(2π)) (laplace) or 2 relu(S) (relu2)."""
-        if FN == 1:
-            x = s - _MU
-            return tl.exp(-(x * x) / (2.0 * _SIGMA * _SIGMA)) / (_SIGMA * 2.5066282746310002)
-        return 2.0 * tl.maximum(s, 0.0)
-
-    @triton.jit
-    def _fwd_kernel(
-        Q: tl.tensor, K: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
-        OUT: tl.tensor, LSE: tl.tensor,
-        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
-        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
-        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
-        son: tl.tensor, soh: tl.tensor, som: tl.tensor, soe: tl.tensor,
-        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
-        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
-        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
-        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ) -> None:  # fmt: skip
-        pid_b, pid_m, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n, h = pid_b // H, pid_b % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_z = tl.arange(0, BLOCK_Z)
-        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        q = tl.load(
-            Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
-        m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        hi = Ck
-        if BOUNDED:  # no row sees a key after its own position
-            hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(
-                K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-                mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-                other=0.0,
-            )
-            v = tl.load(
-                V + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
-                mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
-                other=0.0,
-            )
-            s, allowed = _scores(
-                q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
-                positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
-            )  # fmt: skip
-            if FN == 0:
-                s = tl.where(allowed, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            else:
-                p = tl.where(allowed, _activate(s, FN), 0.0)
-            acc += _mm(p.to(v.dtype), v, PRECISION, UPCAST)
-        if FN == 0:
-            l_i = tl.where(l_i > 0.0, l_i, 1.0)  # rows past Cq only
-            acc = acc / l_i[:, None]
-            if pid_e == 0:
-                tl.store(LSE + pid_b * Cq + offs_m, m_i + tl.log(l_i), mask=offs_m < Cq)
-        tl.store(
-            OUT + n * son + h * soh + offs_m[:, None] * som + offs_e[None, :] * soe,
-            acc.to(OUT.dtype.element_ty),
-            mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
-        )
-
-    @triton.jit
-    def _weights(
-        q: tl.tensor, k: tl.tensor, offs_m: tl.tensor, offs_n: tl.tensor, n: tl.tensor,
-        W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor, LSE: tl.tensor, pid_b: tl.tensor,
-        stride_valid: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, q_offset: tl.tensor,
-        positions: tl.tensor, scale: tl.tensor, FN: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_VALID: tl.constexpr,
-        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ) -> tuple[tl.tensor, tl.tensor, tl.tensor]:  # fmt: skip
-        """The recomputed weights P (softmax: from the saved lse), the logits S and the mask."""
-        s, allowed = _scores(
-            q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
-            positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
-        )  # fmt: skip
-        if FN == 0:
-            lse = tl.load(LSE + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
-            p = tl.where(allowed, tl.exp(s - lse[:, None]), 0.0)
-        else:
-            p = tl.where(allowed, _activate(s, FN), 0.0)
-        return p, s, allowed
-
-    @triton.jit
-    def _bwd_dv_kernel(
-        Q: tl.tensor, K: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
-        LSE: tl.tensor, DO: tl.tensor, DV: tl.tensor,
-        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
-        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
-        sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
-        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
-        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
-        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
-        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
-        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ) -> None:  # fmt: skip
-        """dV = Pᵀ dO for one key block and value tile, looping over query blocks."""
-        pid_b, pid_n, pid_e = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n, h = pid_b // H, pid_b % H
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_z = tl.arange(0, BLOCK_Z)
-        offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-        k = tl.load(
-            K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        dv = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
-        lo = 0
-        if BOUNDED:  # queries before the block's first key do not see it
-            lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
-        for start_m in range(lo, Cq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(
-                Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-                mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-                other=0.0,
-            )
-            do = tl.load(
-                DO + n * sdn + h * sdh + offs_m[:, None] * sdm + offs_e[None, :] * sde,
-                mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
-                other=0.0,
-            )
-            p, _s, _allowed = _weights(
-                q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
-                q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-                PRECISION, UPCAST,
-            )  # fmt: skip
-            dv += _mm(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
-        tl.store(
-            DV + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
-            dv.to(DV.dtype.element_ty),
-            mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
-        )
-
-    @triton.jit
-    def _grad_scores(
-        p: tl.tensor, s: tl.tensor, allowed: tl.tensor, offs_m: tl.tensor, offs_n: tl.tensor,
-        n: tl.tensor, h: tl.tensor, pid_b: tl.tensor, V: tl.tensor, DO: tl.tensor, DELTA: tl.tensor,
-        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
-        sdn: tl.tensor,
-        sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, E: tl.tensor,
-        FN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-    ) -> tl.tensor:  # fmt: skip
-        """dS of a tile: dP = dO Vᵀ over every value tile, then the softmax or f' chain rule."""
-        dp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start_e in range(0, E, BLOCK_E):
-            offs_e = start_e + tl.arange(0, BLOCK_E)
-            do = tl.load(
-                DO + n * sdn + h * sdh + offs_m[:, None] * sdm + offs_e[None, :] * sde,
-                mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
-                other=0.0,
-            )
-            v = tl.load(
-                V + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
-                mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
-                other=0.0,
-            )
-            dp += _mm(do, tl.trans(v), PRECISION, UPCAST)
-        if FN == 0:
-            delta = tl.load(DELTA + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
-            return p * (dp - delta[:, None])
-        return tl.where(allowed, dp * _derivative(s, FN), 0.0)
-
-    @triton.jit
-    def _bwd_dk_kernel(
-        Q: tl.tensor, K: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
-        LSE: tl.tensor, DELTA: tl.tensor, DO: tl.tensor, DK: tl.tensor, DW: tl.tensor,
-        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
-        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
-        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
-        sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
-        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
-        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
-        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
-        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ) -> None:  # fmt: skip
-        """dK = dSᵀ Q τ⁻¹ for one key block, and the Toeplitz bias gradient of its tiles."""
-        pid_b, pid_n = tl.program_id(0), tl.program_id(1)
-        n, h = pid_b // H, pid_b % H
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_z = tl.arange(0, BLOCK_Z)
-        k = tl.load(
-            K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        dk = tl.zeros((BLOCK_N, BLOCK_Z), dtype=tl.float32)
-        lo = 0
-        if BOUNDED:
-            lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
-        for start_m in range(lo, Cq, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = tl.load(
-                Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-                mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-                other=0.0,
-            )
-            p, s, allowed = _weights(
-                q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
-                q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-                PRECISION, UPCAST,
-            )  # fmt: skip
-            ds = _grad_scores(
-                p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
-                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
-            )  # fmt: skip
-            dk += _mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
-            if HAS_BIAS:  # dw[M − 1 + j − (i + offset)] += dS_ij, along the diagonals
-                idx = positions - 1 + offs_n[None, :] - (offs_m + q_offset)[:, None]
-                tl.atomic_add(DW + idx, ds, mask=(offs_m[:, None] < Cq) & (offs_n[None, :] < Ck))
-        tl.store(
-            DK + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-            (dk * scale).to(DK.dtype.element_ty),
-            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-        )
-
-    @triton.jit
-    def _bwd_dq_kernel(
-        Q: tl.tensor, K: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
-        LSE: tl.tensor, DELTA: tl.tensor, DO: tl.tensor, DQ: tl.tensor,
-        sqn: tl.tensor, sqh: tl.tensor, sqm: tl.tensor, sqz: tl.tensor,
-        skn: tl.tensor, skh: tl.tensor, skm: tl.tensor, skz: tl.tensor,
-        svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
-        sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
-        stride_valid: tl.tensor, H: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, Z: tl.tensor,
-        E: tl.tensor, q_offset: tl.tensor, positions: tl.tensor, scale: tl.tensor,
-        FN: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_VALID: tl.constexpr,
-        CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr, BOUNDED: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_Z: tl.constexpr, BLOCK_E: tl.constexpr,
-    ) -> None:  # fmt: skip
-        """dQ = dS K τ⁻¹ for one query block, looping over key blocks."""
-        pid_b, pid_m = tl.program_id(0), tl.program_id(1)
-        n, h = pid_b // H, pid_b % H
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_z = tl.arange(0, BLOCK_Z)
-        q = tl.load(
-            Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        dq = tl.zeros((BLOCK_M, BLOCK_Z), dtype=tl.float32)
-        hi = Ck
-        if BOUNDED:
-            hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
-        for start_n in range(0, hi, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            k = tl.load(
-                K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-                mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-                other=0.0,
-            )
-            p, s, allowed = _weights(
-                q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
-                q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-                PRECISION, UPCAST,
-            )  # fmt: skip
-            ds = _grad_scores(
-                p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
-                sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
-            )  # fmt: skip
-            dq += _mm(ds.to(k.dtype), k, PRECISION, UPCAST)
-        tl.store(
-            DQ + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-            (dq * scale).to(DQ.dtype.element_ty),
-            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-        )
 
 
 class _Spec:
@@ -582,7 +215,7 @@ class _FlashAttention(torch.autograd.Function):
         dummy = q.new_empty(1, dtype=torch.float32)
         # batch·head on the first grid axis (up to 2³¹ − 1 programs; the others take 65,535)
         grid = (N * H, triton.cdiv(Cq, spec.block_m), triton.cdiv(E, spec.block_e))
-        _fwd_kernel[grid](
+        jit.fwd_kernel[grid](
             q, k, v, dummy if w is None else w, dummy if valid is None else valid,
             dummy if first is None else first, o, dummy if lse is None else lse,
             *_strides(q), *_strides(k), *_strides(v), *_strides(o),
@@ -618,16 +251,16 @@ class _FlashAttention(torch.autograd.Function):
                  spec.positions, spec.scale)  # fmt: skip
         meta = spec.meta()
         grid_n = triton.cdiv(Ck, spec.block_n)
-        _bwd_dv_kernel[(N * H, grid_n, triton.cdiv(E, spec.block_e))](
+        jit.bwd_dv_kernel[(N * H, grid_n, triton.cdiv(E, spec.block_e))](
             q, k, *tensors, do, dv, *_strides(q), *_strides(k), *_strides(do), *_strides(dv),
             *sizes, **meta,
         )  # fmt: skip
-        _bwd_dk_kernel[(N * H, grid_n)](
+        jit.bwd_dk_kernel[(N * H, grid_n)](
             q, k, v, *tensors, dummy if delta is None else delta, do, dk,
             dummy if dw is None else dw, *_strides(q), *_strides(k), *_strides(v),
             *_strides(do), *sizes, **meta,
         )  # fmt: skip
-        _bwd_dq_kernel[(N * H, triton.cdiv(Cq, spec.block_m))](
+        jit.bwd_dq_kernel[(N * H, triton.cdiv(Cq, spec.block_m))](
             q, k, v, *tensors, dummy if delta is None else delta, do, dq, *_strides(q),
             *_strides(k), *_strides(v), *_strides(do), *sizes, **meta,
         )  # fmt: skip
@@ -782,4 +415,4 @@ def compute_dtype(q: Tensor, v: Tensor) -> torch.dtype:
 def use_attention_kernel(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether attention on q, k, v runs on a GPU path (`kernels.use_kernel("attention", ...)`
     and a dtype the kernel takes; float64 keeps the reference)."""
-    return kernels.use_kernel("attention", q, k, v) and compute_dtype(q, v) in DTYPES
+    return use_kernel("attention", q, k, v) and compute_dtype(q, v) in DTYPES

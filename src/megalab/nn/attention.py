@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.state import register_state
+from megalab.nn.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
 
-ATTENTION_FUNCTIONS = ("softmax", "laplace", "relu2")
 REL_POS_BIASES = ("simple", "rotary")
 # Chunks of at most this many keys keep their attention weights for the backward (B·L·c floats,
 # like one activation of width c); longer spans recompute them (`ChunkedAttention.recompute`).
@@ -46,20 +46,6 @@ REL_POS_BIASES = ("simple", "rotary")
 # (about an eighth of what a d = 128 Mega block keeps per token), 4 KB at 1K (+25%) for ~5% of
 # layer speed (docs/benchmarks.md).
 KEEP_WEIGHTS_SPAN = 512
-
-# The authors' rounded constants for μ = √½ and σ = 1/(2√π).
-LAPLACE_MU = 0.707107
-LAPLACE_SIGMA = 0.282095
-
-
-def laplace(x: Tensor, mu: float = LAPLACE_MU, sigma: float = LAPLACE_SIGMA) -> Tensor:
-    """Mega's laplace attention function ½(1 + erf((x − μ)/(σ√2))) (eq. 16)."""
-    return 0.5 * (1.0 + torch.erf((x - mu) / (sigma * math.sqrt(2.0))))
-
-
-def relu2(x: Tensor) -> Tensor:
-    """relu(x)²."""
-    return F.relu(x).square()
 
 
 class SimpleRelativePositionalBias(nn.Module):

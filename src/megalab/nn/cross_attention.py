@@ -42,13 +42,11 @@ from torch import Tensor, nn
 
 from megalab.models.state import register_state
 from megalab.nn.attention import (
-    ATTENTION_FUNCTIONS,
     REL_POS_BIASES,
     RotaryRelativePositionalBias,
     SimpleRelativePositionalBias,
-    laplace,
-    relu2,
 )
+from megalab.nn.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
 from megalab.nn.ffn import get_activation
 from megalab.nn.norms import SequenceNorm
 

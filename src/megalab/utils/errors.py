@@ -41,13 +41,9 @@ class UserError(Exception):
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception classes whose message is the whole story for a user."""
     from megalab.config_schema import ConfigError
+    from megalab.data.archives import UnsafeArchiveError
     from megalab.data.cache import CacheError
-    from megalab.data.download import (
-        ChecksumError,
-        DatasetMissingError,
-        DownloadError,
-        UnsafeArchiveError,
-    )
+    from megalab.data.download import ChecksumError, DatasetMissingError, DownloadError
     from megalab.memory import MemoryPlanError
     from megalab.models.state import UnsafeStateError
     from megalab.utils.checkpointing import CheckpointError

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from megalab.data.download import cache_dir, download, mark_prepared, prepared
+from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.download import download
 from megalab.data.lm.codec import AlphabetCodec, ByteCodec
 from megalab.data.lm.stream import (
     LMStreamDataModule,

@@ -32,13 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megalab.data.download import (
-    DatasetMissingError,
-    cache_dir,
-    is_offline,
-    mark_prepared,
-    prepared,
-)
+from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.download import DatasetMissingError, is_offline
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import TokenizerCodec
 from megalab.data.lm.stream import (

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, mark_prepared, prepared
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import WordCodec
 from megalab.data.lm.stream import (

@@ -35,7 +35,15 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from megalab.data.base import SequenceDataModule
-from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.cache import (
+    CacheError,
+    cache_dir,
+    check_npy,
+    check_range,
+    mark_prepared,
+    prepared,
+    rebuild_hint,
+)
 from megalab.data.hub import HubDataset
 from megalab.data.lra.release import LRAFormatError
 from megalab.data.lra.text import fresh_cache
@@ -118,7 +126,6 @@ def load_pixels(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``<prefix>.pixels.npy`` (memory-mapped) and ``<prefix>.labels.npy`` of a prepared cache,
     after the cheap checks: headers, one label per image, labels below ``num_classes``."""
-    from megalab.data.cache import CacheError, check_npy, check_range, rebuild_hint
 
     pixels_path = cache / f"{prefix}.pixels.npy" if prefix else cache / "pixels.npy"
     labels_path = cache / f"{prefix}.labels.npy" if prefix else cache / "labels.npy"

@@ -64,7 +64,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from megalab.data.download import mark_prepared, prepared
+from megalab.data.cache import mark_prepared, prepared
 
 __all__ = [
     "CONTOUR_LENGTHS",

@@ -36,7 +36,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalab.data.download import download, extract
+from megalab.data.archives import extract
+from megalab.data.download import download
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 
 from megalab.data.base import SequenceDataModule, TokenSequences
-from megalab.data.download import cache_dir, mark_prepared, prepared, require_files
+from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.download import require_files
 from megalab.data.lra.release import LRAFormatError, data_root_of, release_how
 from megalab.data.lra.text import (
     NUM_CLASSES,

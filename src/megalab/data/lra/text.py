@@ -39,7 +39,17 @@ import torch
 from torch.utils.data import Dataset, Subset
 
 from megalab.data.base import SequenceDataModule, TokenSequences, check_truncation
-from megalab.data.download import cache_dir, mark_prepared, prepared
+from megalab.data.cache import (
+    CacheError,
+    cache_dir,
+    check_npy,
+    check_offsets,
+    check_range,
+    mark_prepared,
+    prepared,
+    read_marker,
+    rebuild_hint,
+)
 from megalab.data.hub import HubDataset
 from megalab.data.lra.release import LRAFormatError
 
@@ -150,7 +160,6 @@ def load_token_split(
     offsets that index the token file, token ids below ``vocab_size``, labels below
     ``num_classes``.
     """
-    from megalab.data.cache import CacheError, check_npy, check_offsets, check_range, rebuild_hint
 
     def tokens_and_offsets(name: str, offsets_name: str) -> tuple[np.ndarray, np.ndarray]:
         path = cache / f"{split}.{name}.bin"
@@ -293,7 +302,6 @@ class IMDBDataModule(SequenceDataModule):
 
 def report_truncation(cache: Path, dataset: str, max_len: int, allow: bool) -> None:
     """Apply the `truncate` policy to the documents a prepared cache cut (recorded in it)."""
-    from megalab.data.cache import read_marker
 
     info = read_marker(cache)
     truncated = {k: int(v) for k, v in (info.get("truncated") or {}).items()}

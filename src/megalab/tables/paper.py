@@ -1,0 +1,324 @@
+"""The papers' published numbers as data: `tables/<paper>/<table>.yaml` (or `.csv`) read into
+`PaperTable`s, each cell naming the experiment that reproduces it (tables/README.md).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megalab.utils.paths import resource_dir
+from megalab.utils.safe_config import load_yaml
+
+# tables/ of the project, or the copy an installed wheel carries
+TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(resource_dir("tables"))))
+
+MISSING = "missing"  # a reproducible cell without runs yet
+BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a paper table; metric settings default to the table's."""
+
+    id: str
+    label: str
+    metric: str | None
+    scale: float
+    goal: str
+    digits: int
+    params: Mapping[str, Any] = field(default_factory=dict)
+    mean_of: tuple[str, ...] = ()
+    compare: bool = True
+    hidden: bool = False  # a component of a `mean_of` column: reproduced, not printed
+    relative_to: str | None = None  # ours as a ratio to this row's value in the same column
+    inverse: bool = False  # ratio = that row's / ours (a speed-up from step times)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One published number with its provenance and the run that reproduces it."""
+
+    paper: str
+    table: str
+    row: str  # labels, as printed
+    column: str
+    value: float | None  # None: no number (blank, or a mark such as ✗)
+    display: str  # as printed in the paper ("63.14", "✗", "≈90")
+    approx: bool = False
+    experiment: str | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    metric: str | None = None
+    scale: float = 1.0
+    goal: str = "max"
+    digits: int = 2
+    seeds: int | None = None
+    notes: str = ""
+    source: str = ""
+    row_id: str = ""
+    column_id: str = ""
+    axis: str = ""  # where the table's swept parameter is set: "column", "row" or ""
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    label: str
+    notes: str = ""
+
+
+@dataclass
+class PaperTable:
+    """A paper's table (or figure) as data: rows x columns of `Cell`s."""
+
+    id: str  # path under tables/ without suffix, e.g. "mega/table2_lra"
+    source: str
+    paper: str
+    citation: str
+    table: str
+    title: str
+    notes: str
+    seeds: int | None
+    columns: list[Column]
+    rows: list[Row]
+    cells: dict[tuple[str, str], Cell]
+    parameter: str | None = None  # swept config key (figures and ablation tables)
+    xlabel: str | None = None
+    ylabel: str | None = None
+
+    def cell(self, row: str, column: str) -> Cell | None:
+        return self.cells.get((row, column))
+
+    @property
+    def reproducible(self) -> list[Cell]:
+        return [c for c in self.cells.values() if c.experiment]
+
+
+def parse_value(raw: Any) -> tuple[float | None, str, bool]:
+    """A table entry -> (number or None, text as printed, approximate?)."""
+    if raw is None:
+        return None, BLANK, False
+    if isinstance(raw, bool):
+        raise ValueError(f"not a table value: {raw!r}")
+    if isinstance(raw, int | float):
+        return float(raw), str(raw), False
+    text = str(raw).strip()
+    if text in ("", "-", BLANK):
+        return None, BLANK, False
+    approx = text[0] in "≈~"
+    body = text[1:].strip() if approx else text
+    try:
+        return float(body), text, approx
+    except ValueError:
+        return None, text, False
+
+
+def _params(raw: Any) -> dict[str, Any]:
+    """`{k: v}` or the CSV form `k=v;k=v` (values parsed as YAML scalars)."""
+    if not raw:
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    out = {}
+    for part in str(raw).split(";"):
+        if part.strip():
+            key, _, value = part.partition("=")
+            out[key.strip()] = yaml.safe_load(value.strip())
+    return out
+
+
+def _column(spec: Mapping[str, Any], defaults: Mapping[str, Any]) -> Column:
+    return Column(
+        id=str(spec["id"]),
+        label=str(spec.get("label", spec["id"])),
+        metric=spec.get("metric", defaults.get("metric")),
+        scale=float(spec.get("scale", defaults.get("scale", 1.0))),
+        goal=str(spec.get("goal", defaults.get("goal", "max"))),
+        digits=int(spec.get("digits", defaults.get("digits", 2))),
+        params=_params(spec.get("params")),
+        mean_of=tuple(spec.get("mean_of") or ()),
+        compare=bool(spec.get("compare", True)),
+        hidden=bool(spec.get("hidden", False)),
+        relative_to=spec.get("relative_to", defaults.get("relative_to")),
+        inverse=bool(spec.get("inverse", defaults.get("inverse", False))),
+    )
+
+
+def _table_from_yaml(path: Path, table_id: str) -> PaperTable:
+    spec = load_yaml(path)  # a table file is data: safe YAML (megalab.utils.safe_config)
+    for key in ("paper", "table", "columns", "rows"):
+        if key not in spec:
+            raise ValueError(f"{path}: missing `{key}`")
+    columns = [_column(c, spec) for c in spec["columns"]]
+    col_ids = {c.id for c in columns}
+    rows, cells = [], {}
+    for row_spec in spec["rows"]:
+        row = Row(
+            str(row_spec["id"]),
+            str(row_spec.get("label", row_spec["id"])),
+            str(row_spec.get("notes", "") or ""),
+        )
+        rows.append(row)
+        values = row_spec.get("values") or {}
+        experiments = row_spec.get("experiments") or {}
+        cell_notes = row_spec.get("cell_notes") or {}
+        unknown = (set(values) | set(experiments) | set(cell_notes)) - col_ids
+        if unknown:
+            raise ValueError(f"{path}: row {row.id!r} names unknown columns {sorted(unknown)}")
+        for col in columns:
+            experiment = experiments.get(col.id, row_spec.get("experiment"))
+            if col.id not in values and not experiment:
+                continue
+            if col.mean_of or not col.compare:
+                experiment = None
+            value, display, approx = parse_value(values.get(col.id))
+            cells[(row.id, col.id)] = Cell(
+                paper=str(spec["paper"]),
+                table=str(spec["table"]),
+                row=row.label,
+                column=col.label,
+                value=value,
+                display=display,
+                approx=approx,
+                experiment=experiment,
+                params={**col.params, **_params(row_spec.get("params"))},
+                metric=col.metric,
+                scale=col.scale,
+                goal=col.goal,
+                digits=col.digits,
+                seeds=row_spec.get("seeds", spec.get("seeds")),
+                notes=" ".join(str(n) for n in (row.notes, cell_notes.get(col.id, "")) if n),
+                source=str(path),
+                row_id=row.id,
+                column_id=col.id,
+                axis=(
+                    "column"
+                    if spec.get("parameter") in col.params
+                    else "row"
+                    if spec.get("parameter") in _params(row_spec.get("params"))
+                    else ""
+                ),
+            )
+    return PaperTable(
+        id=table_id,
+        source=str(path),
+        paper=str(spec["paper"]),
+        citation=" ".join(str(spec.get("citation", "")).split()),
+        table=str(spec["table"]),
+        title=str(spec.get("title", "")),
+        notes=" ".join(str(spec.get("notes", "")).split()),
+        seeds=spec.get("seeds"),
+        columns=columns,
+        rows=rows,
+        cells=cells,
+        parameter=spec.get("parameter"),
+        xlabel=spec.get("xlabel"),
+        ylabel=spec.get("ylabel"),
+    )
+
+
+CSV_FIELDS = (
+    "paper",
+    "table",
+    "title",
+    "row",
+    "column",
+    "value",
+    "experiment",
+    "params",
+    "metric",
+    "scale",
+    "goal",
+    "digits",
+    "seeds",
+    "notes",
+)
+
+
+def _table_from_csv(path: Path, table_id: str) -> PaperTable:
+    """Long format: one line per cell with the columns in `CSV_FIELDS` (most optional)."""
+    with path.open(newline="", encoding="utf-8") as f:
+        lines = [r for r in csv.DictReader(f) if any((v or "").strip() for v in r.values())]
+    if not lines:
+        raise ValueError(f"{path}: no cells")
+    missing = {"paper", "table", "row", "column", "value"} - set(lines[0])
+    if missing:
+        raise ValueError(f"{path}: missing columns {sorted(missing)}")
+    columns: dict[str, Column] = {}
+    rows: dict[str, Row] = {}
+    cells = {}
+    for line in lines:
+        get = lambda k, d=None, line=line: (line.get(k) or "").strip() or d  # noqa: E731
+        col_label, row_label = get("column"), get("row")
+        col = columns.setdefault(
+            col_label,
+            Column(
+                id=col_label,
+                label=col_label,
+                metric=get("metric", "test/acc"),
+                scale=float(get("scale", 1.0)),
+                goal=get("goal", "max"),
+                digits=int(get("digits", 2)),
+            ),
+        )
+        rows.setdefault(row_label, Row(row_label, row_label))
+        value, display, approx = parse_value(yaml.safe_load(get("value", "") or "null"))
+        cells[(row_label, col_label)] = Cell(
+            paper=get("paper"),
+            table=get("table"),
+            row=row_label,
+            column=col_label,
+            value=value,
+            display=display,
+            approx=approx,
+            experiment=get("experiment"),
+            params=_params(get("params")),
+            metric=get("metric", col.metric),
+            scale=float(get("scale", col.scale)),
+            goal=get("goal", col.goal),
+            digits=int(get("digits", col.digits)),
+            seeds=int(get("seeds")) if get("seeds") else None,
+            notes=get("notes", ""),
+            source=str(path),
+            row_id=row_label,
+            column_id=col_label,
+        )
+    first = lines[0]
+    return PaperTable(
+        id=table_id,
+        source=str(path),
+        paper=first["paper"],
+        citation="",
+        table=first["table"],
+        title=(first.get("title") or "").strip(),
+        notes="",
+        seeds=None,
+        columns=list(columns.values()),
+        rows=list(rows.values()),
+        cells=cells,
+    )
+
+
+def load_table(path: str | Path, root: str | Path | None = None) -> PaperTable:
+    """Read one paper table (`.yaml`/`.yml` row-wise, or `.csv` one line per cell)."""
+    path = Path(path)
+    try:
+        table_id = path.relative_to(root).with_suffix("").as_posix() if root else path.stem
+    except ValueError:
+        table_id = path.stem
+    if path.suffix == ".csv":
+        return _table_from_csv(path, table_id)
+    return _table_from_yaml(path, table_id)
+
+
+def load_tables(root: str | Path = TABLES_DIR) -> list[PaperTable]:
+    """Every paper table under `root` (sorted by id)."""
+    root = Path(root)
+    paths = [p for p in root.rglob("*") if p.suffix in (".yaml", ".yml", ".csv")]
+    return sorted((load_table(p, root) for p in paths), key=lambda t: t.id)
