@@ -33,7 +33,7 @@ segment by segment equals one pass (with pre- or post-norm BatchNorm in eval mod
 statistics are then fixed).
 
 Dropout: `dropout` after the GELU and on the block's output, each with its own mask; with
-`tie_dropout` one mask per sequence and channel, shared over time (the repository's DropoutNd).
+`dropout_tied` one mask per sequence and channel, shared over time (the repository's DropoutNd).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class S4DConfig:
     norm_type: str = "batchnorm"
     prenorm: bool = True
     dropout: float = 0.0
-    tie_dropout: bool = False
+    dropout_tied: bool = False
     dt_min: float = 1e-3
     dt_max: float = 1e-1
 
@@ -133,9 +133,9 @@ class S4DBlock(nn.Module):
             shift=cfg.bidirectional,
             silu=False,
         )
-        self.dropout = TiedDropout(cfg.dropout, cfg.tie_dropout)
+        self.dropout = TiedDropout(cfg.dropout, cfg.dropout_tied)
         self.output_linear = nn.Linear(D, 2 * D)  # [W_a | W_b] of the GLU
-        self.out_dropout = TiedDropout(cfg.dropout, cfg.tie_dropout)
+        self.out_dropout = TiedDropout(cfg.dropout, cfg.dropout_tied)
 
     def initial_state(self, batch_size: int, like: Tensor) -> Tensor:
         """A zero (B, D, N/2) complex SSM state."""
@@ -171,7 +171,7 @@ class S4DBackbone(Backbone):
         prenorm: normalise each block's input and add a final norm (True), or normalise each
             block's output (False).
         dropout: after the GELU and on the block output (the repository's model dropout).
-        tie_dropout: one dropout mask per sequence and channel, shared over time.
+        dropout_tied: one dropout mask per sequence and channel, shared over time.
         dt_min, dt_max: range of the initial step sizes Δ (log-uniform).
 
     The arguments are the fields of `S4DConfig`, flat and in its order; they are validated once
@@ -189,7 +189,7 @@ class S4DBackbone(Backbone):
         norm_type: str = "batchnorm",
         prenorm: bool = True,
         dropout: float = 0.0,
-        tie_dropout: bool = False,
+        dropout_tied: bool = False,
         dt_min: float = 1e-3,
         dt_max: float = 1e-1,
     ) -> None:
@@ -202,7 +202,7 @@ class S4DBackbone(Backbone):
             norm_type=norm_type,
             prenorm=prenorm,
             dropout=dropout,
-            tie_dropout=tie_dropout,
+            dropout_tied=dropout_tied,
             dt_min=dt_min,
             dt_max=dt_max,
         )
