@@ -138,6 +138,8 @@ HEAVY |= {
 # their presets' parameter counts are checked on the meta device (tests/models/test_megalodon.py).
 HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
 GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
+# The S4D baseline on Path-X (6 x 256 over 16,384 pixels) trains there like the other Path-X runs.
+GPU_ONLY |= {"s4d/lra_pathx"}
 HEAVY |= GPU_ONLY
 _MEGALODON_TINY = [
     "model.d_model=64",

@@ -226,8 +226,12 @@ def test_a_later_evaluation_of_a_run_takes_precedence(tmp_path: Path) -> None:
 def test_all_rows_show_when_nothing_ran() -> None:
     text = tb.render_table(BY_ID["mega/table4_sc"], tb.summarize(BY_ID["mega/table4_sc"], []))
     assert "| Mega (base) | paper | 300 | 96.92 |" in text
-    assert text.count("| | ours | missing | missing |") == 3
-    assert "| S4‡ | paper | 300 | 97.50 |\n| Mega (base)" in text
+    assert text.count("| | ours | missing | missing |") == 4
+    assert "| S4‡ | paper | 300 | 97.50 |\n| | ours | missing | missing |" in text
+    # A row no experiment reproduces shows its paper line only.
+    lra = BY_ID["mega/table2_lra"]
+    text = tb.render_table(lra, tb.summarize(lra, []))
+    assert "| S4-v1 | paper | 58.35 |" in text and "86.05 | 88.10 | 80.48 |\n| S4-v2 |" in text
 
 
 def test_skipped_cells_say_why(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from megalab.models.llama import Llama, LlamaBlock, LlamaConfig
     from megalab.models.mega import Mega, MegaBlock, MegaConfig
     from megalab.models.megalodon import Megalodon, MegalodonBlock, MegalodonConfig
+    from megalab.models.s4d import S4DBackbone, S4DBlock, S4DConfig
     from megalab.models.seqboat import SeqBoat, SeqBoatBlock, SeqBoatConfig
     from megalab.models.transformer import Transformer
     from megalab.models.transformer_xl import TransformerXL
@@ -38,6 +39,9 @@ _WHERE = {
     "Megalodon": "megalodon",
     "MegalodonBlock": "megalodon",
     "MegalodonConfig": "megalodon",
+    "S4DBackbone": "s4d",
+    "S4DBlock": "s4d",
+    "S4DConfig": "s4d",
     "SeqBoat": "seqboat",
     "SeqBoatBlock": "seqboat",
     "SeqBoatConfig": "seqboat",
@@ -58,6 +62,9 @@ __all__ = [
     "Megalodon",
     "MegalodonBlock",
     "MegalodonConfig",
+    "S4DBackbone",
+    "S4DBlock",
+    "S4DConfig",
     "SeqBoat",
     "SeqBoatBlock",
     "SeqBoatConfig",

@@ -9,8 +9,12 @@ zero-order-hold discretisation of x'(t) = A x(t) + B u(t), y = Re(C x) with B = 
 and the sub-layer returns SiLU(𝒦 * x̃ + D ⊙ x) like the EMA (x̃: padded positions zeroed, D ⊙ x
 on the unmasked input). S4D-Lin initialisation: A = −½ + iπn, log Δ ~ U(log 10⁻³, log 10⁻¹),
 C ~ CN(0, 1), D ~ N(0, 1). Bidirectional: a second parameter set runs backwards in time, both
-sums including the current token (the EMA's convention). The kernel, the FFT convolution and
-the streaming state come from `megalab.nn.ema_kernel` (complex decays).
+sums including the current token (the EMA's convention); with `shift=True` the backward sum
+starts at x_{t+1} instead, as the S4 repository's bidirectional convolution
+(Σ_{m≥0} 𝒦_fwd[m] x̃_{t−m} + Σ_{m≥0} 𝒦_bwd[m] x̃_{t+1+m}). `silu=False` returns 𝒦 * x̃ + D ⊙ x
+without the SiLU (the S4 repository's layer, which applies its own activation afterwards). The
+kernel, the FFT convolution and the streaming state come from `megalab.nn.ema_kernel` (complex
+decays).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class S4D(nn.Module):
         bidirectional: add a backward kernel set (encoders).
         truncation: keep the first `truncation` taps in the stateless pass.
         dt_min, dt_max: range of the initial step sizes Δ (log-uniform).
+        shift: bidirectional only: the backward kernel starts at x_{t+1} (the S4 repository).
+        silu: apply SiLU to the output (SeqBoat); False returns 𝒦 * x̃ + D ⊙ x (S4).
     """
 
     def __init__(
@@ -51,16 +57,21 @@ class S4D(nn.Module):
         truncation: int | None = None,
         dt_min: float = 1e-3,
         dt_max: float = 1e-1,
+        shift: bool = False,
+        silu: bool = True,
     ) -> None:
         super().__init__()
         if state_dim < 2 or state_dim % 2:
             raise ValueError(f"S4D needs an even state_dim >= 2 (conjugate pairs), got {state_dim}")
         if truncation is not None and truncation <= 0:
             raise ValueError(f"truncation must be positive or None, got {truncation}")
+        if shift and not bidirectional:
+            raise ValueError("shift=True delays the backward kernel: it needs bidirectional=True")
         self.d_model = d_model
         self.state_dim = state_dim
         self.bidirectional = bidirectional
         self.truncation = truncation
+        self.shift, self.silu = shift, silu
         rows, modes = (2 * d_model if bidirectional else d_model), state_dim // 2
         self.log_dt = nn.Parameter(torch.empty(rows))
         self.log_A_real = nn.Parameter(torch.empty(rows, modes))
@@ -85,6 +96,8 @@ class S4D(nn.Module):
         return (
             f"d_model={self.d_model}, state_dim={self.state_dim}, "
             f"bidirectional={self.bidirectional}, truncation={self.truncation}"
+            + (", shift=True" if self.shift else "")
+            + ("" if self.silu else ", silu=False")
         )
 
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -104,8 +117,9 @@ class S4D(nn.Module):
         state: Tensor | None = None,
         return_state: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """SiLU(𝒦 * x̃ + D ⊙ x); with a (B, D, N/2) complex state (causal only) the exact
-        recurrence continues a stream (no truncation), as `DampedEMA`."""
+        """SiLU(𝒦 * x̃ + D ⊙ x) (without SiLU when `silu=False`); with a (B, D, N/2) complex
+        state (causal only) the exact recurrence continues a stream (no truncation), as
+        `DampedEMA`."""
         if self.bidirectional and (state is not None or return_state):
             raise ValueError("a bidirectional S4D sees future tokens and cannot be streamed")
         L, D = x.shape[1:]
@@ -123,7 +137,9 @@ class S4D(nn.Module):
             else:
                 K = L if (state is not None or self.truncation is None) else min(self.truncation, L)
                 k = ema_kernel(w_in, w_out, log_q, K).real.to(cdt)
-                n_fft = next_fast_len(L + K - 1)
+                if self.shift:  # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel one tap later
+                    k = torch.cat([F.pad(k[:D], (0, 1)), F.pad(k[D:], (1, 0))])
+                n_fft = next_fast_len(L + K - 1 + int(self.shift))
                 spec = torch.fft.rfft(k, n=n_fft, dim=-1)
                 if self.bidirectional:
                     spec = fold_directions(spec, D)
@@ -134,7 +150,8 @@ class S4D(nn.Module):
                     if state is not None:
                         y = y + state_readout(state, w_out, log_q, L).real.to(cdt)
                         new_state = new_state + state_decay(state, log_q, L)
-        out = F.silu(y.transpose(1, 2) + residual).to(x.dtype)
+        out = y.transpose(1, 2) + residual
+        out = (F.silu(out) if self.silu else out).to(x.dtype)
         return out, new_state
 
     def initial_state(self, batch_size: int, like: Tensor) -> Tensor:

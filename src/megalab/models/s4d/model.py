@@ -1,0 +1,261 @@
+"""S4D baseline: the S4 repository's residual block around a diagonal state space layer.
+
+S4D (Gu et al., "On the Parameterization and Initialization of Diagonal State Space Models",
+NeurIPS 2022) with the residual block the S4 repository (state-spaces/s4) trains on LRA and
+Speech Commands (docs/reference/s4-code.md). One block, on x (B, L, D):
+
+    z = Norm(x)                        pre-norm (post-norm: z = x)
+    u = 𝒦 * z̃ + D ⊙ z                  the S4D layer, per channel (z̃: padded positions zeroed)
+    v = Dropout(GELU(u))
+    w = (v W_a + b_a) ⊙ σ(v W_b + b_b)   GLU output linear (the repository's `final_act: glu`)
+    y = x + Dropout(w)                 post-norm: y = Norm(x + Dropout(w))
+
+and a pre-norm stack ends with a final Norm. Norm is BatchNorm (statistics over batch × time)
+or LayerNorm. The kernel 𝒦 of channel d is the zero-order-hold discretisation of
+x'(t) = A x(t) + B u(t), y = Re(C x) with B = 1 over N/2 complex modes (conjugate pairs):
+
+    𝒦[d, l] = 2 Re( Σ_n C_{d,n} · (exp(Δ_d A_{d,n}) − 1) / A_{d,n} · exp(Δ_d A_{d,n})^l )
+
+(`megalab.nn.s4d.S4D`, shared with SeqBoat's S4D ablation). S4D-Lin initialisation:
+A = −½ + iπn, log Δ ~ U(log Δ_min, log Δ_max), C ~ CN(0, 1), D ~ N(0, 1). The output linear is
+PyTorch's default Linear init (as the repository's Conv1d with kernel size 1).
+
+Bidirectional (an encoder): a second kernel 𝒦_bwd runs backwards in time starting at the next
+token, as the repository's convolution with the flipped second channel:
+
+    u_t = Σ_{m≥0} 𝒦[m] z̃_{t−m} + Σ_{m≥0} 𝒦_bwd[m] z̃_{t+1+m} + D ⊙ z_t
+
+Where this differs from the repository: the backward direction has its own A and Δ besides its
+C (the repository shares A and Δ between directions); the repository's LRA configs use the
+NPLR S4 kernel, this baseline its diagonal S4D form. Unidirectional (`bidirectional=False`) the
+model is causal and streams: the state is each layer's (B, D, N/2) complex SSM state, and
+segment by segment equals one pass (with pre- or post-norm BatchNorm in eval mode only, whose
+statistics are then fixed).
+
+Dropout: `dropout` after the GELU and on the block's output, each with its own mask; with
+`dropout_tied` one mask per sequence and channel, shared over time (the repository's DropoutNd).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.state import register_state
+from megalab.nn.norms import SequenceNorm
+from megalab.nn.s4d import S4D
+
+NORM_TYPES = ("batchnorm", "layernorm")
+
+
+@register_state
+@dataclass
+class S4DState:
+    """Streaming state of a causal `S4DBackbone`: one (B, D, N/2) complex SSM state per layer."""
+
+    layers: list[Tensor]
+
+
+@dataclass(frozen=True)
+class S4DConfig:
+    """Every option of an S4D backbone (see `S4DBackbone` for each), built once and handed to
+    the blocks."""
+
+    d_model: int = 256
+    num_layers: int = 6
+    state_dim: int = 64
+    bidirectional: bool = True
+    norm_type: str = "batchnorm"
+    prenorm: bool = True
+    dropout: float = 0.0
+    dropout_tied: bool = False
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.norm_type not in NORM_TYPES:
+            raise ValueError(
+                f"unknown norm_type {self.norm_type!r}; the S4 block takes one of {NORM_TYPES}"
+            )
+        if self.state_dim < 2 or self.state_dim % 2:
+            raise ValueError(
+                f"state_dim is N, the real state size of N/2 conjugate pairs: set an even "
+                f"state_dim >= 2, got {self.state_dim}"
+            )
+        if not 0.0 < self.dt_min <= self.dt_max:
+            raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class TiedDropout(nn.Dropout):
+    """Dropout on (B, L, D) with one mask per (batch, channel) shared over time when `tied`
+    (the S4 repository's DropoutNd), else ordinary dropout. An `nn.Dropout` (rate `p`), so
+    code that finds dropout modules by type (the contract suite switches them off) sees it."""
+
+    def __init__(self, p: float, tied: bool) -> None:
+        super().__init__(p)
+        self.tied = tied
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if not self.tied:
+            return F.dropout(x, self.p, training=True)
+        keep = torch.rand(x.shape[0], 1, x.shape[2], device=x.device) >= self.p
+        return x * keep.to(x.dtype) / (1.0 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, tied={self.tied}"
+
+
+class S4DBlock(nn.Module):
+    """One residual block (see the module docstring): Norm, S4D, GELU, dropout, GLU, residual."""
+
+    def __init__(self, cfg: S4DConfig) -> None:
+        super().__init__()
+        D = cfg.d_model
+        self.prenorm = cfg.prenorm
+        self.norm = SequenceNorm(cfg.norm_type, D)
+        self.ssm = S4D(
+            D,
+            cfg.state_dim,
+            bidirectional=cfg.bidirectional,
+            dt_min=cfg.dt_min,
+            dt_max=cfg.dt_max,
+            shift=cfg.bidirectional,
+            silu=False,
+        )
+        self.dropout = TiedDropout(cfg.dropout, cfg.dropout_tied)
+        self.output_linear = nn.Linear(D, 2 * D)  # [W_a | W_b] of the GLU
+        self.out_dropout = TiedDropout(cfg.dropout, cfg.dropout_tied)
+
+    def initial_state(self, batch_size: int, like: Tensor) -> Tensor:
+        """A zero (B, D, N/2) complex SSM state."""
+        return self.ssm.initial_state(batch_size, like)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        state: Tensor | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x (B, L, D), mask (B, L) True at real tokens -> (y (B, L, D), new SSM state or None)."""
+        z = self.norm(x) if self.prenorm else x
+        u, new_state = self.ssm(z, mask, state, return_state=return_state or state is not None)
+        v = self.dropout(F.gelu(u))
+        w = F.glu(self.output_linear(v), dim=-1)
+        y = x + self.out_dropout(w)
+        if not self.prenorm:
+            y = self.norm(y)
+        return y, new_state
+
+
+class S4DBackbone(Backbone):
+    """A stack of `S4DBlock`s, (B, L, D) -> (B, L, D); pre-norm stacks end with a final norm.
+
+    Args:
+        d_model: D, the feature width (the repository's d_model, H).
+        num_layers: number of blocks.
+        state_dim: N, the real SSM state size per channel (N/2 complex modes; d_state).
+        bidirectional: a backward kernel as well (encoders); False: causal, and streams.
+        norm_type: batchnorm | layernorm.
+        prenorm: normalise each block's input and add a final norm (True), or normalise each
+            block's output (False).
+        dropout: after the GELU and on the block output (the repository's model dropout).
+        dropout_tied: one dropout mask per sequence and channel, shared over time.
+        dt_min, dt_max: range of the initial step sizes Δ (log-uniform).
+
+    The arguments are the fields of `S4DConfig`, flat and in its order; they are validated once
+    into that frozen config (`self.config`), which the blocks read.
+    """
+
+    block_class = S4DBlock
+
+    def __init__(
+        self,
+        d_model: int = 256,
+        num_layers: int = 6,
+        state_dim: int = 64,
+        bidirectional: bool = True,
+        norm_type: str = "batchnorm",
+        prenorm: bool = True,
+        dropout: float = 0.0,
+        dropout_tied: bool = False,
+        dt_min: float = 1e-3,
+        dt_max: float = 1e-1,
+    ) -> None:
+        super().__init__()
+        cfg = S4DConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            state_dim=state_dim,
+            bidirectional=bidirectional,
+            norm_type=norm_type,
+            prenorm=prenorm,
+            dropout=dropout,
+            dropout_tied=dropout_tied,
+            dt_min=dt_min,
+            dt_max=dt_max,
+        )
+        self.config = cfg
+        self.d_model = cfg.d_model
+        self.causal = not cfg.bidirectional
+        self.layers = nn.ModuleList(S4DBlock(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = SequenceNorm(cfg.norm_type, cfg.d_model) if cfg.prenorm else None
+
+    @classmethod
+    def from_config(cls, cfg: S4DConfig) -> S4DBackbone:
+        """A backbone from an `S4DConfig`."""
+        return cls(**asdict(cfg))
+
+    def _check_causal(self) -> None:
+        if not self.causal:
+            raise ValueError(
+                "a bidirectional S4D sees future tokens and keeps no streaming state; build it "
+                "with bidirectional=False to stream"
+            )
+
+    def initial_state(self, batch_size: int, like: Tensor) -> S4DState | None:
+        """Zero SSM states for a stream (causal only); None for a bidirectional model."""
+        if not self.causal:
+            return None
+        blocks = cast(list[S4DBlock], list(self.layers))
+        return S4DState([blk.initial_state(batch_size, like) for blk in blocks])
+
+    def carried_modules(self) -> list[nn.Module] | None:
+        """The blocks, each carrying its SSM state (chunk parallelism); None when bidirectional."""
+        return list(self.layers) if self.causal else None
+
+    def forward(  # type: ignore[override]
+        self, x: Tensor, mask: Tensor | None = None, state: S4DState | None = None
+    ) -> BackboneOutput:
+        """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment.
+
+        Returns y (B, L, D), zero at padded positions, and (when a state is passed) the state
+        to pass with the next segment.
+        """
+        if state is not None:
+            self._check_causal()
+        keep = None if mask is None else mask.unsqueeze(-1).to(x.dtype)
+        if keep is not None:
+            x = x * keep
+        new_layers: list[Tensor] = []
+        # The S4DBlocks, or wrappers of them (FSDP, activation checkpointing).
+        for i, blk in enumerate(self.layers):
+            x, layer_state = blk(x, mask, None if state is None else state.layers[i])
+            if layer_state is not None:
+                new_layers.append(layer_state)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if keep is not None:
+            x = x * keep
+        return BackboneOutput(x, S4DState(new_layers) if state is not None else None)
