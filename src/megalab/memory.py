@@ -65,6 +65,8 @@ from torch import Tensor, nn
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megalab.utils.errors import UserError
+
 log = logging.getLogger(__name__)
 
 SAFETY = 0.85
@@ -79,7 +81,7 @@ TRIM_ABOVE = 32 * 2**20
 GB = 2**30
 
 
-class MemoryPlanError(RuntimeError):
+class MemoryPlanError(UserError, RuntimeError):
     """The configuration cannot fit in the memory available, even one example at a time."""
 
 
