@@ -18,9 +18,9 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "src" / "megalab"
 MAX_LINES = 700
-# Over the limit today and being split separately (their code is in flux elsewhere): each must
-# still be over the limit, so that the set only shrinks.
-OVER_LIMIT_FOR_NOW = {"nn/sma.py", "memory.py", "convert/mega.py"}
+# Modules over the limit until they are split (none now): each listed one must still be over
+# the limit, so that the set only shrinks.
+OVER_LIMIT_FOR_NOW: set[str] = set()
 # A module that imports from the other must not be imported back, directly or through others.
 SEPARATED = [
     ("megalab.efficiency", "megalab.tables"),
@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("megalab.models",),
     ("megalab.data", "megalab.batch", "megalab.testing"),
     ("megalab.tasks", "megalab.optim", "megalab.generation"),
-    ("megalab.parallel", "megalab.memory", "megalab.efficiency"),
+    ("megalab.parallel", "megalab.memory", "megalab.memory_probe", "megalab.efficiency"),
 ]
 # (importer, imported): a module or a package (all its modules); the reason it stays.
 UPWARD_IMPORTS: dict[tuple[str, str], str] = {
