@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from megalab.version import __version__ as __version__
 
 
 def from_pretrained(name_or_path: str, revision: str | None = None) -> Any:

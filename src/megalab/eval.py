@@ -31,85 +31,29 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import hydra  # noqa: E402
-import yaml  # noqa: E402
 from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from omegaconf import DictConfig, OmegaConf, open_dict  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.data.cache import caches_written_under  # noqa: E402
+from megalab.run_loading import (  # noqa: E402
+    RUN_GROUPS as RUN_GROUPS,
+)
+from megalab.run_loading import (  # noqa: E402
+    merge_run_config as merge_run_config,
+)
+from megalab.run_loading import (  # noqa: E402
+    run_data_dir as run_data_dir,
+)
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import set_verification  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR  # noqa: E402
-from megalab.utils.safe_config import (  # noqa: E402
-    UnsafeConfigError,
-    check_targets,
-    data_settings_from_command_line,
-    load_run_config,
+from megalab.utils.run_folder import (  # noqa: E402
+    find_run_config as find_run_config,
 )
 
 log = logging.getLogger(__name__)
-
-RUN_GROUPS = ("data", "model", "task", "optim", "scheduler", "monitor")
-
-
-def find_run_config(ckpt_path: Path) -> Path | None:
-    """The `.hydra/config.yaml` of the run a checkpoint belongs to, if any."""
-    for parent in list(ckpt_path.resolve().parents)[:3]:
-        candidate = parent / ".hydra" / "config.yaml"
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def _given(overrides: list[str]) -> set[str]:
-    """The keys the command line sets (`+a.b=1` -> `a.b`)."""
-    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-
-
-def run_data_dir(run_cfg: DictConfig, source: str = "the run config") -> str | None:
-    """The data folder a run read (`paths.data_dir` resolved in the run's own config)."""
-    try:
-        value = OmegaConf.select(run_cfg, "paths.data_dir", throw_on_resolution_failure=True)
-    except Exception:
-        return None
-    if value is not None and "${" in str(value):  # resolves to an interpolation: refuse it
-        raise UnsafeConfigError(f"{source}: paths.data_dir={value!r} is not a folder")
-    return None if value is None else str(value)
-
-
-def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """Replace this config's model/data/task groups with the checkpoint's run config (and its
-    data folder), checked by the loading policy; turn off data generation and downloads that
-    the command line does not ask for."""
-    run_cfg_path = find_run_config(Path(cfg.ckpt_path))
-    if run_cfg_path is None or not cfg.get("use_run_config", True):
-        data_settings_from_command_line(cfg, overrides)
-        return cfg
-    log.info("using the run config %s", run_cfg_path)
-    run_cfg = load_run_config(run_cfg_path)  # safe YAML, safe resolvers (safe_config)
-    given = _given(overrides)
-    with open_dict(cfg):
-        for key in RUN_GROUPS:
-            if key in run_cfg:
-                cfg[key] = run_cfg[key]
-        data_dir = run_data_dir(run_cfg, str(run_cfg_path))
-        if data_dir is not None and not given & {"paths.data_dir", "paths.root_dir"}:
-            cfg.paths.data_dir = data_dir  # the run's data, not this command's default folder
-        ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
-        for item in ours:
-            key, _, value = item.lstrip("+").partition("=")
-            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
-    # The run folder is data: build nothing from it but megalab's classes (safe_config).
-    for key in RUN_GROUPS:
-        node = cfg.get(key)
-        if isinstance(node, DictConfig):
-            check_targets(node, f"{run_cfg_path} ({key})")
-    off = data_settings_from_command_line(cfg, overrides)
-    if off:
-        log.info("data is not generated or downloaded (%s=false): ask on the command line "
-                 "to change it", ", ".join(off))  # fmt: skip
-    return cfg
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

@@ -52,7 +52,7 @@ def forced(overrides: Sequence[str]) -> list[str]:
     `megalab.eval` composes its default config first, which may lack the key (the run's model
     replaces it afterwards and the override is applied again on top), so these are added.
     """
-    from megalab.eval import RUN_GROUPS
+    from megalab.run_loading import RUN_GROUPS
 
     out = []
     for o in overrides:

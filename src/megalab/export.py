@@ -33,8 +33,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from megalab import __version__
 from megalab.utils.errors import UserError
+from megalab.version import __version__
 
 log = logging.getLogger(__name__)
 

@@ -42,9 +42,11 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import Tensor
 
-from megalab.eval import merge_run_config
+from megalab.run_loading import load_task as load_task
+from megalab.run_loading import merge_run_config
+from megalab.run_loading import pick_device as pick_device
 from megalab.utils import errors
-from megalab.utils.checkpointing import read_checkpoint, verify_checkpoint
+from megalab.utils.checkpointing import verify_checkpoint
 from megalab.utils.paths import CONFIG_DIR
 
 if TYPE_CHECKING:
@@ -177,37 +179,10 @@ def sample_tokens(
 
 
 # ------------------------------------------------------------------------------- command line
-def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
-    """The run's task with the checkpoint's weights (checksum verified, `weights_only=True`)."""
-    ckpt_path = Path(cfg.ckpt_path)
-    if not ckpt_path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
-    # A damaged file fails here naming it, not inside torch.load (ckpt_verify=false: a file
-    # without a readable checksum is read unverified; a mismatch is refused all the same).
-    verify_checkpoint(ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
-    task = hydra.utils.instantiate(cfg.task)
-    checkpoint = read_checkpoint(ckpt_path, verify=cfg.get("ckpt_verify", True))
-    if "state_dict" not in checkpoint:
-        raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
-    task.load_state_dict(checkpoint["state_dict"], strict=True)
-    if not hasattr(task, "head") or not hasattr(task.head, "log_probs"):
-        raise ValueError(
-            f"{type(task).__name__} is not a language model: megalab-generate needs "
-            "task=language_modeling"
-        )
-    return task.to(device=device, dtype=dtype).eval()
-
-
 def read_prompt(cfg: DictConfig) -> str:
     if cfg.get("prompt_file"):
         return Path(cfg.prompt_file).read_text(encoding="utf-8")
     return str(cfg.get("prompt") or "")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> dict[str, Any]:

@@ -255,7 +255,7 @@ def evaluate_long_context(cfg: Any) -> dict[str, Any]:
     `long_context.json` and `long_context.png` into the output folder; return the record."""
     import hydra
 
-    from megalab.generate import load_task, pick_device
+    from megalab.run_loading import load_task, pick_device
 
     opts = cfg.long_context
     device = pick_device(str(opts.get("device", "auto")))

@@ -42,9 +42,9 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
+from megalab.models import block_classes
 from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
 from megalab.models.state import map_state, pack_state, select_state, unpack_state
-from megalab.utils.distributed import block_classes
 from megalab.utils.paths import CONFIG_DIR, group_config
 
 DT = torch.float64

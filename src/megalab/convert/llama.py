@@ -340,8 +340,8 @@ def run_to_hf(ckpt_path: str | Path, hf_folder: str | Path) -> Path:
     import hydra
     from omegaconf import OmegaConf
 
-    from megalab.eval import find_run_config
     from megalab.utils.checkpointing import read_checkpoint
+    from megalab.utils.run_folder import find_run_config
     from megalab.utils.safe_config import check_targets, load_run_config
 
     ckpt_path = Path(ckpt_path)

@@ -20,13 +20,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from megalab.data.files import short_hash, write_atomic
+from megalab.utils.errors import UserError
 
 __all__ = ["UnsafeArchiveError", "extract"]
 
 _COMPLETE = ".complete"  # the suffix of `extract`'s marker, `.<archive name>.complete`
 
 
-class UnsafeArchiveError(ValueError):
+class UnsafeArchiveError(UserError, ValueError):
     """An archive member would be written outside the extraction directory."""
 
 

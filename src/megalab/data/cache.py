@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from megalab.data.files import file_digest, json_default, short_hash, write_atomic
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ INTEGRITY_KEY = "integrity"
 CACHE_FORMAT_VERSION = 1
 
 
-class CacheError(RuntimeError):
+class CacheError(UserError, RuntimeError):
     """A prepared cache (or the source it came from) is damaged or changed."""
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from megalab.data.files import file_digest
+from megalab.utils.errors import UserError
 
 __all__ = [
     "ChecksumError",
@@ -55,11 +56,11 @@ _DATA_DIR_HINT = (
 )
 
 
-class DatasetMissingError(Exception):
+class DatasetMissingError(UserError):
     """The dataset's files are not on disk and cannot be fetched; the message says what to do."""
 
 
-class DownloadError(RuntimeError):
+class DownloadError(UserError, RuntimeError):
     """A download failed in a way the user has to look at (HTTP error, bad transfer)."""
 
 

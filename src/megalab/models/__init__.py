@@ -70,6 +70,7 @@ __all__ = [
     "SeqBoatConfig",
     "Transformer",
     "TransformerXL",
+    "block_classes",
     "from_preset",
 ]
 
@@ -87,6 +88,17 @@ def __getattr__(name: str) -> Any:
     if name in _WHERE:
         return getattr(importlib.import_module(f"megalab.models.{_WHERE[name]}"), name)
     raise AttributeError(f"module 'megalab.models' has no attribute {name!r}")
+
+
+def block_classes() -> set[type]:
+    """The block class of every megalab backbone (each declares its `block_class`): each block
+    becomes its own FSDP unit and activation-checkpointing region (Lightning's
+    `auto_wrap_policy` / `activation_checkpointing_policy` take a set of classes)."""
+    from megalab.models.base import Backbone
+
+    exported = [__getattr__(name) for name in _WHERE]
+    backbones = [c for c in exported if isinstance(c, type) and issubclass(c, Backbone)]
+    return {c.block_class for c in backbones if c.block_class is not None}
 
 
 def from_preset(name: str, data: Mapping[str, Any] | None = None, **options: Any) -> Backbone:

@@ -30,7 +30,7 @@ ability (override them where a model has it; nothing probes for them):
 - `refresh_norm_state(state, fresh)`: `state` with its normalisation statistics taken from
   `fresh` (Megalodon's timestep norms, `megalab.long_context`); raises by default.
 - `block_class`: the class of the blocks in the model's `layers`, each one FSDP unit and
-  activation-checkpointing region (`megalab.utils.distributed.block_classes`); None: no such
+  activation-checkpointing region (`megalab.models.block_classes`); None: no such
   unit.
 - `data_dependent_parameters`: True when some parameters take no part for some inputs or
   states, so DDP must look for unused parameters (`megalab.parallel.lightning`); False by
@@ -91,7 +91,7 @@ class Backbone(nn.Module):
 
     block_class: ClassVar[type[nn.Module] | None] = None
     """The class of the blocks in `layers`: FSDP shards each block as its own unit and
-    activation checkpointing recomputes it (`megalab.utils.distributed.block_classes` collects
+    activation checkpointing recomputes it (`megalab.models.block_classes` collects
     the classes). None: the model has no such block."""
 
     data_dependent_parameters: bool = False

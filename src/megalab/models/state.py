@@ -20,6 +20,8 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import Tensor
 
+from megalab.utils.errors import UserError
+
 T = TypeVar("T", bound=type)
 
 # "module:qualname" -> class. Filled by `register_state` when a model module is imported.
@@ -107,7 +109,7 @@ def pack_state(state: Any) -> Any:
     raise TypeError(f"cannot save a carried state of type {type(state).__name__} in a checkpoint")
 
 
-class UnsafeStateError(ValueError):
+class UnsafeStateError(UserError, ValueError):
     """A saved state names a class outside megalab's allow-list of state classes."""
 
 

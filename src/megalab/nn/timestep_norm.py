@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from megalab import kernels
+from megalab.kernels import use_kernel
 from megalab.models.state import register_state
 
 __all__ = ["SequenceGroupNorm", "TimestepNorm", "TimestepNormState"]
@@ -182,7 +182,7 @@ class TimestepNorm(_GroupStatsNorm):
         self, x: Tensor, mask: Tensor | None = None, state: TimestepNormState | None = None
     ) -> tuple[Tensor, TimestepNormState | None]:
         cdt = torch.promote_types(x.dtype, torch.float32)
-        if cdt == torch.float32 and kernels.use_kernel("timestep_norm", x):
+        if cdt == torch.float32 and use_kernel("timestep_norm", x):
             return self._kernel_forward(x, mask, state)
         with torch.autocast(device_type=x.device.type, enabled=False):
             xg, m, v = self._step_stats(x.to(cdt))

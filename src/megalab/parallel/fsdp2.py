@@ -4,7 +4,7 @@
 Lightning's `ModelParallelStrategy` builds a device mesh (data parallel x tensor parallel) and
 leaves the sharding to the module's `configure_model`; the tasks call `shard_blocks` there. Every
 backbone block (the `block_class` each backbone declares, collected by
-`megalab.utils.distributed.block_classes`: LlamaBlock, MegaBlock, ...) becomes its own FSDP2
+`megalab.models.block_classes`: LlamaBlock, MegaBlock, ...) becomes its own FSDP2
 unit, optionally recomputed in the backward (activation checkpointing), then the whole task
 (embedding, head, final norm) is the root unit. Parameters, gradients and optimizer
 state are sharded over the mesh's data-parallel dimension as DTensors.
@@ -48,7 +48,7 @@ def shard_blocks(
         register_fsdp_forward_method,
     )
 
-    from megalab.utils.distributed import block_classes
+    from megalab.models import block_classes
 
     dp_mesh = _data_parallel_mesh(mesh)
     classes = tuple(block_classes())

@@ -23,6 +23,7 @@ from torchmetrics import Metric
 from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
 from megalab.optim import build_optimizer, describe_groups
 from megalab.utils.distributed import gather_from_ranks
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def _numpy_state_from_tensors(state: tuple) -> tuple:
     return (name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)
 
 
-class NonFiniteLossError(RuntimeError):
+class NonFiniteLossError(UserError, RuntimeError):
     """The training loss became NaN or infinite."""
 
 

@@ -27,18 +27,6 @@ def slurm_environment(auto_requeue: bool = True, requeue_signal: str = "SIGUSR1"
     return SLURMEnvironment(auto_requeue=auto_requeue, requeue_signal=sig)
 
 
-def block_classes() -> set[type]:
-    """The block class of every megalab backbone (each declares its `block_class`): each block
-    becomes its own FSDP unit and activation-checkpointing region (Lightning's
-    `auto_wrap_policy` / `activation_checkpointing_policy` take a set of classes)."""
-    import megalab.models as models
-    from megalab.models.base import Backbone
-
-    exported = [getattr(models, name) for name in models.__all__]
-    backbones = [c for c in exported if isinstance(c, type) and issubclass(c, Backbone)]
-    return {c.block_class for c in backbones if c.block_class is not None}
-
-
 def gather_from_ranks(obj: Any) -> list[Any]:
     """`obj` from every process, in rank order (a one-element list without distributed training).
 

@@ -33,44 +33,23 @@ _state = {"task_started": False}
 class UserError(Exception):
     """Base of the errors whose message is the whole story for a user (bad input, not a bug).
 
-    An error class defined anywhere in megalab derives from it to be shown as one message; the
-    classes listed in `user_error_types` predate it.
+    An error class defined anywhere in megalab derives from it (next to the code that raises
+    it) to be shown as one message.
     """
+
+
+class Interrupted(BaseException):
+    """Base of the deliberate stops of a run (a signal, after saving): `message` is printed and
+    `code` is the exit status (`megalab.utils.checkpointing.RunInterrupted`)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message, self.code = message, code
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     """The exception classes whose message is the whole story for a user."""
-    from megalab.config_schema import ConfigError
-    from megalab.data.archives import UnsafeArchiveError
-    from megalab.data.cache import CacheError
-    from megalab.data.download import ChecksumError, DatasetMissingError, DownloadError
-    from megalab.memory import MemoryPlanError
-    from megalab.models.state import UnsafeStateError
-    from megalab.utils.checkpointing import CheckpointError
-    from megalab.utils.locking import RunFolderLockedError
-    from megalab.utils.run_folder import RunFolderError
-    from megalab.utils.safe_config import UnsafeConfigError
-
-    types: list[type[BaseException]] = [
-        UserError,
-        ConfigError,
-        DatasetMissingError,
-        DownloadError,
-        ChecksumError,
-        UnsafeArchiveError,
-        UnsafeStateError,
-        CacheError,
-        CheckpointError,
-        RunFolderLockedError,
-        RunFolderError,
-        UnsafeConfigError,
-        MemoryPlanError,
-    ]
-    with contextlib.suppress(ImportError):
-        from megalab.tasks.base import NonFiniteLossError
-
-        types.append(NonFiniteLossError)
-    return tuple(types)
+    return (UserError,)
 
 
 def _chain(err: BaseException) -> list[BaseException]:
@@ -175,12 +154,10 @@ def print_error(message: str, where: Sequence[str] = ()) -> None:
 @contextlib.contextmanager
 def reported(exit_code: int = 1) -> Iterator[None]:
     """Turn actionable errors into their message and an exit status (`SystemExit`)."""
-    from megalab.utils.checkpointing import RunInterrupted
-
     _state["task_started"] = True
     try:
         yield
-    except RunInterrupted as err:
+    except Interrupted as err:
         print_error(err.message)
         raise SystemExit(err.code) from None
     except Exception as err:

@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megalab.utils.errors import UserError
+
 LOCK_NAME = ".megalab.lock"
 
 # Folder -> (file descriptor, how many holders in this process).
 _HELD: dict[Path, list[int]] = {}
 
 
-class RunFolderLockedError(RuntimeError):
+class RunFolderLockedError(UserError, RuntimeError):
     """Another process is running in this run folder."""
 
 

@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
 from megalab.utils.checkpointing import CheckpointError, read_checkpoint, verify_checkpoint
+from megalab.utils.errors import UserError
 from megalab.utils.locking import _is_rank_zero, lock_run_folder
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,17 @@ _WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _WANDB_DIR = re.compile(r"^(?:offline-)?run-\d{8}_\d{6}-([a-z0-9]+)(?:-\d+)?$")
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(UserError, RuntimeError):
     """The run folder cannot be used as asked (it holds another run, or nothing to resume)."""
+
+
+def find_run_config(ckpt_path: Path) -> Path | None:
+    """The `.hydra/config.yaml` of the run a checkpoint belongs to, if any."""
+    for parent in list(ckpt_path.resolve().parents)[:3]:
+        candidate = parent / ".hydra" / "config.yaml"
+        if candidate.exists():
+            return candidate
+    return None
 
 
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | os.PathLike[str]) -> str | None:

@@ -36,6 +36,8 @@ from typing import Any
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from megalab.utils.errors import UserError
+
 #: Library classes the configs instantiate (the groups `megalab.eval` takes from a run).
 LIBRARY_TARGETS = frozenset(
     {
@@ -58,6 +60,8 @@ LIBRARY_TARGETS = frozenset(
 )
 #: megalab modules whose functions are factories a config may call (schedules, wrap policies).
 FUNCTION_MODULES = ("megalab.optim", "megalab.utils.distributed")
+#: Other megalab functions a config may call (the FSDP wrap policy's block classes).
+FUNCTIONS = frozenset({"megalab.models.block_classes"})
 #: The resolvers megalab's configs use; none of them runs code (`${oc.env:...}` reads the
 #: environment, `${oc.decode:...}` parses a value whose targets are checked like any other).
 SAFE_RESOLVERS = frozenset({"hydra", "now", "oc.env", "oc.select", "oc.decode"})
@@ -65,7 +69,7 @@ _NAME = re.compile(r"^megalab(\.[A-Za-z_][A-Za-z0-9_]*)+$")
 _RESOLVER = re.compile(r"\$\{\s*([A-Za-z_][A-Za-z0-9_.\-]*)\s*:")
 
 
-class UnsafeConfigError(ValueError):
+class UnsafeConfigError(UserError, ValueError):
     """A file that is data names something megalab does not build, run or write from data."""
 
 
@@ -83,7 +87,8 @@ def _allowed(target: str) -> bool:
     if inspect.isclass(obj):
         return obj.__module__.startswith("megalab.") or obj.__module__ == "megalab"
     if inspect.isfunction(obj):
-        return obj.__module__ in FUNCTION_MODULES
+        where = obj.__module__
+        return where in FUNCTION_MODULES or f"{where}.{obj.__qualname__}" in FUNCTIONS
     return False
 
 

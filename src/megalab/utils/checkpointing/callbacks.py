@@ -21,16 +21,13 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from megalab.utils.checkpointing.files import remove_stale_temporaries
+from megalab.utils.errors import Interrupted
 
 log = logging.getLogger(__name__)
 
 
-class RunInterrupted(BaseException):
+class RunInterrupted(Interrupted):
     """Training stopped on a signal after saving `last.ckpt`; `code` is the exit status."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.message, self.code = message, code
 
 
 # -- what Lightning does not save: epoch accumulations of logged training values ----------------

@@ -17,6 +17,8 @@ import lightning as L
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from megalab.utils.errors import UserError
+
 log = logging.getLogger(__name__)
 
 _EOCD = b"PK\x05\x06"  # zip end-of-central-directory signature
@@ -27,7 +29,7 @@ _CHUNK = 1 << 20
 TEMP_SUFFIX = ".tmp"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used: corrupt, truncated, not a checkpoint, or not writable."""
 
 

@@ -1,0 +1,113 @@
+"""A checkpoint with its run's config, as `megalab-eval`, `megalab-generate` and the
+long-context evaluation load it.
+
+When the checkpoint lies in a megalab run directory (`megalab.utils.run_folder.find_run_config`),
+`merge_run_config` takes the run's own `data`, `model`, `task`, `optim`, `scheduler` and
+`monitor` configs (checked by the loading policy, `megalab.utils.safe_config`) and the data
+folder the run read; `load_task` builds the task and loads the checkpoint's weights (checksum
+verified, `weights_only=True`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import hydra
+import torch
+import yaml
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from megalab.utils.checkpointing import read_checkpoint, verify_checkpoint
+from megalab.utils.run_folder import find_run_config
+from megalab.utils.safe_config import (
+    UnsafeConfigError,
+    check_targets,
+    data_settings_from_command_line,
+    load_run_config,
+)
+
+if TYPE_CHECKING:
+    from megalab.tasks.language_modeling import LanguageModelingTask
+
+log = logging.getLogger("megalab.eval")
+
+RUN_GROUPS = ("data", "model", "task", "optim", "scheduler", "monitor")
+
+
+def _given(overrides: list[str]) -> set[str]:
+    """The keys the command line sets (`+a.b=1` -> `a.b`)."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def run_data_dir(run_cfg: DictConfig, source: str = "the run config") -> str | None:
+    """The data folder a run read (`paths.data_dir` resolved in the run's own config)."""
+    try:
+        value = OmegaConf.select(run_cfg, "paths.data_dir", throw_on_resolution_failure=True)
+    except Exception:
+        return None
+    if value is not None and "${" in str(value):  # resolves to an interpolation: refuse it
+        raise UnsafeConfigError(f"{source}: paths.data_dir={value!r} is not a folder")
+    return None if value is None else str(value)
+
+
+def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """Replace this config's model/data/task groups with the checkpoint's run config (and its
+    data folder), checked by the loading policy; turn off data generation and downloads that
+    the command line does not ask for."""
+    run_cfg_path = find_run_config(Path(cfg.ckpt_path))
+    if run_cfg_path is None or not cfg.get("use_run_config", True):
+        data_settings_from_command_line(cfg, overrides)
+        return cfg
+    log.info("using the run config %s", run_cfg_path)
+    run_cfg = load_run_config(run_cfg_path)  # safe YAML, safe resolvers (safe_config)
+    given = _given(overrides)
+    with open_dict(cfg):
+        for key in RUN_GROUPS:
+            if key in run_cfg:
+                cfg[key] = run_cfg[key]
+        data_dir = run_data_dir(run_cfg, str(run_cfg_path))
+        if data_dir is not None and not given & {"paths.data_dir", "paths.root_dir"}:
+            cfg.paths.data_dir = data_dir  # the run's data, not this command's default folder
+        ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
+        for item in ours:
+            key, _, value = item.lstrip("+").partition("=")
+            OmegaConf.update(cfg, key, yaml.safe_load(value) if value else None, force_add=True)
+    # The run folder is data: build nothing from it but megalab's classes (safe_config).
+    for key in RUN_GROUPS:
+        node = cfg.get(key)
+        if isinstance(node, DictConfig):
+            check_targets(node, f"{run_cfg_path} ({key})")
+    off = data_settings_from_command_line(cfg, overrides)
+    if off:
+        log.info("data is not generated or downloaded (%s=false): ask on the command line "
+                 "to change it", ", ".join(off))  # fmt: skip
+    return cfg
+
+
+def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
+    """The run's task with the checkpoint's weights (checksum verified, `weights_only=True`)."""
+    ckpt_path = Path(cfg.ckpt_path)
+    if not ckpt_path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
+    # A damaged file fails here naming it, not inside torch.load (ckpt_verify=false: a file
+    # without a readable checksum is read unverified; a mismatch is refused all the same).
+    verify_checkpoint(ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
+    task = hydra.utils.instantiate(cfg.task)
+    checkpoint = read_checkpoint(ckpt_path, verify=cfg.get("ckpt_verify", True))
+    if "state_dict" not in checkpoint:
+        raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
+    task.load_state_dict(checkpoint["state_dict"], strict=True)
+    if not hasattr(task, "head") or not hasattr(task.head, "log_probs"):
+        raise ValueError(
+            f"{type(task).__name__} is not a language model: megalab-generate needs "
+            "task=language_modeling"
+        )
+    return task.to(device=device, dtype=dtype).eval()
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
