@@ -200,6 +200,27 @@ def fixture_overrides(compose_cfg, name: str) -> list[str]:
     ]
 
 
+# The default suite's time budget (10 minutes on 2 cores): variants whose code and data paths
+# another experiment of the default suite trains already run in the slow suite. Mega-chunk,
+# Megalodon-chunk and SeqBoat-full differ from their base model's experiments by backbone keys
+# only: ListOps (and Mega-chunk's Image, Mega's own being slow) stay; every LRA task still trains
+# with the base models. S4D's Image and Pathfinder share its ListOps/Text/Retrieval code and the
+# other models' pixel pipelines. The Transformer baselines' character-level runs share the
+# Transformer with its WikiText-103 run and the enwik8/text8 pipelines with Mega, LaMemo and
+# Transformer-XL. Mega's SC10-big is SC10-base's model, wider.
+HEAVY |= {
+    *(f"mega_chunk/lra_{t}" for t in ("pathfinder", "retrieval", "text")),
+    *(f"megalodon_chunk/lra_{t}" for t in ("image", "pathfinder", "retrieval", "text")),
+    *(f"seqboat_full/lra_{t}" for t in ("image", "pathfinder", "retrieval", "text")),
+    "s4d/lra_image",
+    "s4d/lra_pathfinder",
+    "transformer/enwik8",
+    "transformer/text8",
+    "transformer_rpe/enwik8",
+    "mega/sc10_big",
+}
+
+
 def _marks(name: str) -> list[pytest.MarkDecorator]:
     if name in GPU_ONLY:
         return [pytest.mark.slow, pytest.mark.gpu]
