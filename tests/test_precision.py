@@ -22,7 +22,10 @@ MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
 # they train at a small width, in the slow suite; their family runs in the default suite.
 PRESETS = {"llama_100m": "llama", "llama_200m": "llama", "llama_1_3b": "llama", "llama_7b": "llama"}
 SMALL = ["model.d_model=64", "model.backbone.num_layers=2", "model.backbone.num_heads=4"]
-CASES = [pytest.param(m, marks=pytest.mark.slow) if m in PRESETS else m for m in MODELS]
+# LaMemo and the Transformer with XL's relative positions share Transformer-XL's relative-memory
+# code, which trains under bf16 in the default suite; theirs run in the slow suite (time budget).
+SLOW = {*PRESETS, "lamemo", "transformer_rpe"}
+CASES = [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in MODELS]
 FP32_OPS = ("_fft_r2c", "_fft_c2r", "_fft_c2c", "native_layer_norm", "rsqrt", "native_batch_norm")
 LM = ["data=enwik8", "task=language_modeling", "data.max_len=64", "data.eval_max_len=64",
       "data.train_len_unit=10", "data.sha256=null", "data.valid_size=3000",
