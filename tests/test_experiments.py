@@ -214,6 +214,11 @@ HEAVY |= {
     "transformer_rpe/enwik8",
     "mega/sc10_big",
     "megalodon/lra_image",  # Megalodon's LRA pipeline: its four other tasks; pixels: four models
+    "seqboat/lra_image",  # SeqBoat's: ListOps, Text, Retrieval, Pathfinder; pixels: as above
+    "s4d/lra_text",  # S4D's: ListOps and SC10; the text and retrieval pipelines: five models
+    "s4d/lra_retrieval",
+    # The Transformer's LM: tests/test_language_modeling.py; WikiText-103's data: tests/data.
+    "transformer/wikitext103",
 }
 
 
