@@ -286,9 +286,9 @@ class Group:
 # -- cases ---------------------------------------------------------------------------------------
 def block(kind: str, d: int, chunk: int) -> nn.Module:
     """One causal block of `kind` at width d (the module docstring's shapes)."""
-    from megalab.models.llama import LlamaBlock, LlamaConfig
-    from megalab.models.mega import MegaBlock, MegaConfig
-    from megalab.models.megalodon import MegalodonBlock, MegalodonConfig
+    from megalab.models.llama.model import LlamaBlock, LlamaConfig
+    from megalab.models.mega.model import MegaBlock, MegaConfig
+    from megalab.models.megalodon.model import MegalodonBlock, MegalodonConfig
 
     if kind == "llama":
         return LlamaBlock(LlamaConfig(d_model=d, num_layers=1, num_heads=max(1, d // 128)))

@@ -37,8 +37,8 @@ import time  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from megalab.models.lamemo import LaMemo, LaMemoConfig, LaMemoLayer  # noqa: E402
-from megalab.models.transformer_xl import TransformerXL, TransformerXLConfig, XLLayer  # noqa: E402
+from megalab.models.lamemo.model import LaMemo, LaMemoConfig, LaMemoLayer  # noqa: E402
+from megalab.models.transformer_xl.model import TransformerXL, TransformerXLConfig, XLLayer  # noqa: E402
 from megalab.nn.relative_attention import (  # noqa: E402
     SinusoidPositions,
     causal_mask,

@@ -79,7 +79,7 @@ Case = Callable[[], None]
 
 # -- cases ---------------------------------------------------------------------------------------
 def _mega_block(L: int, chunk: int, recompute: bool | None = None):
-    from megalab.models.mega import MegaBlock, MegaConfig
+    from megalab.models.mega.model import MegaBlock, MegaConfig
 
     cfg = MegaConfig(d_model=D_MODEL, z_dim=Z_DIM, v_dim=V_DIM, ffn_dim=V_DIM, ema_dim=EMA_DIM,
                      chunk_size=chunk, max_positions=max(L, 1024), dropout=0.0,
@@ -92,7 +92,7 @@ def layer_case(kind: str, L: int, B: int) -> tuple[torch.nn.Module, Callable[[],
     torch.manual_seed(0)
     x = torch.randn(B, L, D_MODEL, requires_grad=True)
     if kind == "transformer":
-        from megalab.models.transformer import TransformerLayer
+        from megalab.models.transformer.model import TransformerLayer
 
         m = TransformerLayer(D_MODEL, HEADS, 4 * D_MODEL, dropout=0.0, prenorm=True)
         return m, lambda: m(x, None, False)

@@ -25,8 +25,9 @@ Sections (forward + backward, training mode, float32, dropout 0, one sequence (1
   exp(l·log q), FFTs of length 2·nextpow2(L)) and the recurrence h_t = α x_t + q h_{t−1} as a
   loop over time.
 - tsn: TimestepNorm, ours (shifted cumulative sums in float64) against the float32 cumulative
-  E[x²] − E[x]² (fast, but it loses the variance at long lengths: tests/nn/test_timestep_norm.py)
-  and the Welford update as a loop over time (the order of the authors' CPU kernel).
+  E[x²] − E[x]² (fast, but it loses the variance at long lengths:
+  tests/models/megalodon/test_timestep_norm.py) and the Welford update as a loop over time (the
+  order of the authors' CPU kernel).
 
 Estimated rows (`--estimate kind@L`, marked `estimated` in the JSON and the tables): cases too
 slow to run here at that length (Python loops over time, the authors' CEMA at 64K). Their time
@@ -64,10 +65,10 @@ Build = tuple[torch.nn.Module, Callable[[], torch.Tensor]]
 # -- cases ---------------------------------------------------------------------------------------
 def build_case(kind: str, L: int) -> Build:
     """A module and a closure returning one forward's output (its sum is backpropagated)."""
-    from megalab.models.mega import MegaBlock, MegaConfig
-    from megalab.models.megalodon import MegalodonBlock, MegalodonConfig
-    from megalab.nn.cema import ComplexEMA
-    from megalab.nn.timestep_norm import TimestepNorm
+    from megalab.models.mega.model import MegaBlock, MegaConfig
+    from megalab.models.megalodon.cema import ComplexEMA
+    from megalab.models.megalodon.model import MegalodonBlock, MegalodonConfig
+    from megalab.models.megalodon.timestep_norm import TimestepNorm
 
     torch.manual_seed(0)
     x = torch.randn(1, L, D_MODEL, requires_grad=True)

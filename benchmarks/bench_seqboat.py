@@ -58,9 +58,9 @@ MMAP_THRESHOLD = 1 << 16  # bytes, for the CPU memory processes (see the module 
 
 def build(kind: str, L: int, B: int, device: str):
     """(module, run) for a variant: run() does one forward + backward."""
-    from megalab.models.mega import MegaBlock, MegaConfig
-    from megalab.models.seqboat import SeqBoatConfig, SeqBoatLayer
-    from megalab.nn.sma import pack, plan_packing, unpack
+    from megalab.models.mega.model import MegaBlock, MegaConfig
+    from megalab.models.seqboat.model import SeqBoatConfig, SeqBoatLayer
+    from megalab.models.seqboat.sma import pack, plan_packing, unpack
 
     torch.manual_seed(0)
     x = torch.randn(B, L, D_MODEL, device=device, requires_grad=True)

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 
 
 def build(kind: str, vocab: int, device: str) -> torch.nn.Module:
-    from megalab.models.mega_translation import MegaEncoderDecoder
-    from megalab.models.transformer_translation import TransformerEncoderDecoder
+    from megalab.models.mega.translation import MegaEncoderDecoder
+    from megalab.models.transformer.translation import TransformerEncoderDecoder
 
     torch.manual_seed(0)
     if kind == "mega":

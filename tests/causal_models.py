@@ -65,7 +65,7 @@ def _is_exact_causal(case: tuple[str, str]) -> bool:
     """Causal, and its streamed outputs equal one pass (`Backbone.exact_streaming`): the cases
     where incremental decoding and segment-wise evaluation must reproduce the full pass.
     LaMemo's look-ahead memory, refreshed by each segment, is tested against the authors' code
-    instead (tests/models/test_lamemo_golden.py, its step-by-step decode case)."""
+    instead (tests/models/lamemo/test_lamemo_golden.py, its step-by-step decode case)."""
     backbone = build_backbone(*case)
     return bool(backbone.causal and backbone.exact_streaming)
 

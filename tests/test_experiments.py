@@ -85,10 +85,10 @@ GPU_ONLY |= {"seqboat/lra_pathx", "seqboat_full/lra_pathx"}
 HEAVY |= GPU_ONLY
 # The 30 SeqBoat ablations (Tables 7-8) change one to three backbone keys of seqboat/lra_image,
 # lra_listops and lra_pathfinder, which train in the default suite; each variant's code path
-# trains in tests/models/test_seqboat.py. The variants compose and instantiate in the default
-# suite and train in the slow suite (ListOps about 1 s of CPU each; Image 4 to 40 s: SeqBoat-full
-# always active over 1,024 pixels is the slowest), which keeps the default suite within its time
-# budget.
+# trains in tests/models/seqboat/test_seqboat.py. The variants compose and instantiate in the
+# default suite and train in the slow suite (ListOps about 1 s of CPU each; Image 4 to 40 s:
+# SeqBoat-full always active over 1,024 pixels is the slowest), which keeps the default suite
+# within its time budget.
 HEAVY |= {n for n in EXPERIMENTS if n.startswith("seqboat_ablation/")}
 # SeqBoat on enwik8 (Table 5: 14 layers at D = 616, 39M parameters over 8,192-token blocks):
 # about 2 minutes for two CPU steps.
@@ -130,7 +130,8 @@ HEAVY |= {
 # like Mega's; Path-X (16,384 pixels) on a GPU only. The 1.3B PG-19 model and the 7B
 # pretraining recipe do not fit a 2-step CPU run (weights, gradients and Adam moments: 21 GB and
 # 118 GB): they train at a tiny width (`EXPERIMENT_OVERRIDES`, same recipe otherwise), and
-# their presets' parameter counts are checked on the meta device (tests/models/test_megalodon.py).
+# their presets' parameter counts are checked on the meta device
+# (tests/models/megalodon/test_megalodon.py).
 HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
 GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
 # The S4D baseline on Path-X (6 x 256 over 16,384 pixels) trains there like the other Path-X runs.

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalab.data.lm.stream import EvalBatches, StreamBatches, TokenStream
-from megalab.models.lamemo import LaMemo
+from megalab.models.lamemo.model import LaMemo
 from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from megalab.tasks.language_modeling import LanguageModelingTask
 
@@ -64,7 +64,7 @@ def test_loss_scale_halves_the_optimised_loss_not_the_logged_one() -> None:
 
 def xl_task(ext_len: int, mem_len: int, backbone_ext_len: int | None = None):
     """A tiny float64 Transformer-XL language model (no dropout) that carries its memory."""
-    from megalab.models.transformer_xl import TransformerXL
+    from megalab.models.transformer_xl.model import TransformerXL
 
     torch.manual_seed(0)
     backbone = TransformerXL(
@@ -199,7 +199,7 @@ def test_ext_len_is_seen_by_the_model_and_only_targets_are_scored() -> None:
 def test_ext_len_must_match_between_data_and_model() -> None:
     from types import SimpleNamespace
 
-    from megalab.models.lamemo import LaMemo
+    from megalab.models.lamemo.model import LaMemo
     from megalab.tasks.language_modeling import check_ext_len
 
     check_ext_len(xl_task(2, 4).backbone, SimpleNamespace(ext_len=2))

@@ -15,11 +15,11 @@ from torch import Tensor, nn
 
 from megalab.data.lm.stream import EvalBatches, Layout, LMStreamDataModule, TokenStream
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.models.mega import Mega
-from megalab.models.state import UnsafeStateError, pack_state, unpack_state
-from megalab.models.transformer import Transformer
+from megalab.models.mega.model import Mega
+from megalab.models.transformer.model import Transformer
 from megalab.nn.adaptive import AdaptiveInput, AdaptiveSoftmax
 from megalab.nn.embedding import SequenceEncoder
+from megalab.nn.state import UnsafeStateError, pack_state, unpack_state
 from megalab.tasks.base import NonFiniteLossError
 from megalab.tasks.language_modeling import LanguageModelingTask, LinearLMHead
 

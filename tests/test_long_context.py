@@ -17,9 +17,9 @@ from causal_models import STATEFUL_CASES, STATEFUL_IDS, VOCAB, build_lm
 from megalab.eval import evaluate
 from megalab.long_context import bucket_edges, plot_buckets, score_stream, state_bytes
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.models.mega import Mega
-from megalab.models.state import register_state
+from megalab.models.mega.model import Mega
 from megalab.nn.embedding import SequenceEncoder
+from megalab.nn.state import register_state
 from megalab.tasks.language_modeling import LanguageModelingTask, LinearLMHead
 from megalab.train import train
 

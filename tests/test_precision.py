@@ -84,11 +84,11 @@ def test_bf16_mixed_trains_with_fp32_ffts_and_norms(compose_cfg, model: str) -> 
 # The sub-layers that compute in float32 under autocast (each casts its input and turns
 # autocast off inside): the EMA family (its FFT convolution and recurrences) and the norms.
 def _fp32_modules() -> tuple[type[torch.nn.Module], ...]:
-    from megalab.nn.cema import ComplexEMA
+    from megalab.models.megalodon.cema import ComplexEMA
+    from megalab.models.megalodon.timestep_norm import SequenceGroupNorm, TimestepNorm
     from megalab.nn.ema import DampedEMA
     from megalab.nn.norms import PlusOneRMSNorm, RMSNorm, ScaleNorm, SequenceNorm
     from megalab.nn.s4d import S4D
-    from megalab.nn.timestep_norm import SequenceGroupNorm, TimestepNorm
 
     return (DampedEMA, ComplexEMA, S4D, TimestepNorm, SequenceGroupNorm, ScaleNorm, RMSNorm,
             PlusOneRMSNorm, SequenceNorm, torch.nn.LayerNorm)  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from megalab.models.transformer import Transformer
+from megalab.models.transformer.model import Transformer
 from megalab.nn.embedding import FeatureEmbedding, SequenceEncoder, init_bert_params
 from megalab.nn.heads import ClassificationHead, masked_mean, pool
 from megalab.tasks import ClassificationTask, RetrievalTask

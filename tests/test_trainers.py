@@ -51,8 +51,8 @@ def test_gpu_trainers_run_two_steps(compose_cfg, trainer: str) -> None:
 
 
 def test_fsdp_blocks_wraps_and_checkpoints_every_block(compose_cfg) -> None:
-    from megalab.models.llama import LlamaBlock
-    from megalab.models.mega import MegaBlock
+    from megalab.models.llama.model import LlamaBlock
+    from megalab.models.mega.model import MegaBlock
 
     cfg = compose_cfg("trainer=fsdp_blocks", "model=llama_7b", fast=False)
     strategy = hydra.utils.instantiate(cfg.trainer.strategy)

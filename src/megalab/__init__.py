@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from megalab.utils.moved import install as _install_moved
 from megalab.version import __version__ as __version__
+
+_install_moved()  # old module names of code that moved still import, with a warning
 
 
 def from_pretrained(name_or_path: str, revision: str | None = None) -> Any:

@@ -407,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.format == "hf":
-            from megalab.convert.llama import run_to_hf
+            from megalab.models.llama.convert import run_to_hf
 
             run_dir = Path(args.run_dir)
             run_config(run_dir)  # the allow-list, before anything is built

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from megalab.models.state import map_state
+from megalab.nn.state import map_state
 
 if TYPE_CHECKING:
     from megalab.tasks.language_modeling import LanguageModelingTask

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from megalab.generation.beam import GenerationConfig, beam_search
-from megalab.models.mega_translation import MegaEncoderDecoder
+from megalab.models.mega.translation import MegaEncoderDecoder
 from megalab.models.seq2seq import EncoderDecoder
-from megalab.models.transformer_translation import TransformerEncoderDecoder
+from megalab.models.transformer.translation import TransformerEncoderDecoder
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 
 from megalab.data.base import ShardedSampler
 from megalab.data.lra.listops import ListOpsDataModule
-from megalab.models.transformer import Transformer
+from megalab.models.transformer.model import Transformer
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megalab.generation.beam import GenerationConfig, beam_search, greedy_search
-from megalab.models.mega_translation import MegaEncoderDecoder
-from megalab.models.transformer_translation import TransformerEncoderDecoder
+from megalab.models.mega.translation import MegaEncoderDecoder
+from megalab.models.transformer.translation import TransformerEncoderDecoder
 
 PAD, EOS, UNK = 1, 2, 3
 

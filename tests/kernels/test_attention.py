@@ -15,10 +15,10 @@ from torch import Tensor, nn
 
 from megalab import kernels
 from megalab.kernels import attention as gpu
-from megalab.models.mega import Mega
-from megalab.models.megalodon import Megalodon
+from megalab.models.mega.model import Mega
+from megalab.models.megalodon.model import Megalodon
+from megalab.models.megalodon.normalized_attention import NormalizedAttention
 from megalab.nn.attention import ChunkedAttention, KVCache
-from megalab.nn.normalized_attention import NormalizedAttention
 
 pytestmark = pytest.mark.skipif(
     not (kernels.triton_available() and kernels.interpreting()),

@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from megalab import kernels
+from megalab.models.megalodon.cema import CEMAState, ComplexEMA
 from megalab.nn import ema_kernel
-from megalab.nn.cema import CEMAState, ComplexEMA
 from megalab.nn.ema import DampedEMA
 
 pytestmark = [
@@ -223,8 +223,8 @@ def test_bad_inputs_are_refused() -> None:
 
 
 def test_tiny_mega_and_megalodon_forward_backward() -> None:
-    from megalab.models.mega import Mega
-    from megalab.models.megalodon import Megalodon
+    from megalab.models.mega.model import Mega
+    from megalab.models.megalodon.model import Megalodon
 
     torch.manual_seed(0)
     mega = perturbed(Mega(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4,

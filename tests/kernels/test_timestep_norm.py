@@ -14,10 +14,10 @@ import torch
 import golden
 from golden import prefixed, rel_err
 from megalab import kernels
-from megalab.convert.megalodon import convert_timestep_norm
 from megalab.kernels import timestep_norm as tsk
-from megalab.models.megalodon import Megalodon
-from megalab.nn.timestep_norm import TimestepNorm, TimestepNormState
+from megalab.models.megalodon.convert import convert_timestep_norm
+from megalab.models.megalodon.model import Megalodon
+from megalab.models.megalodon.timestep_norm import TimestepNorm, TimestepNormState
 
 pytestmark = [
     pytest.mark.skipif(
@@ -264,7 +264,7 @@ def test_bad_inputs_fail_early() -> None:
 def test_the_authors_golden_case_with_the_kernel() -> None:
     """The authors' float32 run (carried counts 7, 0, 12, right pads; then leading and middle
     pads, forward only) within the golden tests' float32 tolerances: outputs and state 1e-5,
-    gradients 5e-5 (tests/models/test_megalodon_golden.py)."""
+    gradients 5e-5 (tests/models/megalodon/test_megalodon_golden.py)."""
     dev = torch.get_default_device()  # CUDA when compiled (conftest)
     d = {k: v.to(dev) if isinstance(v, torch.Tensor) else v
          for k, v in golden.load_case("megalodon", "timestep_norm").items()}  # fmt: skip

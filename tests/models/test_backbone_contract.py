@@ -44,7 +44,7 @@ from omegaconf import OmegaConf
 
 from megalab.models import block_classes
 from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
-from megalab.models.state import map_state, pack_state, select_state, unpack_state
+from megalab.nn.state import map_state, pack_state, select_state, unpack_state
 from megalab.utils.paths import CONFIG_DIR, group_config
 
 DT = torch.float64

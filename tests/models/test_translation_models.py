@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.convert.mega import (
+from megalab.models.mega.convert import (
     convert_mega_translation,
     mega_translation_kwargs_from_fairseq,
 )
-from megalab.models.mega_translation import MegaEncoderDecoder
+from megalab.models.mega.translation import MegaEncoderDecoder
 from megalab.models.seq2seq import EncoderDecoder
-from megalab.models.state import select_state
-from megalab.models.transformer_translation import TransformerEncoderDecoder
+from megalab.models.transformer.translation import TransformerEncoderDecoder
+from megalab.nn.state import select_state
 
 V, PAD, EOS = 40, 1, 2
 TINY_MEGA = dict(d_model=16, encoder_layers=2, decoder_layers=2, z_dim=8, v_dim=32, ffn_dim=24,

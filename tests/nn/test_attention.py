@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
+from megalab.kernels.attention_functions import laplace
 from megalab.nn.attention import (
     ChunkedAttention,
     RotaryRelativePositionalBias,
     SimpleRelativePositionalBias,
 )
-from megalab.nn.attention_functions import laplace
 
 DT = torch.float64
 FUNCS = ["softmax", "laplace", "relu2"]

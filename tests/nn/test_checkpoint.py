@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.models.mega import Mega
-from megalab.models.transformer import Transformer
+from megalab.models.mega.model import Mega
+from megalab.models.transformer.model import Transformer
 from megalab.nn.checkpoint import checkpoint_block
 
 MEGA = dict(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, chunk_size=8,

@@ -19,8 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from megalab.config_schema import ConfigError, validate
-from megalab.convert.common import load_checkpoint
 from megalab.data.cache import CacheError, cache_dir, mark_prepared, prepared
+from megalab.models.convert import load_checkpoint
 from megalab.utils.checkpointing import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -64,7 +64,7 @@ def test_crafted_run_checkpoint_is_refused_and_runs_nothing(tmp_path: Path) -> N
 
 
 def test_crafted_carried_state_cannot_call_anything() -> None:
-    from megalab.models.state import UnsafeStateError, unpack_state
+    from megalab.nn.state import UnsafeStateError, unpack_state
 
     packed = {"kind": "object", "class": "torch:os.system", "fields": {"command": "true"}}
     with pytest.raises(UnsafeStateError, match="refusing to rebuild"):

@@ -255,7 +255,7 @@ def test_resume_reads_checkpoints_without_running_code(tmp_path: Path, marker: P
 def test_resume_rebuilds_carried_state_only_from_the_allow_list(compose_cfg, name: str) -> None:
     import hydra
 
-    from megalab.models.state import UnsafeStateError
+    from megalab.nn.state import UnsafeStateError
 
     cfg = compose_cfg(
         "task=language_modeling", "data=enwik8", "model=llama", "model.d_model=16",
@@ -307,11 +307,11 @@ def test_resume_takes_only_a_wandb_id_from_the_run_folder(tmp_path: Path) -> Non
     assert cfg.logger.wandb.id is None
 
 
-# -- megalab.convert ------------------------------------------------------------------------------
+# -- megalab.models.*.convert ---------------------------------------------------------------------
 def test_llama_to_hf_refuses_a_torch_load_sibling_of_the_backbone(
     tmp_path: Path, marker: Path, capsys
 ) -> None:
-    from megalab.convert.llama import main
+    from megalab.models.llama.convert import main
 
     payload = _pickle_payload(tmp_path, marker)
     evil = {"_target_": "torch.load", "weights_only": False, "f": str(payload)}
@@ -332,7 +332,7 @@ def test_llama_to_hf_refuses_a_torch_load_sibling_of_the_backbone(
 
 
 def test_llama_to_hf_copies_only_a_tokenizer(tmp_path: Path) -> None:
-    from megalab.convert.llama import _is_hf_tokenizer
+    from megalab.models.llama.convert import _is_hf_tokenizer
 
     secret = tmp_path / "id_rsa"
     secret.write_text("-----BEGIN PRIVATE KEY-----\n")
@@ -342,7 +342,7 @@ def test_llama_to_hf_copies_only_a_tokenizer(tmp_path: Path) -> None:
 
 
 def test_llama_from_hf_refuses_a_pickled_bin(tmp_path: Path, marker: Path) -> None:
-    from megalab.convert.llama import load_hf_llama
+    from megalab.models.llama.convert import load_hf_llama
 
     folder = tmp_path / "hf"
     folder.mkdir()
@@ -354,8 +354,8 @@ def test_llama_from_hf_refuses_a_pickled_bin(tmp_path: Path, marker: Path) -> No
 
 
 def test_reference_checkpoint_loaders_refuse_pickles(tmp_path: Path, marker: Path) -> None:
-    from megalab.convert.common import load_fairseq_checkpoint
-    from megalab.convert.transformer_xl import load_reference_checkpoint
+    from megalab.models.convert import load_fairseq_checkpoint
+    from megalab.models.transformer_xl.convert import load_reference_checkpoint
 
     evil = tmp_path / "checkpoint_best.pt"
     torch.save({"model": {}, "model_state": {}, "x": _RunsCode(marker)}, evil)

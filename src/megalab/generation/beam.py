@@ -5,7 +5,7 @@
 
 - decoding starts from `bos_id` (fairseq: the end-of-sentence id) and feeds one token per step
   to `model.step`, which carries the incremental state; the state (encoder keys/values
-  included) is reordered with `megalab.models.state.select_state` after every step;
+  included) is reordered with `megalab.nn.state.select_state` after every step;
 - log-probabilities are taken in float32; padding is never generated; `unk_penalty` is
   subtracted from the unknown word; end-of-sentence is forbidden before `min_len` tokens and
   forced after `max_len = min(max_len_a · S + max_len_b, max_target_len − 1)` tokens (S: the
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from megalab.models.seq2seq import EncoderDecoder
-from megalab.models.state import select_state
+from megalab.nn.state import select_state
 
 NEG_INF = float("-inf")
 

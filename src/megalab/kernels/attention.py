@@ -1,8 +1,8 @@
 """Flash-style Triton attention for Mega and Megalodon: O = f(S) V with S = Q Kᵀ τ⁻¹ + b.
 
 The PyTorch code stays the reference and the CPU path (`megalab.nn.attention`,
-`megalab.nn.fused_attention`, `megalab.nn.normalized_attention`); this kernel runs where
-`megalab.kernels.use_kernel("attention", q, k, v)` chooses it (CUDA, or forced under Triton's
+`megalab.nn.fused_attention`, `megalab.models.megalodon.normalized_attention`); this kernel runs
+where `megalab.kernels.use_kernel("attention", q, k, v)` chooses it (CUDA, or forced under Triton's
 interpreter in tests). Q/K are narrow (Mega's z = d/4) and V wide (up to 2d): the value columns
 are tiled, every program recomputing S for its value tile, so no program holds a whole value row.
 

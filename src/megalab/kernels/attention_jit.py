@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-from megalab.nn.attention_functions import LAPLACE_MU, LAPLACE_SIGMA
+from megalab.kernels.attention_functions import LAPLACE_MU, LAPLACE_SIGMA
 
 # Compile-time constants of the kernels (Triton reads globals only as constexpr).
 _MU = tl.constexpr(LAPLACE_MU)

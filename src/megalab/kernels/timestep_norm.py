@@ -1,4 +1,5 @@
-"""Triton kernel for Megalodon's timestep norm (`megalab.nn.timestep_norm.TimestepNorm`).
+"""Triton kernel for Megalodon's timestep norm
+(`megalab.models.megalodon.timestep_norm.TimestepNorm`).
 
 Same semantics as the PyTorch module, which stays the reference and the CPU path: for each
 (batch, group) the statistics after step t cover the group's D/G features at every real step

@@ -5,8 +5,8 @@
     model = Megalodon.from_config(MegalodonConfig(d_model=128, num_layers=2, causal=True))
     model = from_preset("megalodon/mega200M", num_layers=2)   # a shipped preset, resized
 
-The names load on first use (the model modules import `megalab.nn`, which imports
-`megalab.models.state`): `import megalab.models` itself imports nothing heavy.
+The names load on first use (each model folder imports its layers and `megalab.nn`):
+`import megalab.models` itself imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from megalab.models.base import Backbone, BackboneOutput
-    from megalab.models.lamemo import LaMemo
-    from megalab.models.llama import Llama, LlamaBlock, LlamaConfig
-    from megalab.models.mega import Mega, MegaBlock, MegaConfig
-    from megalab.models.megalodon import Megalodon, MegalodonBlock, MegalodonConfig
+    from megalab.models.lamemo.model import LaMemo
+    from megalab.models.llama.model import Llama, LlamaBlock, LlamaConfig
+    from megalab.models.mega.model import Mega, MegaBlock, MegaConfig
+    from megalab.models.megalodon.model import Megalodon, MegalodonBlock, MegalodonConfig
     from megalab.models.s4d import S4DBackbone, S4DBlock, S4DConfig
-    from megalab.models.seqboat import SeqBoat, SeqBoatBlock, SeqBoatConfig
-    from megalab.models.transformer import Transformer
-    from megalab.models.transformer_xl import TransformerXL
+    from megalab.models.seqboat.model import SeqBoat, SeqBoatBlock, SeqBoatConfig
+    from megalab.models.transformer.model import Transformer
+    from megalab.models.transformer_xl.model import TransformerXL
 
 _WHERE = {
     "Backbone": "base",

@@ -13,7 +13,7 @@ with the end-of-sentence id (fairseq's convention: `[</s>, y_1, ..., y_n]` predi
 logits of one `decode` pass over it (tested per model).
 
 `EncoderOut` and every decoder state are registered state classes whose tensors hold the batch
-in dim 0, so `megalab.models.state.select_state` expands a batch into beams and reorders them
+in dim 0, so `megalab.nn.state.select_state` expands a batch into beams and reorders them
 (beam search) without knowing the model.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from megalab.models.state import register_state
+from megalab.nn.state import register_state
 
 
 def constructor_arguments(frame_locals: dict[str, Any]) -> dict[str, Any]:

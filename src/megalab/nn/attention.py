@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.state import register_state
-from megalab.nn.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
+from megalab.kernels.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
+from megalab.nn.state import register_state
 
 REL_POS_BIASES = ("simple", "rotary")
 # Chunks of at most this many keys keep their attention weights for the backward (B·L·c floats,

@@ -34,7 +34,7 @@ non-shifted one with that delayed backward kernel; the fairseq repo has no shift
 
 Parameter names follow the paper: our `alpha` (input weight α) is the code's `delta` and our
 `delta` (damping δ) is the code's `alpha`; our `eta` is the code's `gamma` (see
-`megalab.convert`).
+`megalab.models.<model>.convert`).
 
 Speed. The kernel maths lives in `megalab.nn.ema_kernel` (shared with the complex EMA): the
 kernel is never built as the (d, h, L) tensor of powers q^l but as one batched matmul of two

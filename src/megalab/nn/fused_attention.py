@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megalab.nn.attention_functions import LAPLACE_MU, LAPLACE_SIGMA, laplace
+from megalab.kernels.attention_functions import LAPLACE_MU, LAPLACE_SIGMA, laplace
 
 BIAS_KINDS = ("dense", "toeplitz", "lowrank")
 # Elements of one block's (samples, rows, Ck) logits: 2^20 floats = 4 MiB in float32. Whole

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
-from megalab.models.state import STATE_CLASSES, _fields, state_class_name
+from megalab.nn.state import STATE_CLASSES, _fields, state_class, state_class_name
 
 _TENSOR = "\x00tensor:"
 _DTYPES = {
@@ -103,7 +103,7 @@ def _rebuild(spec: Any) -> Any:
     if kind in ("list", "tuple"):
         items = [_rebuild(v) for v in spec["items"]]
         return items if kind == "list" else tuple(items)
-    cls = STATE_CLASSES.get(spec["class"])
+    cls = state_class(spec["class"])
     if cls is None:
         raise ValueError(f"unknown state class {spec['class']!r} from another rank")
     return cls(**{k: _rebuild(v) for k, v in spec["fields"].items()})

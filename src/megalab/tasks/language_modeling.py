@@ -31,8 +31,8 @@ from torchmetrics import SumMetric
 
 from megalab.batch import Batch
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.models.state import detach_state, pack_state, state_to, unpack_state
 from megalab.nn.adaptive import AdaptiveSoftmax
+from megalab.nn.state import detach_state, pack_state, state_to, unpack_state
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
 from megalab.utils.distributed import gather_from_ranks
 

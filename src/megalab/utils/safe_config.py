@@ -20,8 +20,8 @@ may send any of them. Every entry point that reads one goes through this module:
   into its data folder unless the command line asks (`data_settings_from_command_line`).
 - Checkpoints are read with `torch.load(weights_only=True)` after their checksum is verified
   (`megalab.utils.checkpointing.read_checkpoint`); carried state is rebuilt only from the
-  registered state classes (`megalab.models.state`); the authors' checkpoints only with an
-  argparse `Namespace` and numpy scalars besides (`megalab.convert.common.load_checkpoint`).
+  registered state classes (`megalab.nn.state`); the authors' checkpoints only with an
+  argparse `Namespace` and numpy scalars besides (`megalab.models.convert.load_checkpoint`).
 """
 
 from __future__ import annotations

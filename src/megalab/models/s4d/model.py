@@ -46,9 +46,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.models.state import register_state
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
+from megalab.nn.state import register_state
 
 NORM_TYPES = ("batchnorm", "layernorm")
 

@@ -1,0 +1,537 @@
+"""Mega: Moving Average Equipped Gated Attention (Ma et al., ICLR 2023), exact to the authors' code.
+
+One Mega block is a MAGA sub-layer (eqs. 6-15) followed by a normalized FFN (eq. 21):
+
+    X' = SiLU(EMA(X) + ω ⊙ X)          EMA sub-layer (the code adds ω and SiLU to eq. 6)
+    Z  = SiLU(X' W_z + b_z)                                                     (7)
+    Q  = κ_q ⊙ Z + μ_q,  K = κ_k ⊙ Z + μ_k                                    (8, 9)
+    V  = act(X W_v + b_v)                     from X (the normed input), not X' (10)
+    O  = f(Q Kᵀ / τ + b_rel) V                within chunks                     (11)
+    γ  = SiLU(X' W_γ + b_γ)                   reset gate                        (12)
+    φ  = sigmoid(X' W_φ + b_φ)                update gate                       (13)
+    Ĥ  = act(X' W_h + (γ ⊙ O) U_h + b_h)                                        (14)
+    Y  = φ ⊙ Ĥ + (1 − φ) ⊙ X                  X un-normalised                   (15)
+
+W_φ, W_z, W_γ and W_h form one fused projection (`mx_proj`) of X', split as [φ | Z, γ | X'W_h]
+like the code. Pre-norm normalises the inputs of V and the EMA only, and the backbone then ends
+with a final norm; post-norm normalises Y. Dropouts as in the code: `dropout` on X', on Ĥ and on
+the FFN output; `hidden_dropout` on V; `attention_dropout` on the attention weights;
+`activation_dropout` on the FFN hidden layer. Every linear is N(0, 0.02) with zero bias; κ is
+N(0, 0.02) and μ is 0.
+
+The backbone is batch-first, `mask` is True at real tokens, and padded outputs are zeroed.
+A causal model streams: `state` holds per layer the EMA hidden state (B, D, h) and the keys,
+values (and key mask) of the chunk still open, which is dropped at every chunk boundary as in
+the code's incremental decoding; feeding a sequence segment by segment gives the outputs of one
+pass (with `truncation` set, only while the whole stream fits in the truncation window, since
+streaming uses the exact recurrence as the code does).
+
+Options of the authors' ImageNet model (mega-image repo, `VisionMEGA`), all off by default:
+`ema_shift` (the backward EMA starts at x_{t+1}, see `megalab.nn.ema`), `drop_path`
+(stochastic depth on both sub-layers, linear over depth), `positions="learned"` (a learned
+absolute position table added to the input) and `output_proj` (SiLU(Linear(D, D)) after the
+final norm, before pooling). Following that code, DropPath acts on Ĥ *before* the gated
+residual: Y = X + φ ⊙ (DropPath(Ĥ) − X), so a dropped MAGA gives (1 − φ) ⊙ X, not X; on the
+FFN it acts on the branch before its plain residual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.models.base import Backbone, BackboneOutput
+from megalab.nn.attention import ChunkedAttention, KVCache
+from megalab.nn.checkpoint import checkpoint_block
+from megalab.nn.ema import DampedEMA
+from megalab.nn.ffn import NormalizedFFN, get_activation
+from megalab.nn.norms import SequenceNorm
+from megalab.nn.regularization import DropPath, drop_path_rates
+from megalab.nn.state import register_state
+
+POSITIONS = ("none", "learned")
+
+
+@register_state
+@dataclass
+class MAGAState:
+    """Streaming state of one MAGA layer: EMA hidden state (B, D, h) and the open chunk's KV."""
+
+    ema: Tensor
+    kv: KVCache | None
+
+
+@register_state
+@dataclass
+class MegaState:
+    """Streaming state of a causal `Mega`: one `MAGAState` per layer; batch is dim 0 throughout.
+
+    `megalab.nn.state` detaches, moves, selects (beam search) and saves it.
+    """
+
+    layers: list[MAGAState]
+
+
+@dataclass(frozen=True)
+class MegaConfig:
+    """Every option of a Mega backbone, built once by `Mega` and handed to its blocks.
+
+    Fields are `Mega`'s keyword arguments (see its docstring); `drop_path` is the rate of the
+    last block, and each block receives its own rate beside this config.
+    """
+
+    d_model: int = 128
+    num_layers: int = 4
+    z_dim: int = 64
+    v_dim: int = 256
+    ffn_dim: int = 256
+    ema_dim: int = 16
+    chunk_size: int = -1
+    truncation: int | None = None
+    attention_activation: str = "softmax"
+    rel_pos_bias: str = "simple"
+    max_positions: int = 1024
+    norm_type: str = "layernorm"
+    prenorm: bool = True
+    final_norm_affine: bool = True
+    norm_affine: bool = True
+    embed_norm: bool = False
+    embed_dropout: float = 0.0
+    causal: bool = False
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    activation: str = "silu"
+    ema_shift: bool = False
+    drop_path: float = 0.0
+    positions: str = "none"
+    max_len: int | None = None
+    output_proj: bool = False
+    checkpoint_activations: bool = False
+    attention_recompute: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")
+        if self.positions == "learned" and not self.max_len:
+            raise ValueError("learned positions need `max_len` (the input length)")
+        if self.embed_norm and self.prenorm:
+            raise ValueError(
+                "embed_norm (the code's normalize_embedding) is for post-norm models only, as in "
+                "the authors' code: set prenorm=False or embed_norm=False"
+            )
+        if self.embed_dropout and not self.embed_norm:
+            raise ValueError(
+                "embed_dropout only reorders the embedding dropout after embed_norm; without "
+                "embed_norm put the dropout in the encoder (its `dropout`)"
+            )
+
+
+class MovingAverageGatedAttention(nn.Module):
+    """The MAGA sub-layer (Mega eqs. 6-15) on (B, L, D) tensors.
+
+    Built from a `MegaConfig` (d_model d, z_dim z, v_dim v, ema_dim h, chunk_size c, ...; see
+    `Mega`); `drop_path` is this layer's stochastic-depth rate on Ĥ, before the gated residual
+    (mega-image).
+    """
+
+    def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:
+        super().__init__()
+        d_model, z_dim, v_dim = cfg.d_model, cfg.z_dim, cfg.v_dim
+        self.d_model, self.z_dim, self.v_dim = d_model, z_dim, v_dim
+        self.prenorm = cfg.prenorm
+        self.causal = cfg.causal
+        self.act = get_activation(cfg.activation)
+        self.norm = SequenceNorm(cfg.norm_type, d_model, affine=cfg.norm_affine)
+        self.ema = DampedEMA(
+            d_model,
+            cfg.ema_dim,
+            bidirectional=not cfg.causal,
+            truncation=cfg.truncation,
+            shift=cfg.ema_shift,
+        )
+        self.v_proj = nn.Linear(d_model, v_dim)
+        self.mx_proj = nn.Linear(d_model, z_dim + v_dim + 2 * d_model)
+        self.h_proj = nn.Linear(v_dim, d_model)
+        # κ_q, κ_k (rows 0, 1) and μ_q, μ_k: per-dimension scale and offset of Z (eqs. 8, 9).
+        self.kappa = nn.Parameter(torch.empty(2, z_dim))
+        self.mu = nn.Parameter(torch.empty(2, z_dim))
+        self.attention = ChunkedAttention(
+            z_dim,
+            chunk_size=cfg.chunk_size,
+            attention_activation=cfg.attention_activation,
+            rel_pos_bias=cfg.rel_pos_bias,
+            max_positions=cfg.max_positions,
+            causal=cfg.causal,
+            dropout=cfg.attention_dropout,
+            recompute=cfg.attention_recompute,
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The authors' init: linears N(0, 0.02) with zero bias, κ ~ N(0, 0.02), μ = 0."""
+        for lin in (self.v_proj, self.mx_proj, self.h_proj):
+            nn.init.normal_(lin.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(lin.bias)
+        nn.init.normal_(self.kappa, mean=0.0, std=0.02)
+        nn.init.zeros_(self.mu)
+
+    def initial_state(self, batch_size: int, like: Tensor) -> MAGAState:
+        """An empty streaming state (zero EMA state, empty key/value cache)."""
+        B = batch_size
+        return MAGAState(
+            self.ema.initial_state(B, like),
+            KVCache(like.new_zeros(B, 0, self.z_dim), like.new_zeros(B, 0, self.v_dim), None),
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        state: MAGAState | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, MAGAState | None]:
+        """x (B, L, D), mask (B, L) True at real tokens -> (Y (B, L, D), new state or None)."""
+        D, S, E = self.d_model, self.z_dim, self.v_dim
+        want_state = return_state or state is not None
+        residual = x
+        X = self.norm(x) if self.prenorm else x
+        V = self.hidden_dropout(self.act(self.v_proj(X)))  # (10)
+        X_prime, ema_state = self.ema(  # (6)
+            X, mask, None if state is None else state.ema, return_state=want_state
+        )
+        X_prime = self.dropout(X_prime)
+        u, zr, hx = torch.split(self.mx_proj(X_prime), [D, S + E, D], dim=-1)
+        phi = torch.sigmoid(u)  # (13) update gate φ
+        Z, gamma = torch.split(F.silu(zr), [S, E], dim=-1)  # (7), (12) reset gate γ
+        Q = Z * self.kappa[0] + self.mu[0]  # (8)
+        K = Z * self.kappa[1] + self.mu[1]  # (9)
+        O, kv = self.attention(  # noqa: E741  (11)
+            Q, K, V, mask, None if state is None else state.kv, return_cache=want_state
+        )
+        H_hat = self.dropout(self.act(hx + self.h_proj(O * gamma)))  # (14)
+        if self.drop_path is not None:
+            # mega-image: stochastic depth on Ĥ inside the gated residual (not on Y − X).
+            H_hat = self.drop_path(H_hat)
+        Y = residual + phi * (H_hat - residual)  # (15)
+        if not self.prenorm:
+            Y = self.norm(Y)
+        return Y, (MAGAState(ema_state, kv) if want_state else None)
+
+
+class MegaBlock(nn.Module):
+    """One Mega layer: MAGA followed by the normalized FFN (skipped when ffn_dim <= 0).
+
+    `drop_path` is this layer's stochastic-depth rate, on both sub-layers (mega-image).
+    """
+
+    def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:
+        super().__init__()
+        self.maga = MovingAverageGatedAttention(cfg, drop_path=drop_path)
+        self.ffn = (
+            NormalizedFFN(
+                cfg.d_model,
+                cfg.ffn_dim,
+                dropout=cfg.dropout,
+                hidden_dropout=cfg.activation_dropout,
+                activation=cfg.activation,
+                norm_type=cfg.norm_type,
+                prenorm=cfg.prenorm,
+                norm_affine=cfg.norm_affine,
+            )
+            if cfg.ffn_dim > 0
+            else None
+        )
+        self.ffn_drop_path = DropPath(drop_path) if drop_path > 0 and cfg.ffn_dim > 0 else None
+
+    def _ffn_with_drop_path(self, x: Tensor) -> Tensor:
+        """`NormalizedFFN.forward` with DropPath on its branch: x + DropPath(branch) (mega-image).
+
+        It runs the FFN's own submodules in the same order, so with DropPath inactive (eval) it
+        equals `self.ffn(x)` exactly (tested).
+        """
+        ffn = self.ffn
+        assert ffn is not None and self.ffn_drop_path is not None, "only with an FFN and DropPath"
+        residual = x
+        if ffn.prenorm:
+            x = ffn.norm(x)
+        x = ffn.hidden_dropout(ffn.act(ffn.fc1(x)))
+        x = self.ffn_drop_path(ffn.dropout(ffn.fc2(x))) + residual
+        if not ffn.prenorm:
+            x = ffn.norm(x)
+        return x
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        state: MAGAState | None = None,
+        return_state: bool = False,
+    ) -> tuple[Tensor, MAGAState | None]:
+        """(B, L, D) -> (B, L, D), plus the MAGA streaming state."""
+        x, state = self.maga(x, mask, state, return_state)
+        if self.ffn_drop_path is not None:
+            x = self._ffn_with_drop_path(x)
+        elif self.ffn is not None:
+            x = self.ffn(x)
+        return x, state
+
+
+class Mega(Backbone):
+    """The Mega backbone: a stack of `MegaBlock`s, (B, L, D) -> (B, L, D).
+
+    Bidirectional encoder (`causal=False`: bidirectional EMA, no attention mask; classification)
+    or causal decoder (`causal=True`: causal EMA and chunk-local causal attention; language
+    modelling with streaming state). Pre-norm adds a final norm after the last block
+    (`final_norm_affine=False` makes it non-affine, as the authors' LM).
+
+    The authors' ImageNet model (mega-image `VisionMEGA`) is this backbone with
+    `ema_shift=True, drop_path=0.2, positions="learned", max_len=196, output_proj=True`
+    between a patch `FeatureEmbedding` and mean pooling + a Linear head.
+
+    Args:
+        d_model: d.  num_layers: number of blocks.
+        z_dim: z (shared Q/K width).  v_dim: v (value width).  ffn_dim: d_FFN (≤ 0: no FFN).
+        ema_dim: h, the EMA expansion (0 removes the EMA).
+        chunk_size: attention chunk c (-1: full attention).
+        truncation: EMA kernel length (None: no truncation).
+        attention_activation: softmax | laplace | relu2.
+        rel_pos_bias: simple | rotary.
+        max_positions: size of the 'simple' bias when chunk_size = -1 (the longest input).
+        norm_type: layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm.
+        prenorm: pre-norm blocks plus a final norm (True) or post-norm blocks (False).
+        final_norm_affine: whether the final (pre-norm) norm has learned parameters.
+        norm_affine: whether the norms of the blocks (MAGA and FFN) have learned parameters
+            (the code's `norm_affine`; False: layer/scale/rms/batch norms without gain and
+            bias).
+        embed_norm: normalise the input embeddings with a `norm_type` norm (affine, as the
+            code's `normalize_embedding`) before the first block; post-norm models only. One
+            difference remains with batch norm in training on padded text: the code's batch
+            statistics include the pad token's embedding, ours the encoder's zeroed pads.
+        embed_dropout: dropout after `embed_norm`. The authors' encoders apply their embedding
+            dropout after that norm: for the same order set it to the encoder's dropout rate
+            and the encoder's `dropout` to 0 (`mega_kwargs_from_fairseq` documents this).
+        causal: decoder (True) or encoder (False).
+        dropout: on X', Ĥ and the FFN output.  attention_dropout: on attention weights.
+        hidden_dropout: on V.  activation_dropout: on the FFN hidden layer.
+        activation: for V, Ĥ and the FFN (silu in every Mega config).
+        ema_shift: bidirectional EMAs whose backward kernel starts at x_{t+1} (mega-image).
+        drop_path: stochastic-depth rate of the last block; block i of n gets
+            drop_path · i / (n − 1), on both sub-layers (mega-image's linear rule).
+        positions: "none" (every Mega but ImageNet) or "learned": a (max_len, D) table added
+            to the input, trunc-normal with std D^-1/2 (mega-image `pos_embed`).
+        max_len: rows of the learned position table (the input length, 196 for ImageNet).
+        output_proj: SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`; weight
+            N(0, 0.02), bias 0), so pooling and the head read projected features.
+        checkpoint_activations: keep only each block's input for the backward and recompute
+            the block (`megalab.nn.checkpoint`): activation memory of one (B, L, D) tensor per
+            layer, for about a third more compute. Results are unchanged.
+        attention_recompute: how the fused attention kernel treats the attention weights in
+            the backward: True recomputes them (memory linear in the span), False keeps them
+            (faster), None keeps them for spans of at most 512 keys (chunks) and recomputes
+            longer ones (`megalab.nn.attention.ChunkedAttention`).
+
+    The arguments are the fields of `MegaConfig`, flat and in its order (so
+    `model.backbone.chunk_size=128` overrides one, and type checkers see each); they are
+    validated once into that frozen config (`self.config`), which the blocks read.
+    """
+
+    block_class = MegaBlock
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        num_layers: int = 4,
+        z_dim: int = 64,
+        v_dim: int = 256,
+        ffn_dim: int = 256,
+        ema_dim: int = 16,
+        chunk_size: int = -1,
+        truncation: int | None = None,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_positions: int = 1024,
+        norm_type: str = "layernorm",
+        prenorm: bool = True,
+        final_norm_affine: bool = True,
+        norm_affine: bool = True,
+        embed_norm: bool = False,
+        embed_dropout: float = 0.0,
+        causal: bool = False,
+        dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "silu",
+        ema_shift: bool = False,
+        drop_path: float = 0.0,
+        positions: str = "none",
+        max_len: int | None = None,
+        output_proj: bool = False,
+        checkpoint_activations: bool = False,
+        attention_recompute: bool | None = None,
+    ) -> None:
+        super().__init__()
+        cfg = MegaConfig(
+            d_model=d_model,
+            num_layers=num_layers,
+            z_dim=z_dim,
+            v_dim=v_dim,
+            ffn_dim=ffn_dim,
+            ema_dim=ema_dim,
+            chunk_size=chunk_size,
+            truncation=truncation,
+            attention_activation=attention_activation,
+            rel_pos_bias=rel_pos_bias,
+            max_positions=max_positions,
+            norm_type=norm_type,
+            prenorm=prenorm,
+            final_norm_affine=final_norm_affine,
+            norm_affine=norm_affine,
+            embed_norm=embed_norm,
+            embed_dropout=embed_dropout,
+            causal=causal,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            activation_dropout=activation_dropout,
+            activation=activation,
+            ema_shift=ema_shift,
+            drop_path=drop_path,
+            positions=positions,
+            max_len=max_len,
+            output_proj=output_proj,
+            checkpoint_activations=checkpoint_activations,
+            attention_recompute=attention_recompute,
+        )
+        self.config = cfg
+        self.d_model = cfg.d_model
+        self.causal = cfg.causal
+        self.positions = cfg.positions
+        self.drop_path_rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
+        self.layers = nn.ModuleList(MegaBlock(cfg, drop_path=r) for r in self.drop_path_rates)
+        self.final_norm = (
+            SequenceNorm(cfg.norm_type, cfg.d_model, affine=cfg.final_norm_affine)
+            if cfg.prenorm
+            else None
+        )
+        self.embed_norm = SequenceNorm(cfg.norm_type, cfg.d_model) if cfg.embed_norm else None
+        self.embed_dropout = nn.Dropout(cfg.embed_dropout) if cfg.embed_dropout > 0 else None
+        self.pos_embed: nn.Parameter | None = None
+        if cfg.positions == "learned" and cfg.max_len:
+            # timm's trunc_normal_(std=D^-1/2) as mega-image: cut at ±2 absolute (~55σ at D=768).
+            self.pos_embed = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
+            nn.init.trunc_normal_(self.pos_embed, mean=0.0, std=cfg.d_model**-0.5, a=-2.0, b=2.0)
+        self.out_proj: nn.Linear | None = None
+        if cfg.output_proj:
+            self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
+            nn.init.normal_(self.out_proj.weight, mean=0.0, std=0.02)
+            nn.init.zeros_(self.out_proj.bias)
+
+    @classmethod
+    def from_config(cls, cfg: MegaConfig) -> Mega:
+        """A backbone from a `MegaConfig`."""
+        return cls(**asdict(cfg))
+
+    @property
+    def max_len(self) -> int | None:
+        """Longest input (for a causal stream: total length) the model takes; None: unlimited.
+
+        The smaller of the 'simple' bias limit (full attention) and the position table.
+        """
+        limits = [] if self.pos_embed is None else [self.pos_embed.shape[0]]
+        first = cast(MegaBlock, self.layers[0]) if len(self.layers) else None
+        if first is not None and first.maga.attention.max_len is not None:
+            limits.append(first.maga.attention.max_len)
+        return min(limits) if limits else None
+
+    def state_length(self, state: MegaState) -> int:
+        """Tokens of the open chunk (with full attention: the whole stream so far)."""
+        if state.layers and state.layers[0].kv is not None:
+            return state.layers[0].kv.key.shape[1]
+        return 0
+
+    def length_advice(self) -> str:
+        if self.pos_embed is not None and self.pos_embed.shape[0] == self.max_len:
+            return " (the learned position table): raise max_len or shorten the input"
+        return (
+            " (max_positions of the 'simple' relative position bias with full attention, "
+            "chunk_size=-1): raise max_positions, set chunk_size > 0, or use "
+            "rel_pos_bias='rotary'"
+        )
+
+    def initial_state(self, batch_size: int, like: Tensor) -> MegaState:
+        """An empty streaming state; passing it makes every segment use the exact recurrence."""
+        self._check_causal()
+        blocks = cast(list[MegaBlock], list(self.layers))
+        return MegaState([blk.maga.initial_state(batch_size, like) for blk in blocks])
+
+    def carried_modules(self) -> list[nn.Module]:
+        """The sub-modules that carry state along time, in order (chunk parallelism hook,
+        `megalab.parallel.chunk`): the blocks, each called as `m(x, mask, state, ...)` and
+        returning `(y, new_state)` (EMA state and the open chunk's keys/values)."""
+        self._check_causal()
+        return list(self.layers)
+
+    def _check_causal(self) -> None:
+        if not self.causal:
+            raise ValueError(
+                "a bidirectional Mega (causal=False) sees future tokens and keeps no streaming "
+                "state; build it with causal=True to stream"
+            )
+
+    def forward(  # type: ignore[override]
+        self, x: Tensor, mask: Tensor | None = None, state: MegaState | None = None
+    ) -> BackboneOutput:
+        """x (B, L, D), mask (B, L) bool True at real tokens, state from the previous segment.
+
+        Returns y (B, L, D) with zeros at padded positions and the state to pass with the next
+        segment. A stream starts from `initial_state`; without a state the pass is stateless
+        and returns none, which spares the state reduction in stateless training.
+        """
+        if state is not None:
+            self._check_causal()
+        self.check_length(x.shape[1], state)
+        if self.pos_embed is not None:
+            if state is not None:
+                raise ValueError(
+                    "learned absolute positions are not defined for a streamed input (the "
+                    "state does not count the tokens seen); use positions='none' to stream"
+                )
+            x = x + self.pos_embed[: x.shape[1]].to(x.dtype)
+        if self.embed_norm is not None:
+            # The code's normalize_embedding: Norm(embedding), then its embedding dropout.
+            x = self.embed_norm(x)
+            if self.embed_dropout is not None:
+                x = self.embed_dropout(x)
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        new_layers: list[MAGAState] = []
+        for i, layer in enumerate(self.layers):
+            x, layer_state = checkpoint_block(
+                layer,
+                x,
+                mask,
+                None if state is None else state.layers[i],
+                return_state=state is not None,
+                enabled=self.config.checkpoint_activations,
+            )
+            if layer_state is not None:
+                new_layers.append(layer_state)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        if self.out_proj is not None:
+            x = F.silu(self.out_proj(x))
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        return BackboneOutput(x, MegaState(new_layers) if state is not None else None)

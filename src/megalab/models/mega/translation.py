@@ -1,0 +1,276 @@
+"""Mega encoder-decoder for machine translation (Ma et al., ICLR 2023, §4.3), exact to the code.
+
+The authors' `MegaModel` (facebookresearch/mega, `fairseq/models/mega.py`, archs
+`mega_wmt_en_de` and `mega_wmt_en_de_big`), which the paper describes only by its sizes
+(Table 10):
+
+    encoder layer:  MAGA (bidirectional EMA, full attention)          -> NFFN
+    decoder layer:  MAGA (causal EMA, causal attention) -> gated cross-attention -> NFFN
+
+Each sub-layer is the one of `megalab.models.mega` (MAGA, eqs. 6-15; NFFN, eq. 21) and
+`megalab.models.mega.cross_attention` (the gated cross-attention, not in the paper). Token
+embeddings are N(0, d^-½) with a zero padding row, scaled by √d, followed by `dropout`; padded
+positions are zeroed after the embedding and after the last layer (and the final norm, pre-norm
+only). The WMT configuration is post-norm LayerNorm with softmax attention, no chunking, the
+'simple' relative position bias (tables of max_source_positions / max_target_positions entries; the
+cross-attention's of the larger of the two) and one embedding table shared by the encoder, the
+decoder and the output projection (`--share-all-embeddings`). The README passes
+`--truncation-length 0`, which the code turns into an empty EMA kernel (an error in the
+encoder); like the released checkpoints we read it as no truncation.
+
+Decoding: `step` continues every stream by one or more tokens with the cached EMA state and the
+self-attention keys/values of each decoder layer (`MAGAState`, dropped at chunk boundaries when
+chunked) and the encoder's cross-attention keys/values, computed once (`CrossAttentionCache`);
+the number of target tokens decoded so far positions the cross-attention bias. Every state
+tensor holds the batch in dim 0, so beam search reorders it with `select_state`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.models.mega.cross_attention import CrossAttentionCache, GatedCrossAttention
+from megalab.models.mega.model import MAGAState, Mega, MegaConfig, MovingAverageGatedAttention
+from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
+from megalab.nn.embedding import TokenEmbedding
+from megalab.nn.ffn import NormalizedFFN
+from megalab.nn.norms import SequenceNorm
+from megalab.nn.state import register_state
+
+
+@register_state
+@dataclass
+class MegaDecoderState:
+    """Incremental decoding state: per layer the MAGA state (EMA hidden state, open chunk's
+    keys/values) and the encoder's cross-attention keys/values; `position` = tokens decoded."""
+
+    layers: list[MAGAState]
+    cross: list[CrossAttentionCache]
+    position: int
+
+
+def mt_embedding(vocab_size: int, d_model: int, pad_id: int, dropout: float) -> TokenEmbedding:
+    """fairseq's MT `Embedding`: N(0, d^-½) with a zero padding row, output scaled by √d."""
+    emb = TokenEmbedding(vocab_size, d_model, pad_id=pad_id, scale=True, dropout=dropout)
+    with torch.no_grad():
+        emb.embedding.weight[pad_id].zero_()
+    return emb
+
+
+class MegaDecoderLayer(nn.Module):
+    """Causal MAGA, then gated cross-attention to the encoder output, then the NFFN."""
+
+    def __init__(self, cfg: MegaConfig, cross_max_positions: int) -> None:
+        super().__init__()
+        self.maga = MovingAverageGatedAttention(cfg)
+        self.cross_attn = GatedCrossAttention(
+            cfg.d_model,
+            cfg.z_dim,
+            attention_activation=cfg.attention_activation,
+            rel_pos_bias=cfg.rel_pos_bias,
+            max_positions=cross_max_positions,
+            norm_type=cfg.norm_type,
+            prenorm=cfg.prenorm,
+            dropout=cfg.dropout,
+            attention_dropout=cfg.attention_dropout,
+            hidden_dropout=cfg.hidden_dropout,
+            activation=cfg.activation,
+        )
+        self.ffn = (
+            NormalizedFFN(
+                cfg.d_model,
+                cfg.ffn_dim,
+                dropout=cfg.dropout,
+                hidden_dropout=cfg.activation_dropout,
+                activation=cfg.activation,
+                norm_type=cfg.norm_type,
+                prenorm=cfg.prenorm,
+            )
+            if cfg.ffn_dim > 0
+            else None
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        memory: CrossAttentionCache,
+        state: MAGAState | None = None,
+        position: int = 0,
+    ) -> tuple[Tensor, MAGAState | None]:
+        """x (B, T, D) at target positions position.. -> (B, T, D), new MAGA state."""
+        x, new_state = self.maga(x, mask, state)
+        x = self.cross_attn(x, memory, query_offset=position)
+        if self.ffn is not None:
+            x = self.ffn(x)
+        return x, new_state
+
+
+class MegaEncoderDecoder(EncoderDecoder):
+    """The Mega encoder-decoder (`mega_wmt_en_de`: the defaults; `_big`: d 1024, z 256, v 2048).
+
+    Args:
+        vocab_size: the (joint) vocabulary.  pad_id: its padding id.
+        d_model: d.  encoder_layers, decoder_layers: number of layers.
+        z_dim: z.  v_dim: v.  ffn_dim: d_FFN (≤ 0: no FFN).  ema_dim: h.
+        encoder_chunk_size, decoder_chunk_size: attention chunks (-1: full attention, as MT).
+        truncation: EMA kernel length (None: untruncated, see the module docstring).
+        attention_activation: softmax | laplace | relu2 (Table 6: Mega-softmax, Mega-laplace).
+        rel_pos_bias: simple | rotary.
+        max_source_positions, max_target_positions: longest source/target (the 'simple' bias
+            tables; fairseq's default 1024).
+        norm_type, prenorm: as `Mega` (WMT: layernorm, post-norm).
+        dropout, attention_dropout, hidden_dropout, activation_dropout: as `Mega`; `dropout`
+            also acts on the embeddings.
+        activation: for V, Ĥ and the FFN (silu).
+        share_all_embeddings: one table for source, target and output (`--share-all-
+            embeddings`, which needs a joint vocabulary).
+        share_decoder_input_output_embed: tie the output projection to the target embedding
+            (implied by `share_all_embeddings`); otherwise a Linear N(0, d^-½) without bias.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int,
+        d_model: int = 512,
+        encoder_layers: int = 6,
+        decoder_layers: int = 6,
+        z_dim: int = 128,
+        v_dim: int = 1024,
+        ffn_dim: int = 1024,
+        ema_dim: int = 16,
+        encoder_chunk_size: int = -1,
+        decoder_chunk_size: int = -1,
+        truncation: int | None = None,
+        attention_activation: str = "softmax",
+        rel_pos_bias: str = "simple",
+        max_source_positions: int = 1024,
+        max_target_positions: int = 1024,
+        norm_type: str = "layernorm",
+        prenorm: bool = False,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        hidden_dropout: float = 0.1,
+        activation_dropout: float = 0.1,
+        activation: str = "silu",
+        share_all_embeddings: bool = True,
+        share_decoder_input_output_embed: bool = True,
+    ) -> None:
+        config = constructor_arguments(locals())
+        super().__init__()
+        self.config = config  # the arguments, which checkpoints store to rebuild the model
+        self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
+        self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
+        common = dict(
+            d_model=d_model,
+            z_dim=z_dim,
+            v_dim=v_dim,
+            ffn_dim=ffn_dim,
+            ema_dim=ema_dim,
+            truncation=truncation,
+            attention_activation=attention_activation,
+            rel_pos_bias=rel_pos_bias,
+            norm_type=norm_type,
+            prenorm=prenorm,
+            dropout=dropout,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            activation_dropout=activation_dropout,
+            activation=activation,
+        )
+        self.encoder_config = MegaConfig(
+            num_layers=encoder_layers,
+            chunk_size=encoder_chunk_size,
+            max_positions=max_source_positions,
+            causal=False,
+            **common,  # type: ignore[arg-type]
+        )
+        self.decoder_config = MegaConfig(
+            num_layers=decoder_layers,
+            chunk_size=decoder_chunk_size,
+            max_positions=max_target_positions,
+            causal=True,
+            **common,  # type: ignore[arg-type]
+        )
+        self.embed_src = mt_embedding(vocab_size, d_model, pad_id, dropout)
+        self.embed_tgt = (
+            self.embed_src
+            if share_all_embeddings
+            else mt_embedding(vocab_size, d_model, pad_id, dropout)
+        )
+        self.encoder = Mega.from_config(self.encoder_config)
+        cross_max = max(max_source_positions, max_target_positions)
+        self.decoder_layers = nn.ModuleList(
+            MegaDecoderLayer(self.decoder_config, cross_max) for _ in range(decoder_layers)
+        )
+        self.decoder_final_norm = SequenceNorm(norm_type, d_model) if prenorm else None
+        self.tied_output = share_all_embeddings or share_decoder_input_output_embed
+        self.output_proj: nn.Linear | None = None
+        if not self.tied_output:
+            self.output_proj = nn.Linear(d_model, vocab_size, bias=False)
+            nn.init.normal_(self.output_proj.weight, mean=0.0, std=d_model**-0.5)
+
+    # -- encoder --------------------------------------------------------------------------------
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> EncoderOut:
+        """Source ids (B, S) -> encoder outputs (B, S, D), zero at padded positions."""
+        self.check_lengths(src_len=src.shape[1])
+        x = self.embed_src(src, src_mask)
+        return EncoderOut(self.encoder(x, src_mask).y, src_mask)
+
+    # -- decoder --------------------------------------------------------------------------------
+    def output_layer(self, x: Tensor) -> Tensor:
+        """Features (..., D) -> logits (..., V)."""
+        if self.output_proj is not None:
+            return self.output_proj(x)
+        return F.linear(x, self.embed_tgt.embedding.weight)
+
+    def _decoder_out(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        if self.decoder_final_norm is not None:
+            x = self.decoder_final_norm(x)
+        if mask is not None:
+            x = x * mask.unsqueeze(-1).to(x.dtype)
+        return self.output_layer(x)
+
+    @property
+    def layers(self) -> list[MegaDecoderLayer]:
+        """The decoder layers."""
+        return [cast(MegaDecoderLayer, layer) for layer in self.decoder_layers]
+
+    def decode(self, tgt_in: Tensor, tgt_mask: Tensor | None, enc: EncoderOut) -> Tensor:
+        """Teacher forcing: decoder inputs (B, T) -> logits (B, T, V)."""
+        self.check_lengths(tgt_len=tgt_in.shape[1])
+        x = self.embed_tgt(tgt_in, tgt_mask)
+        for layer in self.layers:
+            memory = layer.cross_attn.memory_cache(enc.memory, enc.mask)
+            x, _ = layer(x, tgt_mask, memory)
+        return self._decoder_out(x, tgt_mask)
+
+    def initial_state(self, enc: EncoderOut) -> MegaDecoderState:
+        """Empty decoder state with the encoder's cross-attention keys/values computed once."""
+        B = enc.memory.shape[0]
+        return MegaDecoderState(
+            [layer.maga.initial_state(B, enc.memory) for layer in self.layers],
+            [layer.cross_attn.memory_cache(enc.memory, enc.mask) for layer in self.layers],
+            0,
+        )
+
+    def step(self, tokens: Tensor, state: MegaDecoderState) -> tuple[Tensor, MegaDecoderState]:
+        """Continue every stream by tokens (B, L): logits (B, L, V) and the new state."""
+        self.check_lengths(tgt_len=state.position + tokens.shape[1])
+        x = self.embed_tgt(tokens)
+        new_layers: list[MAGAState] = []
+        for layer, maga_state, memory in zip(self.layers, state.layers, state.cross):
+            x, new = layer(x, None, memory, maga_state, state.position)
+            assert new is not None
+            new_layers.append(new)
+        logits = self._decoder_out(x, None)
+        return logits, replace(state, layers=new_layers, position=state.position + tokens.shape[1])
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, pad_id={self.pad_id}, tied_output={self.tied_output}"

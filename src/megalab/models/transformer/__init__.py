@@ -1,0 +1,15 @@
+"""The Transformer baseline (Vaswani et al., 2017) and its encoder-decoder for translation."""
+
+from megalab.models.transformer.model import (
+    MultiHeadSelfAttention,
+    Transformer,
+    TransformerLayer,
+    sinusoidal_positions,
+)
+
+__all__ = [
+    "MultiHeadSelfAttention",
+    "Transformer",
+    "TransformerLayer",
+    "sinusoidal_positions",
+]

@@ -1,0 +1,329 @@
+"""Transformer encoder-decoder for translation (Vaswani et al. 2017): the XFM rows of Mega Table 6.
+
+The Mega authors' baseline is fairseq's `transformer_wmt_en_de` (Transformer-base) trained with
+the settings of Mega Table 10 (column XFM-Base). This module follows that fairseq code (the
+v0.10 modules of the authors' fork, `fairseq/models/transformer.py`,
+`fairseq/modules/transformer_layer.py`, `multihead_attention.py`):
+
+    x = dropout(√d · E[tokens] + P[positions])
+    encoder layer:  x = LN(x + dropout(SelfAttn(x)));             x = LN(x + dropout(FFN(x)))
+    decoder layer:  x = LN(x + dropout(CausalSelfAttn(x)));
+                    x = LN(x + dropout(Attn(x, encoder output)));  x = LN(x + dropout(FFN(x)))
+    FFN(x) = fc2(activation_dropout(relu(fc1(x))))
+
+(post-norm; `prenorm=True` is fairseq's `--*-normalize-before`, which then ends both stacks with
+a LayerNorm). Positions are fairseq's sinusoids: for position p and k < d/2,
+P[p] = [sin(p·ω_k) | cos(p·ω_k)] with ω_k = 10000^{−k/(d/2 − 1)} (halves, not interleaved, and
+d/2 − 1 in the exponent, unlike `megalab.models.transformer.sinusoidal_positions`), counted from
+`pad_id + 1` at the first real token of each sentence, so left- and right-padded sources get
+the same positions; padded positions get zeros. Initialisation as fairseq: embeddings
+N(0, d^-½) with a zero padding row; attention q/k/v weights Xavier-uniform with gain 1/√2,
+output projections Xavier-uniform with zero bias (other biases and the FFN linears keep
+PyTorch's default, as fairseq's `nn.Linear`); one table is shared by source, target and output
+projection (`--share-all-embeddings`). Attention runs on `scaled_dot_product_attention`.
+
+Incremental decoding caches each decoder layer's self-attention keys/values (B, H, T, d/H) and
+the encoder's cross-attention keys/values, computed once; every tensor holds the batch in dim 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalab.models.mega.translation import mt_embedding
+from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
+from megalab.nn.attention import KVCache
+from megalab.nn.ffn import get_activation
+from megalab.nn.state import register_state
+
+
+def fairseq_sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
+    """fairseq's `SinusoidalPositionalEmbedding` rows for integer positions (...,) -> (..., d).
+
+    [sin(p ω_k) | cos(p ω_k)], ω_k = exp(−k log(10000) / (d/2 − 1)), k < d/2; a zero column is
+    appended for odd d. Computed in float32 like fairseq's table.
+    """
+    half = d_model // 2
+    scale = math.log(10000.0) / (half - 1)
+    freq = torch.exp(torch.arange(half, device=positions.device, dtype=torch.float32) * -scale)
+    angle = positions.to(torch.float32).unsqueeze(-1) * freq
+    table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
+    if d_model % 2:
+        table = F.pad(table, (0, 1))
+    return table
+
+
+class MultiheadAttention(nn.Module):
+    """fairseq's `MultiheadAttention` (separate q/k/v/out projections) on SDPA."""
+
+    def __init__(self, d_model: int, num_heads: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} is not divisible by num_heads={num_heads}")
+        self.num_heads, self.head_dim = num_heads, d_model // num_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        # fairseq: q/k/v Xavier-uniform with gain 1/√2 (their biases keep nn.Linear's init),
+        # the output projection Xavier-uniform with zero bias.
+        for lin in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(lin.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def heads(self, x: Tensor) -> Tensor:
+        """(B, L, D) -> (B, H, L, D/H)."""
+        B, L, _ = x.shape
+        return x.view(B, L, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values (B, H, S, D/H) of `memory` (B, S, D)."""
+        return self.heads(self.k_proj(memory)), self.heads(self.v_proj(memory))
+
+    def attend(
+        self, x: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None, causal: bool
+    ) -> Tensor:
+        """Queries from x (B, T, D) over keys/values (B, H, S, D/H); key_mask (B, S) True at
+        real keys; `causal` aligns the queries with the last T keys."""
+        B, T, D = x.shape
+        q = self.heads(self.q_proj(x))
+        mask = None
+        if key_mask is not None:
+            mask = key_mask[:, None, None, :]
+        if causal and T > 1:
+            S = k.shape[2]
+            tri = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+            mask = tri if mask is None else mask & tri
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out_proj(o.transpose(1, 2).reshape(B, T, D))
+
+
+class _FFN(nn.Module):
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, activation_dropout: float):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, ffn_dim)
+        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.act = get_activation(activation)
+        self.activation_dropout = nn.Dropout(activation_dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.activation_dropout(self.act(self.fc1(x))))
+
+
+class _Sublayer(nn.Module):
+    """x + dropout(f(x)) with a post- (or pre-) LayerNorm: fairseq's residual blocks."""
+
+    def __init__(self, d_model: int, dropout: float, prenorm: bool) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.prenorm = prenorm
+
+    def pre(self, x: Tensor) -> Tensor:
+        return self.norm(x) if self.prenorm else x
+
+    def post(self, residual: Tensor, y: Tensor) -> Tensor:
+        x = residual + self.dropout(y)
+        return x if self.prenorm else self.norm(x)
+
+
+class TransformerEncoderLayer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        ffn_dim: int,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        prenorm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
+        self.attn_block = _Sublayer(d_model, dropout, prenorm)
+        self.ffn = _FFN(d_model, ffn_dim, activation, activation_dropout)
+        self.ffn_block = _Sublayer(d_model, dropout, prenorm)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        h = self.attn_block.pre(x)
+        k, v = self.self_attn.project_kv(h)
+        x = self.attn_block.post(x, self.self_attn.attend(h, k, v, mask, causal=False))
+        return self.ffn_block.post(x, self.ffn(self.ffn_block.pre(x)))
+
+
+class TransformerDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        ffn_dim: int,
+        dropout: float,
+        attention_dropout: float,
+        activation_dropout: float,
+        activation: str,
+        prenorm: bool,
+    ) -> None:
+        super().__init__()
+        self.self_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
+        self.self_attn_block = _Sublayer(d_model, dropout, prenorm)
+        self.encoder_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
+        self.encoder_attn_block = _Sublayer(d_model, dropout, prenorm)
+        self.ffn = _FFN(d_model, ffn_dim, activation, activation_dropout)
+        self.ffn_block = _Sublayer(d_model, dropout, prenorm)
+
+    def forward(
+        self, x: Tensor, cross: KVCache, cache: KVCache | None = None
+    ) -> tuple[Tensor, KVCache]:
+        """x (B, T, D) -> (B, T, D) and the self-attention keys/values so far."""
+        h = self.self_attn_block.pre(x)
+        k, v = self.self_attn.project_kv(h)
+        if cache is not None:
+            k, v = torch.cat([cache.key, k], dim=2), torch.cat([cache.value, v], dim=2)
+        y = self.self_attn.attend(h, k, v, None, causal=True)
+        x = self.self_attn_block.post(x, y)
+        h = self.encoder_attn_block.pre(x)
+        y = self.encoder_attn.attend(h, cross.key, cross.value, cross.valid, causal=False)
+        x = self.encoder_attn_block.post(x, y)
+        x = self.ffn_block.post(x, self.ffn(self.ffn_block.pre(x)))
+        return x, KVCache(k, v, None)
+
+
+@register_state
+@dataclass
+class TransformerDecoderState:
+    """Per decoder layer: self-attention keys/values so far and the encoder's keys/values."""
+
+    self_attn: list[KVCache]
+    cross: list[KVCache]
+    position: int
+
+
+class TransformerEncoderDecoder(EncoderDecoder):
+    """fairseq's Transformer (`transformer_wmt_en_de`: the defaults) for translation.
+
+    Args:
+        vocab_size, pad_id: the joint vocabulary and its padding id.
+        d_model: model width.  num_heads: attention heads.  ffn_dim: FFN hidden width.
+        encoder_layers, decoder_layers: stack depths.
+        dropout: on embeddings, attention outputs and FFN outputs.
+        attention_dropout: on attention weights.  activation_dropout: on the FFN hidden layer.
+        activation: relu (fairseq's default).
+        prenorm: fairseq's `--encoder/decoder-normalize-before` (False in Transformer-base).
+        max_source_positions, max_target_positions: longest source/target (fairseq 1024).
+        share_all_embeddings: one table for source, target and output projection.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        pad_id: int,
+        d_model: int = 512,
+        num_heads: int = 8,
+        ffn_dim: int = 2048,
+        encoder_layers: int = 6,
+        decoder_layers: int = 6,
+        dropout: float = 0.1,
+        attention_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        activation: str = "relu",
+        prenorm: bool = False,
+        max_source_positions: int = 1024,
+        max_target_positions: int = 1024,
+        share_all_embeddings: bool = True,
+    ) -> None:
+        config = constructor_arguments(locals())
+        super().__init__()
+        self.config = config  # the arguments, which checkpoints store to rebuild the model
+        self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
+        self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
+        args = (d_model, num_heads, ffn_dim, dropout, attention_dropout, activation_dropout,
+                activation, prenorm)  # fmt: skip
+        self.embed_src = mt_embedding(vocab_size, d_model, pad_id, dropout=0.0)
+        self.embed_tgt = (
+            self.embed_src
+            if share_all_embeddings
+            else mt_embedding(vocab_size, d_model, pad_id, dropout=0.0)
+        )
+        self.dropout = nn.Dropout(dropout)
+        self.encoder_layers = nn.ModuleList(
+            TransformerEncoderLayer(*args) for _ in range(encoder_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            TransformerDecoderLayer(*args) for _ in range(decoder_layers)
+        )
+        self.encoder_norm = nn.LayerNorm(d_model) if prenorm else None
+        self.decoder_norm = nn.LayerNorm(d_model) if prenorm else None
+
+    def _embed(self, embed: nn.Module, tokens: Tensor, mask: Tensor | None, start: int) -> Tensor:
+        """√d E[tokens] + P[positions] then dropout; positions from pad_id + 1 + `start`."""
+        x = embed(tokens, mask)
+        real = mask if mask is not None else torch.ones_like(tokens, dtype=torch.bool)
+        positions = (real.cumsum(dim=1) + start) * real + self.pad_id
+        pos = fairseq_sinusoidal_positions(positions, self.d_model).to(x.dtype)
+        return self.dropout(x + pos * real.unsqueeze(-1).to(x.dtype))
+
+    def encode(self, src: Tensor, src_mask: Tensor | None = None) -> EncoderOut:
+        self.check_lengths(src_len=src.shape[1])
+        x = self._embed(self.embed_src, src, src_mask, 0)
+        for layer in self.encoder_layers:
+            x = layer(x, src_mask)
+        if self.encoder_norm is not None:
+            x = self.encoder_norm(x)
+        if src_mask is not None:
+            x = x * src_mask.unsqueeze(-1).to(x.dtype)
+        return EncoderOut(x, src_mask)
+
+    @property
+    def layers(self) -> list[TransformerDecoderLayer]:
+        """The decoder layers."""
+        return [cast(TransformerDecoderLayer, layer) for layer in self.decoder_layers]
+
+    def _cross(self, enc: EncoderOut) -> list[KVCache]:
+        caches = []
+        for layer in self.layers:
+            k, v = layer.encoder_attn.project_kv(enc.memory)
+            caches.append(KVCache(k, v, enc.mask))
+        return caches
+
+    def _output(self, x: Tensor) -> Tensor:
+        if self.decoder_norm is not None:
+            x = self.decoder_norm(x)
+        return F.linear(x, self.embed_tgt.embedding.weight)
+
+    def decode(self, tgt_in: Tensor, tgt_mask: Tensor | None, enc: EncoderOut) -> Tensor:
+        self.check_lengths(tgt_len=tgt_in.shape[1])
+        x = self._embed(self.embed_tgt, tgt_in, tgt_mask, 0)
+        for layer, cross in zip(self.layers, self._cross(enc)):
+            x, _ = layer(x, cross)
+        return self._output(x)
+
+    def initial_state(self, enc: EncoderOut) -> TransformerDecoderState:
+        B, H = enc.memory.shape[0], self.layers[0].self_attn.num_heads
+        empty = enc.memory.new_zeros(B, H, 0, self.d_model // H)
+        return TransformerDecoderState(
+            [KVCache(empty, empty, None) for _ in self.layers], self._cross(enc), 0
+        )
+
+    def step(
+        self, tokens: Tensor, state: TransformerDecoderState
+    ) -> tuple[Tensor, TransformerDecoderState]:
+        self.check_lengths(tgt_len=state.position + tokens.shape[1])
+        x = self._embed(self.embed_tgt, tokens, None, state.position)
+        caches = []
+        for layer, cache, cross in zip(self.layers, state.self_attn, state.cross):
+            x, new = layer(x, cross, cache)
+            caches.append(new)
+        return self._output(x), replace(
+            state, self_attn=caches, position=state.position + tokens.shape[1]
+        )

@@ -1,0 +1,71 @@
+"""Modules that moved into the model folders keep their old names, with a deprecation warning
+(`megalab.utils.moved`): imports, config targets, `python -m` and saved carried state."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from megalab.utils.moved import BECAME_PACKAGES, MOVED, PACKAGES_GONE
+
+
+@pytest.mark.parametrize("old", sorted(set(MOVED) - PACKAGES_GONE))
+def test_an_old_module_name_is_the_new_module_with_a_warning(old: str) -> None:
+    sys.modules.pop(old, None)
+    with pytest.warns(FutureWarning, match=f"{old} moved to {MOVED[old]}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(MOVED[old])
+    assert module.__spec__ is not None and module.__spec__.name == MOVED[old]
+
+
+def test_every_new_module_exists_and_no_old_file_is_left() -> None:
+    src = Path(importlib.import_module("megalab").__file__ or "").parent.parent
+    for old, new in {**MOVED, **BECAME_PACKAGES}.items():
+        assert importlib.util.find_spec(new) is not None, new
+        assert not (src / (old.replace(".", "/") + ".py")).exists(), old
+
+
+def test_a_config_target_under_an_old_name_still_builds() -> None:
+    from hydra.utils import get_object
+
+    from megalab.utils.safe_config import check_targets
+
+    target = "megalab.models.mega_translation.MegaEncoderDecoder"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        check_targets({"model": {"_target_": target}}, "a run's config")
+        cls = get_object(target)
+    from megalab.models.mega.translation import MegaEncoderDecoder
+
+    assert cls is MegaEncoderDecoder
+
+
+def test_state_saved_under_a_module_that_became_a_package_loads() -> None:
+    from megalab.models.transformer_xl import XLMemory
+    from megalab.nn.state import pack_state, unpack_state
+
+    state = XLMemory(hidden=[torch.ones(1, 2, 4)], ended=torch.zeros(1, dtype=torch.bool))
+    packed = pack_state(state)
+    assert packed["class"] == "megalab.models.transformer_xl.model:XLMemory"
+    packed["class"] = "megalab.models.transformer_xl:XLMemory"  # how checkpoints saved it before
+    restored = unpack_state(packed)
+    assert isinstance(restored, XLMemory) and torch.equal(restored.hidden[0], state.hidden[0])
+
+
+def test_python_dash_m_under_an_old_name_runs_and_says_the_new_one() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "megalab.convert.llama", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "from-hf" in done.stdout
+    assert "megalab.convert.llama moved to megalab.models.llama.convert" in done.stderr
