@@ -8,7 +8,7 @@ from megalab.version import __version__ as __version__
 
 
 def from_pretrained(name_or_path: str, revision: str | None = None) -> Any:
-    """Load a model `megalab-export` wrote, from a folder or a Hub id (`megalab.export`)."""
-    from megalab.export import from_pretrained as load
+    """Load a model `megalab-export` wrote, from a folder or a Hub id (`megalab.pretrained`)."""
+    from megalab.pretrained import from_pretrained as load
 
     return load(name_or_path, revision=revision)

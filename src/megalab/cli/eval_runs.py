@@ -1,10 +1,10 @@
-"""Test finished runs again with other settings: `python -m megalab.eval_runs <folders> k=v ...`.
+"""Test finished runs again with other settings: `python -m megalab.cli.eval_runs <folders> k=v ...`.
 
-    python -m megalab.eval_runs logs/reproduce/reproduce-mega-lm/<time>/wikitext103 \
+    python -m megalab.cli.eval_runs logs/reproduce/reproduce-mega-lm/<time>/wikitext103 \
         --name test_chunk2048 model.backbone.chunk_size=2048 data.eval_max_len=4096
 
 Every run below the folders (a `metrics.json`, optionally only those of `--experiment`) is
-tested with `megalab.eval` on its best checkpoint (else `checkpoints/last.ckpt`) and the given
+tested with `megalab-eval` on its best checkpoint (else `checkpoints/last.ckpt`) and the given
 Hydra overrides on top of the run's own config. The evaluation's folder is `<run>/<name>/`; its
 metrics also go to `<run>/eval_metrics.json`, which `megalab-tables` prefers to the numbers the
 training run recorded. This is how Mega Table 5 is reproduced: the language models are trained
@@ -49,7 +49,7 @@ def checkpoint(run: Path) -> Path | None:
 def forced(overrides: Sequence[str]) -> list[str]:
     """Overrides of the run's own groups (model, data, ...) as `++key=value`.
 
-    `megalab.eval` composes its default config first, which may lack the key (the run's model
+    `megalab-eval` composes its default config first, which may lack the key (the run's model
     replaces it afterwards and the override is applied again on top), so these are added.
     """
     from megalab.run_loading import RUN_GROUPS
@@ -64,7 +64,7 @@ def forced(overrides: Sequence[str]) -> list[str]:
 def commands(
     folders: Sequence[Path], overrides: Sequence[str], name: str, experiment: str | None = None
 ) -> list[list[str]]:
-    """One `megalab.eval` command per finished run with a checkpoint."""
+    """One `megalab-eval` command per finished run with a checkpoint."""
     overrides = forced(overrides)
     out = []
     for run in finished_runs(folders, experiment):
@@ -73,14 +73,14 @@ def commands(
             log.warning("%s: no checkpoint to evaluate", run)
             continue
         target = f"hydra.run.dir={run / name}"
-        out.append([sys.executable, "-m", "megalab.eval", f"ckpt_path={ckpt}", *overrides, target])
+        out.append([sys.executable, "-m", "megalab.cli.eval", f"ckpt_path={ckpt}", *overrides, target])
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the number of failed evaluations (0: all passed)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    parser = argparse.ArgumentParser(prog="python -m megalab.eval_runs", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m megalab.cli.eval_runs", description=__doc__)
     parser.add_argument("args", nargs="+", help="run folders, then key=value overrides")
     parser.add_argument("--name", default="eval", help="evaluation folder inside each run")
     parser.add_argument("--experiment", default=None, help="only the runs of this experiment")

@@ -1,7 +1,9 @@
-"""Paper-vs-ours tables: `megalab-tables <run folders> [--wandb entity/project] [--out DIR]`.
+"""Reporting: paper-vs-ours tables, sweep plots, loss curves and efficiency columns of runs.
+
+`megalab-tables <run folders> [--wandb entity/project] [--out DIR]` (`megalab.cli.tables`)
 
 Collects the `metrics.json` of every run under the given folders (with the metrics of a later
-`megalab.eval` of the run, its `eval_metrics.json`, taking precedence) and, when asked, the runs
+`megalab-eval` of the run, its `eval_metrics.json`, taking precedence) and, when asked, the runs
 of a W&B project through its public API; matches them to the papers' published numbers in
 `tables/` (one file per paper table, each cell naming the experiment that reproduces it), and
 renders Markdown: the paper's number, ours as mean ± std over seeds, the difference and the
@@ -21,14 +23,15 @@ points where it gives them.
     megalab-tables --wandb my-team/megalab --out results/
 
 The modules, bottom up: `paper` (the papers' numbers), `runs` (our runs and their settings),
-`stats` (which runs make a cell, mean ± std), `markdown` and `efficiency` (the tables' text),
-`plots`, `report` (all of it for a set of runs) and `cli` (`megalab-tables`).
+`stats` (which runs make a cell, mean ± std), `markdown` and `efficiency` (the tables' text;
+the numbers come from `megalab.efficiency`, measured while training), `plots`, `report` (all of
+it for a set of runs) and `curves` (loss against tokens and tokens/s, for
+`python -m megalab.cli.curves`). Reporting reads run folders: training never imports it.
 """
 
-from megalab.tables.cli import build_parser, main
-from megalab.tables.efficiency import render_efficiency
-from megalab.tables.markdown import UNFINISHED, render_other_runs, render_table
-from megalab.tables.paper import (
+from megalab.reporting.efficiency import render_efficiency
+from megalab.reporting.markdown import UNFINISHED, render_other_runs, render_table
+from megalab.reporting.paper import (
     BLANK,
     MISSING,
     TABLES_DIR,
@@ -40,9 +43,9 @@ from megalab.tables.paper import (
     load_tables,
     parse_value,
 )
-from megalab.tables.plots import Series, plot_sweep, sweep_series
-from megalab.tables.report import Report, build_report
-from megalab.tables.runs import (
+from megalab.reporting.plots import Series, plot_sweep, sweep_series
+from megalab.reporting.report import Report, build_report
+from megalab.reporting.runs import (
     SETTING_KEYS,
     Planned,
     Run,
@@ -53,7 +56,7 @@ from megalab.tables.runs import (
     is_setting,
     run_from_wandb,
 )
-from megalab.tables.stats import (
+from megalab.reporting.stats import (
     Stat,
     aggregate,
     cell_runs,
@@ -80,7 +83,6 @@ __all__ = [
     "Series",
     "Stat",
     "aggregate",
-    "build_parser",
     "build_report",
     "cell_runs",
     "collect_planned",
@@ -91,7 +93,6 @@ __all__ = [
     "is_setting",
     "load_table",
     "load_tables",
-    "main",
     "matches",
     "one_per_seed",
     "parse_value",

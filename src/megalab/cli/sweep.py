@@ -1,8 +1,8 @@
-"""Run a W&B sweep YAML without a W&B server: `python -m megalab.sweep sweeps/<file>.yaml`.
+"""Run a W&B sweep YAML without a W&B server: `megalab-sweep sweeps/<file>.yaml`.
 
 The sweep files under `sweeps/` are written for `wandb sweep` + `wandb agent`; this command runs
 the same grid on one machine. It expands the sweep's parameters into Hydra overrides and runs
-them as one Hydra multirun (`python -m megalab.train -m experiment=... key=v1,v2,...`), so
+them as one Hydra multirun (`python -m megalab.cli.train -m experiment=... key=v1,v2,...`), so
 every point is an ordinary training run with its own folder and `metrics.json` under the sweep
 folder, which `megalab-tables` reads. Points whose trainer starts several processes (DDP over
 the GPUs of a node) run one process each instead, since a DDP job re-launches its own command
@@ -155,7 +155,7 @@ def command_overrides(command: Sequence[str] | None) -> list[str]:
     items = [str(c) for c in command]
     start = 0
     for i, item in enumerate(items):
-        if item in ("megalab.train", "megalab-train") or item.endswith("train.py"):
+        if item in ("megalab.cli.train", "megalab.train", "megalab-train") or item.endswith("train.py"):
             start = i + 1
     return [
         c
@@ -413,7 +413,7 @@ def check_points(points: list[Point], smoke: bool) -> None:
 
 # -- planning and running --------------------------------------------------------------------
 def _train_cmd() -> list[str]:
-    return [sys.executable, "-m", "megalab.train"]
+    return [sys.executable, "-m", "megalab.cli.train"]
 
 
 def plan_sweep(

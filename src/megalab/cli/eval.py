@@ -1,4 +1,4 @@
-"""Test a checkpoint: `python -m megalab.eval ckpt_path=<run>/checkpoints/last.ckpt`.
+"""Test a checkpoint: `megalab-eval ckpt_path=<run>/checkpoints/last.ckpt`.
 
 `mode=long_context` scores a whole split as one long document instead, in segments with the
 carried state and bounded memory, with perplexity per context-position bucket and its plot

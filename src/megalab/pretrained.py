@@ -1,4 +1,5 @@
-"""Trained models people can share: `megalab-export RUN_DIR OUT` and `megalab.from_pretrained`.
+"""Trained models people can share: the folders `megalab-export` writes, `megalab.from_pretrained`
+loads.
 
 An export is a folder of four kinds of file, none of them a pickle:
 
@@ -20,12 +21,10 @@ Llama as a Hugging Face `transformers` folder instead.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,7 +229,7 @@ def export_run(
     evaluated = _read_json(run_dir / "eval_metrics.json").get("metrics") or {}
     overrides_file = run_dir / ".hydra" / "overrides.yaml"
     overrides: list[Any] = list(OmegaConf.load(overrides_file)) if overrides_file.is_file() else []
-    command = "python -m megalab.train " + " ".join(str(o) for o in overrides)
+    command = "python -m megalab.cli.train " + " ".join(str(o) for o in overrides)
     data_cfg = cfg.get("data") or {}
     record = {
         "format": FORMAT,
@@ -374,59 +373,3 @@ def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:
         commit_message=f"Upload a megalab {__version__} export",
     )
     return str(getattr(info, "commit_url", None) or f"https://huggingface.co/{repo_id}")
-
-
-# ------------------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="megalab-export", description="Write a trained run as a shareable model folder."
-    )
-    parser.add_argument("run_dir", help="the run folder megalab-train wrote")
-    parser.add_argument("out", help="the folder to write")
-    parser.add_argument(
-        "--checkpoint", default="best", help="best (default), last, or a checkpoint path"
-    )
-    parser.add_argument(
-        "--format",
-        default="megalab",
-        choices=("megalab", "hf"),
-        help="megalab (safetensors + config.json) or hf (a Llama as a transformers folder)",
-    )
-    parser.add_argument(
-        "--without-tokenizer", action="store_true", help="export without the data's tokenizer"
-    )
-    parser.add_argument("--push-to-hub", metavar="USER/NAME", help="upload to this Hub repo")
-    parser.add_argument("--private", action="store_true", help="create the Hub repo private")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from megalab.utils import errors
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
-    try:
-        if args.format == "hf":
-            from megalab.convert.llama import run_to_hf
-
-            run_dir = Path(args.run_dir)
-            run_config(run_dir)  # the allow-list, before anything is built
-            out = run_to_hf(checkpoint_path(run_dir, args.checkpoint), args.out)
-        else:
-            out = export_run(
-                args.run_dir, args.out, args.checkpoint, with_tokenizer=not args.without_tokenizer
-            )
-        print(f"exported to {out}")
-        if args.push_to_hub:
-            print(f"uploaded: {push_to_hub(out, args.push_to_hub, private=args.private)}")
-    except Exception as err:
-        found = None if errors.full_errors() else errors.actionable(err)
-        if found is None:
-            raise
-        errors.print_error(str(found))
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

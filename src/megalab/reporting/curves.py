@@ -1,4 +1,4 @@
-"""Training loss curves and tokens/s side by side: `python -m megalab.curves <run folders>`.
+"""Training loss curves and tokens/s side by side, as `python -m megalab.cli.curves` writes them.
 
 Megalodon's Fig. 1 (training loss against tokens, Megalodon-7B against Llama-2-7B) and Fig. 4
 (training tokens/s at 4K and 32K context) in miniature, for any set of language-model runs
@@ -17,23 +17,20 @@ seeds at the steps they share; right: tokens/s per model, grouped by context len
 `data.max_len`, with the ratio to the `--baseline` model at the same context, as Fig. 4) and
 `curves.md` (the same numbers as a table). Runs of a `--smoke` sweep are marked as such.
 
-    python -m megalab.curves logs/reproduce/reproduce-megalodon-vs-llama/<time>
-    python -m megalab.curves runs/a runs/b --baseline llama --out results/
+`megalab.cli.curves` is the command line: `python -m megalab.cli.curves <run folders>`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import logging
 import math
 import statistics
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megalab.tables.runs import Run, collect_runs, config_value
+from megalab.reporting.runs import Run, collect_runs, config_value
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +187,7 @@ def lines(curves: Sequence[Curve]) -> list[Line]:
         if other != ln.label:
             log.warning(
                 "%s and %s are both %s at context %s: the tokens/s bars and ratios show one "
-                "of them (give megalab.curves the runs of one comparison)",
+                "of them (give megalab.cli.curves the runs of one comparison)",
                 other, ln.label, ln.model, ln.context,
             )  # fmt: skip
     return sorted(out, key=lambda ln: (ln.context or 0, ln.label))
@@ -315,50 +312,3 @@ def plot_curves(path: str | Path, series: Sequence[Line], baseline: str, title: 
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="megalab.curves",
-        description="Training loss against tokens and training tokens/s of language-model runs.",
-    )
-    p.add_argument("paths", nargs="+", help="run folders, or folders holding runs (sweeps)")
-    p.add_argument(
-        "--out", type=Path, default=None, help="write curves.png and curves.md here (default: "
-        "the first folder)"
-    )  # fmt: skip
-    p.add_argument(
-        "--baseline", default="llama", help="model (backbone class, any case) the tokens/s "
-        "ratios are against"
-    )  # fmt: skip
-    p.add_argument("--title", default="Megalodon vs Llama: training loss and throughput")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[curves] %(message)s")
-    args = build_parser().parse_args(argv)
-    missing = [p for p in args.paths if not Path(p).exists()]
-    if missing:
-        print(f"[curves] no such folder: {', '.join(missing)}", file=sys.stderr)
-        return 2
-    series = lines(load_curves(args.paths))
-    if not series:
-        print(
-            f"[curves] no run with a training-loss history under {', '.join(args.paths)} "
-            "(runs need metrics.json and csv/metrics.csv: logger=csv, the default)",
-            file=sys.stderr,
-        )
-        return 1
-    out = args.out or Path(args.paths[0])
-    table = render_markdown(series, args.baseline)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "curves.md").write_text(f"# {args.title}\n\n{table}")
-    png = plot_curves(out / "curves.png", series, args.baseline, args.title)
-    print(table)
-    print(f"[curves] wrote {out / 'curves.md'} and {png}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Train a model: `python -m megalab.train experiment=mega/lra_listops` (or `megalab-train`).
+"""Train a model: `megalab-train experiment=mega/lra_listops` (or `python -m megalab.cli.train`).
 
 Instantiates data -> task (encoder, backbone, head) -> callbacks -> loggers -> trainer from the
 Hydra config, fits (resuming from `ckpt_path`), tests the best checkpoint, and writes the
