@@ -18,9 +18,9 @@ import torch.nn.functional as F
 
 from megalab.generation.beam import GenerationConfig, beam_search
 from megalab.tasks.seq2seq import Seq2SeqTask, decoder_inputs
-from megalab.train import train
-from megalab.translate import CheckpointError, load_translator
-from megalab.translate import main as translate_main
+from megalab.cli.train import train
+from megalab.cli.translate import CheckpointError, load_translator
+from megalab.cli.translate import main as translate_main
 from megalab.utils.checkpointing import write_checkpoint
 
 SMALL = {
