@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from conftest import ROOT
+from megalab import reporting as tb
 from megalab.cli import curves as curves_cli
 from megalab.reporting import curves
-from megalab import reporting as tb
 
 HEADER = [
     "epoch",

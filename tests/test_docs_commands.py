@@ -6,11 +6,12 @@ in a folder of its own laid out like a checkout (`data/` holds the fixture datas
 `tables/`, `benchmarks/` and `docs/` are copies; `MEGALAB_ROOT` and `HOME` point there), its
 blocks in order, so a later block finds what an earlier one wrote (`<run>`: the newest run).
 
-Commands run in this process through their entry points (`megalab-train` is `megalab.cli.train:main`,
-`python -m megalab.X` is `megalab.X.main`, `python script.py` runs the script), which saves the
-seconds each interpreter takes to import torch. A generic shrink makes them fast: training and
-evaluation take the smoke trainer (2 CPU steps, one validation and test batch, the CSV logger)
-and the fixture sizes of tests/test_experiments.py; `megalab-data` takes the fixture sizes too.
+Commands run in this process through their entry points (`megalab-train` is
+`megalab.cli.train:main`, `python -m megalab.X` is `megalab.X.main`, `python script.py` runs the
+script), which saves the seconds each interpreter takes to import torch. A generic shrink makes
+them fast: training and evaluation take the smoke trainer (2 CPU steps, one validation and test
+batch, the CSV logger) and the fixture sizes of tests/test_experiments.py; `megalab-data` takes
+the fixture sizes too.
 `make` lines run as `make -n`. What is not run is still checked: a skipped (or slow-suite)
 `megalab-train`/`-eval`/`-generate` command is composed by Hydra and validated, and every
 `--option` a command names is one its program's `--help` lists.
@@ -64,7 +65,11 @@ SCRIPTS = dict(
     re.findall(r'^(megalab-[\w-]+) = "([\w.]+:\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
 )
 # Hydra applications and the config each composes.
-HYDRA_APPS = {"megalab.cli.train": "train", "megalab.cli.eval": "eval", "megalab.cli.generate": "generate"}
+HYDRA_APPS = {
+    "megalab.cli.train": "train",
+    "megalab.cli.eval": "eval",
+    "megalab.cli.generate": "generate",
+}
 # What a run's folder is called in a command: replaced by the newest run this document made.
 RUN_PLACEHOLDER = re.compile(r"(?:logs/train/runs/)?<(?:run|time)>")
 # `megalab-data <subcommand>` -> the data config it prepares (those taking overrides).

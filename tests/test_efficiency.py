@@ -12,9 +12,9 @@ from torch.utils.data import DataLoader
 
 from conftest import ROOT
 from megalab import reporting as tb
+from megalab.cli.train import train
 from megalab.efficiency import EfficiencyMonitor, count_tokens
 from megalab.reporting.efficiency import render_efficiency
-from megalab.cli.train import train
 
 
 class _Tiny(L.LightningModule):

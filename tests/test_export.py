@@ -22,8 +22,8 @@ from omegaconf import OmegaConf, open_dict
 import megalab
 from conftest import CONFIG_DIR
 from megalab.cli.export import main
-from megalab.pretrained import ExportError, export_run, from_pretrained
 from megalab.cli.train import train
+from megalab.pretrained import ExportError, export_run, from_pretrained
 from megalab.utils.checkpointing import write_checkpoint
 from megalab.utils.safe_config import UnsafeConfigError
 

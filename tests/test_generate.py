@@ -12,10 +12,10 @@ from omegaconf import OmegaConf
 
 from causal_models import CAUSAL_CASES, CAUSAL_IDS, VOCAB, build_lm
 from conftest import run_cli
-from megalab.data.lm.codec import AlphabetCodec, ByteCodec, WordCodec
 from megalab.cli.generate import generate
-from megalab.sampling import filter_logits, next_token, sample_tokens
 from megalab.cli.train import train
+from megalab.data.lm.codec import AlphabetCodec, ByteCodec, WordCodec
+from megalab.sampling import filter_logits, next_token, sample_tokens
 
 
 @pytest.mark.parametrize(("name", "variant"), CAUSAL_CASES, ids=CAUSAL_IDS)

@@ -176,7 +176,10 @@ def test_resumed_run_logs_to_the_same_wandb_run(compose_cfg, tmp_path: Path) -> 
 
 def test_unknown_override_fails_with_hydra_message(fixture_data_dir: Path) -> None:
     proc = run_cli(
-        "-m", "megalab.cli.train", "model.backbone.num_layerz=2", f"paths.data_dir={fixture_data_dir}"
+        "-m",
+        "megalab.cli.train",
+        "model.backbone.num_layerz=2",
+        f"paths.data_dir={fixture_data_dir}",
     )
     assert proc.returncode != 0
     assert "Could not override 'model.backbone.num_layerz'" in proc.stderr

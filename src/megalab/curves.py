@@ -1,4 +1,4 @@
-"""Deprecated path of `python -m megalab.cli.curves`: `python -m megalab.curves` still runs it, saying so.
+"""Deprecated: `python -m megalab.curves` still runs `python -m megalab.cli.curves`, saying so.
 
 Its names moved to `megalab.reporting.curves` and `megalab.cli.curves`.
 """

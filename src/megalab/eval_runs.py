@@ -1,4 +1,4 @@
-"""Deprecated path of `python -m megalab.cli.eval_runs`: `python -m megalab.eval_runs` still runs it, saying so.
+"""Deprecated: `python -m megalab.eval_runs` runs `python -m megalab.cli.eval_runs`, saying so.
 
 Its names moved to `megalab.cli.eval_runs`.
 """

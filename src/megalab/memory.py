@@ -1,6 +1,6 @@
 """How much memory a configuration needs, before it trains: micro-batches that fit, or a clear no.
 
-`plan_memory(cfg, task)` runs in `megalab.cli.train` after the model is built and before the trainer:
+`plan_memory(cfg, task)` runs in `megalab-train` after the model is built and before the trainer:
 
 0. It runs one example of at most 512 tokens, with and without autograd. Memory grows at most
    quadratically in the length and at most linearly in the batch, so m × (L / 512)² times what

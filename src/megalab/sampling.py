@@ -18,6 +18,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from megalab.tasks.language_modeling import LanguageModelingTask
 
+
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
     """Set to −inf every token outside the `top_k` most likely and outside the nucleus: the
     smallest set of most likely tokens whose probability reaches `top_p` (the most likely token

@@ -86,7 +86,7 @@ def test_round_trip_matches_transformers(tmp_path: Path, tied: bool) -> None:
 
 
 def test_eval_tests_a_converted_checkpoint(compose_cfg, fixture_data_dir: Path, tmp_path: Path):
-    """`python -m megalab.cli.eval ckpt_path=<from-hf run>/checkpoints/hf.ckpt` (docs/long_context.md)
+    """`megalab-eval ckpt_path=<from-hf run>/checkpoints/hf.ckpt` (docs/long_context.md)
     tests the converted model: the checkpoint is a verified Lightning checkpoint."""
     from megalab.cli.eval import evaluate, merge_run_config
     from megalab.utils.checkpointing import verify_checkpoint

@@ -16,11 +16,11 @@ from omegaconf import OmegaConf
 
 from causal_models import CAUSAL_CASES, STATEFUL_CASES, VOCAB, build_backbone, build_lm
 from megalab.cli.eval import evaluate
+from megalab.cli.train import train
 from megalab.long_context import score_stream
 from megalab.models import block_classes
 from megalab.models.megalodon import MegalodonBlock, MegalodonState
 from megalab.nn.timestep_norm import TimestepNorm
-from megalab.cli.train import train
 from megalab.utils.paths import CONFIG_DIR
 
 VARIANT = "chunked_swiglu_two_heads"  # c = 8

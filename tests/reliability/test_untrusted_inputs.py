@@ -110,7 +110,7 @@ def test_yaml_tags_are_refused_naming_the_file_and_line(tmp_path: Path, marker: 
         load_run_config(run / ".hydra" / "config.yaml")
 
 
-# -- megalab.cli.eval (and long-context eval, which shares its config) -------------------------------
+# -- megalab.cli.eval (and long-context eval, which shares its config) ---------------------------
 def test_eval_refuses_a_torch_load_pickle_in_the_run_config(
     compose_cfg, tmp_path: Path, marker: Path
 ) -> None:
@@ -241,7 +241,7 @@ def test_generate_refuses_a_crafted_checkpoint(compose_cfg, tmp_path: Path, mark
         load_task(cfg, torch.device("cpu"), torch.float32)
 
 
-# -- megalab.cli.train resume: checkpoints and carried state ----------------------------------------
+# -- megalab.cli.train resume: checkpoints and carried state ------------------------------------
 def test_resume_reads_checkpoints_without_running_code(tmp_path: Path, marker: Path) -> None:
     from megalab.utils.checkpointing import AtomicCheckpointIO
 

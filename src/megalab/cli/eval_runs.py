@@ -1,4 +1,4 @@
-"""Test finished runs again with other settings: `python -m megalab.cli.eval_runs <folders> k=v ...`.
+"""Test finished runs again with other settings: `python -m megalab.cli.eval_runs <folders> ...`.
 
     python -m megalab.cli.eval_runs logs/reproduce/reproduce-mega-lm/<time>/wikitext103 \
         --name test_chunk2048 model.backbone.chunk_size=2048 data.eval_max_len=4096
@@ -73,7 +73,9 @@ def commands(
             log.warning("%s: no checkpoint to evaluate", run)
             continue
         target = f"hydra.run.dir={run / name}"
-        out.append([sys.executable, "-m", "megalab.cli.eval", f"ckpt_path={ckpt}", *overrides, target])
+        out.append(
+            [sys.executable, "-m", "megalab.cli.eval", f"ckpt_path={ckpt}", *overrides, target]
+        )
     return out
 
 

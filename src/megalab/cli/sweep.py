@@ -155,7 +155,9 @@ def command_overrides(command: Sequence[str] | None) -> list[str]:
     items = [str(c) for c in command]
     start = 0
     for i, item in enumerate(items):
-        if item in ("megalab.cli.train", "megalab.train", "megalab-train") or item.endswith("train.py"):
+        if item in ("megalab.cli.train", "megalab.train", "megalab-train") or item.endswith(
+            "train.py"
+        ):
             start = i + 1
     return [
         c
