@@ -35,7 +35,7 @@ install: $(BIN)/python ## Create .venv and install megalab with its dev tools (v
 	$(BIN)/python -m pip install --quiet $(if $(CONSTRAINTS),-c $(VENV)/constraints-but-torch.txt) -e ".[dev]"
 
 train: install ## Quick start: a small Transformer on short ListOps (CPU, a few minutes)
-	$(BIN)/python -m megalab.train experiment=quickstart $(ARGS)
+	$(BIN)/python -m megalab.cli.train experiment=quickstart $(ARGS)
 
 test: install ## Run the default test suite (excludes tests marked slow)
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -84,10 +84,10 @@ MEGA_ABLATIONS := $(addprefix sweeps/mega_lra_,text_chunk_size.yaml image_chunk_
 # $(call reproduce,<sweep files>,<paper tables to render>[,<overrides for every run>])
 define reproduce
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
-	$(REPRO_PY) -m megalab.sweep $(1) --out "$$dir" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) \
+	$(REPRO_PY) -m megalab.cli.sweep $(1) --out "$$dir" --seeds "$(SEEDS)" $(if $(SMOKE),--smoke) \
 		$(foreach o,$(ONLY),--only $(o)) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) $(3); \
 	status=$$?; \
-	$(REPRO_PY) -m megalab.tables "$$dir" $(foreach t,$(2),--table $(t)) || status=1; \
+	$(REPRO_PY) -m megalab.cli.tables "$$dir" $(foreach t,$(2),--table $(t)) || status=1; \
 	echo "Runs, table.md and plots: $$dir"; \
 	exit $$status
 endef
@@ -123,12 +123,12 @@ MEGA_TARGETS := reproduce-mega-lra reproduce-mega-ablations reproduce-mega-sc re
 	reproduce-mega-mt reproduce-mega-imagenet
 
 # $(call reproduce_lm,<experiment>,<folder>,<smoke overrides>,<test overrides>): train, then test
-# every run again with the paper's test chunk (megalab.eval_runs -> <run>/eval_metrics.json).
+# every run again with the paper's test chunk (megalab.cli.eval_runs -> <run>/eval_metrics.json).
 define reproduce_lm
-	$(REPRO_PY) -m megalab.sweep sweeps/mega_lm.yaml --only experiment=$(1) --out "$$dir/$(2)" \
+	$(REPRO_PY) -m megalab.cli.sweep sweeps/mega_lm.yaml --only experiment=$(1) --out "$$dir/$(2)" \
 		--seeds "$(SEEDS)" $(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) \
 		$(if $(SMOKE),$(3)) || status=1; \
-	$(REPRO_PY) -m megalab.eval_runs "$$dir/$(2)" --experiment $(1) --name paper_test_chunk \
+	$(REPRO_PY) -m megalab.cli.eval_runs "$$dir/$(2)" --experiment $(1) --name paper_test_chunk \
 		$(4) $(if $(TRAINER),trainer=$(TRAINER)) $(if $(SMOKE),$(EVAL_SMOKE) \
 		paths.data_dir="$$dir/$(2)/smoke_data") || status=1;
 endef
@@ -142,7 +142,7 @@ reproduce-mega-lm: $(REPRO_INSTALL) ## Mega Table 5: WikiText-103 and enwik8, te
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
 	$(call reproduce_lm,mega/wikitext103,wikitext103,$(WT103_SMOKE),$(WT103_TEST)) \
 	$(call reproduce_lm,mega/enwik8,enwik8,$(ENWIK8_SMOKE),$(ENWIK8_TEST)) \
-	$(REPRO_PY) -m megalab.tables "$$dir" --table mega/table5_lm || status=1; \
+	$(REPRO_PY) -m megalab.cli.tables "$$dir" --table mega/table5_lm || status=1; \
 	echo "Runs, table.md and plots: $$dir"; \
 	exit $$status
 
@@ -158,7 +158,7 @@ reproduce-mega: $(REPRO_INSTALL) ## Every Mega table (1-7, Fig. 4): all the targ
 	done
 	@dirs=$$(for t in $(MEGA_TARGETS); do echo "$(REPRO_ROOT)/$$t/$(REPRO_TIME)"; done); \
 	mkdir -p "$(REPRO_ROOT)/$@/$(REPRO_TIME)"; \
-	$(REPRO_PY) -m megalab.tables $$dirs --table mega/table1_summary \
+	$(REPRO_PY) -m megalab.cli.tables $$dirs --table mega/table1_summary \
 		--out "$(REPRO_ROOT)/$@/$(REPRO_TIME)" || echo tables >> "$(REPRO_ROOT)/$@/$(REPRO_TIME)/failed"
 	@! test -e "$(REPRO_ROOT)/$@/$(REPRO_TIME)/failed" \
 		|| { echo "failed: $$(cat "$(REPRO_ROOT)/$@/$(REPRO_TIME)/failed" | tr '\n' ' ')" >&2; exit 1; }
@@ -251,17 +251,17 @@ reproduce-lamemo-extrapolation: $(REPRO_INSTALL) ## LaMemo Fig. 5: test memory 6
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
 	lamemo="$(LAMEMO_CKPT)"; xl="$(XL_CKPT)"; \
 	if [ -z "$$lamemo" ] || [ -z "$$xl" ]; then \
-		$(REPRO_PY) -m megalab.sweep sweeps/lamemo_wt103.yaml --out "$$dir/train" --seeds 1 \
+		$(REPRO_PY) -m megalab.cli.sweep sweeps/lamemo_wt103.yaml --out "$$dir/train" --seeds 1 \
 			$(if $(SMOKE),--smoke) --only experiment=lamemo/wikitext103,transformer_xl/wikitext103 \
 			$(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) || exit 1; \
 		lamemo=$${lamemo:-$$($(call best_ckpt,$$dir/train,lamemo/wikitext103))}; \
 		xl=$${xl:-$$($(call best_ckpt,$$dir/train,transformer_xl/wikitext103))}; \
 	fi; \
-	$(REPRO_PY) -m megalab.sweep sweeps/lamemo_extrapolation.yaml --out "$$dir" --seeds 1 \
+	$(REPRO_PY) -m megalab.cli.sweep sweeps/lamemo_extrapolation.yaml --out "$$dir" --seeds 1 \
 		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$lamemo" || status=1; \
-	$(REPRO_PY) -m megalab.sweep sweeps/lamemo_extrapolation_xl.yaml --out "$$dir" --seeds 1 \
+	$(REPRO_PY) -m megalab.cli.sweep sweeps/lamemo_extrapolation_xl.yaml --out "$$dir" --seeds 1 \
 		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$xl" || status=1; \
-	$(REPRO_PY) -m megalab.tables "$$dir" --table lamemo/fig5_extrapolation || status=1; \
+	$(REPRO_PY) -m megalab.cli.tables "$$dir" --table lamemo/fig5_extrapolation || status=1; \
 	echo "Runs, table.md and the plot: $$dir"; \
 	exit $$status
 
@@ -283,7 +283,7 @@ bench: $(REPRO_INSTALL) ## Run the Mega benchmark suite (FULL=1: all lengths) an
 # The two models at equal parameters (108.5M / 109.5M), tokens (2.6B) and recipe on PG-19, at 4K
 # and 32K context (sweeps/megalodon_vs_llama.yaml), one seed by default; then the Fig. 4 ratios
 # (tables/megalodon/fig4_throughput.yaml) and the loss curves beside the tokens/s
-# (megalab.curves: curves.png, curves.md). SMOKE=1: the PG-19 fixture (400-token vocabulary),
+# (megalab.cli.curves: curves.png, curves.md). SMOKE=1: the PG-19 fixture (400-token vocabulary),
 # windows of 64 tokens for the 4K pair and 512 for the 32K pair (the same 8x), 2 CPU steps, and
 # both models shrunk alike to 2 layers of width 64 (the ~100M ones take minutes per CPU step):
 # Megalodon with the presets' ratios (z = D/4, v = 2D, SwiGLU 1.5 D, 32 channels per norm group)
@@ -300,7 +300,7 @@ VS_LLAMA_ctx32k := megalodon/pg19_100m_32k llama/pg19_32k
 # $(call vs_llama,<ctx4k|ctx32k: the pair and its folder>,<smoke window>): one sweep per model
 # (into <folder>/<megalodon|llama>), each with its model's SMOKE=1 sizes
 define vs_llama
-	$(foreach e,$(VS_LLAMA_$(1)),$(REPRO_PY) -m megalab.sweep sweeps/megalodon_vs_llama.yaml \
+	$(foreach e,$(VS_LLAMA_$(1)),$(REPRO_PY) -m megalab.cli.sweep sweeps/megalodon_vs_llama.yaml \
 		--only experiment=$(e) --out "$$dir/$(1)/$(firstword $(subst /, ,$(e)))" --seeds "$(SEEDS)" \
 		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) \
 		$(if $(SMOKE),$(VS_LLAMA_SMOKE) $(VS_LLAMA_SMOKE_$(firstword $(subst /, ,$(e)))) \
@@ -314,8 +314,8 @@ reproduce-megalodon-vs-llama: $(REPRO_INSTALL) ## Megalodon Fig. 1 + 4 in miniat
 	@dir="$(REPRO_ROOT)/$@/$(REPRO_TIME)"; status=0; \
 	$(call vs_llama,ctx4k,64) \
 	$(call vs_llama,ctx32k,512) \
-	$(REPRO_PY) -m megalab.tables "$$dir" --table megalodon/fig4_throughput || status=1; \
-	$(REPRO_PY) -m megalab.curves "$$dir" || status=1; \
+	$(REPRO_PY) -m megalab.cli.tables "$$dir" --table megalodon/fig4_throughput || status=1; \
+	$(REPRO_PY) -m megalab.cli.curves "$$dir" || status=1; \
 	echo "Runs, table.md, curves.md and curves.png: $$dir"; \
 	exit $$status
 

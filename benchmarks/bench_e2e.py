@@ -4,7 +4,7 @@
         [--experiment mega_chunk/lra_listops] [--steps 8] [--warmup 2] [--rounds 3] \\
         [--json e2e.json] [-- extra Hydra overrides]
 
-Each round runs `python -m megalab.train` once per checkout (the order alternates between
+Each round runs `python -m megalab.cli.train` once per checkout (the order alternates between
 rounds, so drift in the machine's load hits both), each in a fresh process with the checkout's
 own `src` on PYTHONPATH and the environment a user has (no OMP_*/MKL_*/MEGALAB_* variables: each
 checkout applies its own start-up settings). Runs train the experiment at its paper batch for
@@ -44,7 +44,7 @@ def run_once(
 ) -> dict:
     times = out / f"{label}.json"
     cmd = [
-        sys.executable, "-m", "megalab.train", f"experiment={args.experiment}",
+        sys.executable, "-m", "megalab.cli.train", f"experiment={args.experiment}",
         f"data.data_dir={args.data_dir}", f"data.num_train={args.num_train}",
         "data.num_val=64", "data.num_test=64", f"trainer.max_steps={args.steps}",
         "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "test=false",

@@ -21,7 +21,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
-from megalab.sweep import SMOKE_TRAINER
+from megalab.cli.sweep import SMOKE_TRAINER
 from megalab.testing import write_all_fixtures
 from megalab.utils.paths import CONFIG_DIR
 
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("MEGALAB_ROOT", str(ROOT))
 # The entry points' malloc tuning (megalab.utils.runtime: no mmap, no trimming) applies to the
-# whole process once `megalab.train` is imported, and then every freed block stays resident: a
+# whole process once `megalab.cli.train` is imported, and then every freed block stays resident: a
 # test session builds hundreds of models of different sizes one after another, and its resident
 # set only grew (docs/reliability.md, "Test-suite memory"). Off for the test process and the runs
 # it starts; tests/test_runtime.py checks the tuning in processes of its own.

@@ -87,7 +87,7 @@ def test_trainer_option_trains_like_one_process(fixture_data_dir: Path, tmp_path
     records = {}
     for trainer in ("cpu", "chunk_parallel_cpu"):
         out = tmp_path / trainer
-        proc = run_cli("-m", "megalab.train", *common, f"trainer={trainer}",
+        proc = run_cli("-m", "megalab.cli.train", *common, f"trainer={trainer}",
                        f"hydra.run.dir={out}")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         records[trainer] = read_metrics(out)
@@ -139,7 +139,7 @@ TRAINER_CASES = {
 def test_experiment_trains_chunk_parallel_like_one_process(
     experiment: str, fixture_data_dir: Path, tmp_path: Path
 ) -> None:
-    """`python -m megalab.train experiment=<...> trainer=chunk_parallel_cpu` trains 2 steps
+    """`python -m megalab.cli.train experiment=<...> trainer=chunk_parallel_cpu` trains 2 steps
     with the losses of `trainer=cpu` (about 20 s per run: two processes start)."""
     import json
     import math
@@ -149,7 +149,7 @@ def test_experiment_trains_chunk_parallel_like_one_process(
     metrics = {}
     for trainer in ("cpu", "chunk_parallel_cpu"):
         out = tmp_path / trainer
-        proc = run_cli("-m", "megalab.train", *FAST, f"experiment={experiment}",
+        proc = run_cli("-m", "megalab.cli.train", *FAST, f"experiment={experiment}",
                        *TRAINER_CASES[experiment], f"trainer={trainer}",
                        f"paths.data_dir={fixture_data_dir}", f"hydra.run.dir={out}")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -162,7 +162,7 @@ def test_experiment_trains_chunk_parallel_like_one_process(
 
 
 def _build(compose_cfg, *overrides: str):
-    from megalab.train import build
+    from megalab.cli.train import build
 
     cfg = compose_cfg(*overrides, "trainer=chunk_parallel_cpu", "logger=none")
     return build(cfg)
@@ -230,7 +230,7 @@ def test_a_backbone_without_the_hook_is_refused_when_the_run_is_built() -> None:
 def test_plain_ddp_also_looks_for_unused_adaptive_bands(compose_cfg) -> None:
     """Data parallelism has the same hazard (a rank's batch without a token of some band): the
     run turns the search on for models with adaptive bands and leaves it off for the rest."""
-    from megalab.train import build
+    from megalab.cli.train import build
 
     def ddp(*overrides: str):
         return build(compose_cfg(*overrides, "trainer=ddp_cpu", "logger=none"))["trainer"]

@@ -29,7 +29,7 @@ def test_slurm_launcher_asks_one_task_per_gpu_and_lightnings_requeue_signal(comp
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 4, 4)
     # The parameters as hydra-submitit-launcher hands them to submitit's sbatch writer.
     script = _make_sbatch_string(
-        command="python -m megalab.train",
+        command="python -m megalab.cli.train",
         folder="/tmp/submitit",
         nodes=launcher.nodes,
         ntasks_per_node=launcher.tasks_per_node,
@@ -51,7 +51,7 @@ def test_slurm_launcher_asks_one_task_per_gpu_and_lightnings_requeue_signal(comp
 @pytest.mark.slow
 def test_a_two_step_job_runs_through_submitit_local(fixture_data_dir: Path, tmp_path: Path):
     proc = run_cli(
-        "-m", "megalab.train", "-m", "hydra/launcher=submitit_local",
+        "-m", "megalab.cli.train", "-m", "hydra/launcher=submitit_local",
         *FAST, "trainer.max_steps=2", "data.batch_size=4",
         f"paths.data_dir={fixture_data_dir}", f"hydra.sweep.dir={tmp_path}",
         "hydra.launcher.timeout_min=10",

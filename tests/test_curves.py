@@ -1,4 +1,4 @@
-"""Loss curves and tokens/s side by side (`megalab.curves`), and the
+"""Loss curves and tokens/s side by side (`megalab.cli.curves`), and the
 `make reproduce-megalodon-vs-llama` target that draws them (Megalodon Fig. 1 and Fig. 4 in
 miniature)."""
 
@@ -17,8 +17,9 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from megalab import curves
-from megalab import tables as tb
+from megalab import reporting as tb
+from megalab.cli import curves as curves_cli
+from megalab.reporting import curves
 
 HEADER = [
     "epoch",
@@ -44,7 +45,7 @@ def write_run(
     val: dict[int, float] | None = None,
     step_log: bool = True,
 ) -> Path:
-    """A run folder as megalab.train writes it with the CSV logger: metrics.json, config.yaml
+    """A run folder as megalab.cli.train writes it with the CSV logger: metrics.json, config.yaml
     and csv/metrics.csv in Lightning's layout (one row per logging call)."""
     run = root / f"{experiment.replace('/', '_')}_{seed}"
     (run / "csv").mkdir(parents=True)
@@ -108,7 +109,7 @@ def test_curves_on_a_token_axis_with_seed_means_and_speed_ratios(tmp_path: Path)
 def test_markdown_and_png(tmp_path: Path, capsys) -> None:
     write_comparison(tmp_path / "runs", smoke=True)
     out = tmp_path / "out"
-    assert curves.main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    assert curves_cli.main([str(tmp_path / "runs"), "--out", str(out)]) == 0
     text = (out / "curves.md").read_text()
     row = next(line for line in text.splitlines() if line.startswith("| megalodon/b |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
@@ -127,9 +128,9 @@ def test_no_history_fails_with_a_message(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.json").write_text(json.dumps({"experiment": "x", "metrics": {}}))
-    assert curves.main([str(tmp_path)]) == 1
+    assert curves_cli.main([str(tmp_path)]) == 1
     assert "logger=csv" in capsys.readouterr().err
-    assert curves.main([str(tmp_path / "nowhere")]) == 2
+    assert curves_cli.main([str(tmp_path / "nowhere")]) == 2
 
 
 def test_history_reader_skips_non_finite_and_empty_cells(tmp_path: Path) -> None:
@@ -160,7 +161,7 @@ def _make_dry_run(*args: str) -> list[str]:
            "REPRO_INSTALL=", f"BIN={Path(sys.executable).parent}", *args]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return [c for c in proc.stdout.split(";") if "megalab.sweep" in c]
+    return [c for c in proc.stdout.split(";") if "megalab.cli.sweep" in c]
 
 
 @needs_make

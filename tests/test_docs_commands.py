@@ -6,11 +6,12 @@ in a folder of its own laid out like a checkout (`data/` holds the fixture datas
 `tables/`, `benchmarks/` and `docs/` are copies; `MEGALAB_ROOT` and `HOME` point there), its
 blocks in order, so a later block finds what an earlier one wrote (`<run>`: the newest run).
 
-Commands run in this process through their entry points (`megalab-train` is `megalab.train:main`,
-`python -m megalab.X` is `megalab.X.main`, `python script.py` runs the script), which saves the
-seconds each interpreter takes to import torch. A generic shrink makes them fast: training and
-evaluation take the smoke trainer (2 CPU steps, one validation and test batch, the CSV logger)
-and the fixture sizes of tests/test_experiments.py; `megalab-data` takes the fixture sizes too.
+Commands run in this process through their entry points (`megalab-train` is
+`megalab.cli.train:main`, `python -m megalab.X` is `megalab.X.main`, `python script.py` runs the
+script), which saves the seconds each interpreter takes to import torch. A generic shrink makes
+them fast: training and evaluation take the smoke trainer (2 CPU steps, one validation and test
+batch, the CSV logger) and the fixture sizes of tests/test_experiments.py; `megalab-data` takes
+the fixture sizes too.
 `make` lines run as `make -n`. What is not run is still checked: a skipped (or slow-suite)
 `megalab-train`/`-eval`/`-generate` command is composed by Hydra and validated, and every
 `--option` a command names is one its program's `--help` lists.
@@ -64,7 +65,11 @@ SCRIPTS = dict(
     re.findall(r'^(megalab-[\w-]+) = "([\w.]+:\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
 )
 # Hydra applications and the config each composes.
-HYDRA_APPS = {"megalab.train": "train", "megalab.eval": "eval", "megalab.generate": "generate"}
+HYDRA_APPS = {
+    "megalab.cli.train": "train",
+    "megalab.cli.eval": "eval",
+    "megalab.cli.generate": "generate",
+}
 # What a run's folder is called in a command: replaced by the newest run this document made.
 RUN_PLACEHOLDER = re.compile(r"(?:logs/train/runs/)?<(?:run|time)>")
 # `megalab-data <subcommand>` -> the data config it prepares (those taking overrides).
@@ -115,7 +120,7 @@ def hydra_overrides(words: Sequence[str]) -> list[str]:
 
 
 def app_of(command: Command) -> str | None:
-    """The module a command runs (`megalab.train` for `megalab-train` and `python -m ...`)."""
+    """The module a command runs (`megalab.cli.train` for `megalab-train` and `python -m ...`)."""
     words = command.words
     if words[0] in SCRIPTS:
         return SCRIPTS[words[0]].partition(":")[0]
@@ -153,7 +158,7 @@ def composed(config: str, overrides: list[str]) -> DictConfig:
 
 def shrink(words: Sequence[str], app: str | None) -> list[str]:
     """What makes a command run in seconds on the fixtures (added before the block's `with`)."""
-    if app == "megalab.train":
+    if app == "megalab.cli.train":
         overrides = hydra_overrides(words)
         names_trainer = any(o.lstrip("+").startswith("trainer=") for o in overrides)
         try:
@@ -170,10 +175,10 @@ def shrink(words: Sequence[str], app: str | None) -> list[str]:
             *FIXTURE_OVERRIDES.get(data, []),
             *EXPERIMENT_OVERRIDES.get(experiment, []),
         ]
-    if app == "megalab.eval":
+    if app == "megalab.cli.eval":
         named = any(o.startswith("trainer=") for o in hydra_overrides(words))
         return [*([] if named else ["trainer=cpu"]), "trainer.limit_test_batches=1"]
-    if app == "megalab.data.cli" and len(words) > 1 and words[1] in DATA_COMMANDS:
+    if app == "megalab.cli.data" and len(words) > 1 and words[1] in DATA_COMMANDS:
         return [
             o for o in FIXTURE_OVERRIDES.get(DATA_COMMANDS[words[1]], []) if o.startswith("data.")
         ]
@@ -481,7 +486,7 @@ def test_commands_not_run_here_compose(tmp_path: Path) -> None:
             # A placeholder (`<partition>`) stands for a value: any will do here.
             overrides = [re.sub(r"<([^>]+)>", "value", o) for o in hydra_overrides(command.words)]
             cfg = composed(HYDRA_APPS[app], overrides)
-            if app == "megalab.train":
+            if app == "megalab.cli.train":
                 cfg.hydra.runtime.output_dir = str(tmp_path)  # paths.output_dir resolves
                 validate(cfg)
             checked += 1
@@ -542,7 +547,7 @@ def test_documented_options_exist() -> None:
 @pytest.fixture(scope="module")
 def export_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A folder `megalab-export` wrote, of a small causal Mega (not trained)."""
-    from megalab.export import export_run
+    from megalab.pretrained import export_run
     from test_export import LM, SMALL, _fake_run
 
     tmp = tmp_path_factory.mktemp("export")

@@ -11,10 +11,10 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import ROOT
-from megalab import tables as tb
+from megalab import reporting as tb
+from megalab.cli.train import train
 from megalab.efficiency import EfficiencyMonitor, count_tokens
-from megalab.tables.efficiency import render_efficiency
-from megalab.train import train
+from megalab.reporting.efficiency import render_efficiency
 
 
 class _Tiny(L.LightningModule):

@@ -1,4 +1,4 @@
-"""`megalab.eval_runs`: every finished run tested again with other settings (Table 5's pass)."""
+"""`megalab.cli.eval_runs`: every finished run tested again with other settings (Table 5's pass)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import FAST, run_cli
-from megalab import eval_runs
+from megalab.cli import eval_runs
 
 
 def test_commands_use_the_best_checkpoint_else_the_last(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_commands_use_the_best_checkpoint_else_the_last(tmp_path: Path) -> None:
     cmds = eval_runs.commands([tmp_path], ["model.backbone.chunk_size=8"], "long")
     assert len(cmds) == 2  # run c saved no checkpoint
     first = cmds[0]
-    assert first[:3] == [sys.executable, "-m", "megalab.eval"]
+    assert first[:3] == [sys.executable, "-m", "megalab.cli.eval"]
     assert first[3] == f"ckpt_path={tmp_path / 'sweep' / 'a' / 'checkpoints' / 'best.ckpt'}"
     # The run's groups are forced: the default config composed first may lack the key.
     assert first[4:] == ["++model.backbone.chunk_size=8", f"hydra.run.dir={tmp_path}/sweep/a/long"]
@@ -39,12 +39,12 @@ def test_a_trained_run_is_evaluated_again_and_the_tables_see_it(
 ) -> None:
     runs = tmp_path / "runs"
     proc = run_cli(
-        "-m", "megalab.train", *FAST, f"paths.data_dir={fixture_data_dir}",
+        "-m", "megalab.cli.train", *FAST, f"paths.data_dir={fixture_data_dir}",
         f"hydra.run.dir={runs / '0'}", "model.d_model=16", "model.backbone.num_layers=1",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_cli(
-        "-m", "megalab.eval_runs", str(runs), "--name", "again", "trainer=cpu",
+        "-m", "megalab.cli.eval_runs", str(runs), "--name", "again", "trainer=cpu",
         "model.backbone.num_layers=1",
         "trainer.limit_test_batches=1", f"paths.data_dir={fixture_data_dir}",
         "data.eval_batch_size=2",

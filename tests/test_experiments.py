@@ -12,7 +12,7 @@ import pytest
 from hydra.core.hydra_config import HydraConfig
 
 from conftest import CONFIG_DIR
-from megalab.train import train
+from megalab.cli.train import train
 
 EXPERIMENTS = sorted(
     p.relative_to(CONFIG_DIR / "experiment").with_suffix("").as_posix()

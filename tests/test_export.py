@@ -21,8 +21,9 @@ from omegaconf import OmegaConf, open_dict
 
 import megalab
 from conftest import CONFIG_DIR
-from megalab.export import ExportError, export_run, from_pretrained, main
-from megalab.train import train
+from megalab.cli.export import main
+from megalab.cli.train import train
+from megalab.pretrained import ExportError, export_run, from_pretrained
 from megalab.utils.checkpointing import write_checkpoint
 from megalab.utils.safe_config import UnsafeConfigError
 
@@ -121,7 +122,7 @@ def test_trained_run_card_shows_its_metrics(compose_cfg, tmp_path: Path) -> None
     assert f"{record['params']['total']:,} parameters" in card
     assert "Touvron" not in card and "Vaswani et al. 2017" in card  # the model's own paper
     assert config["megalab_version"] == megalab.__version__
-    assert config["command"].startswith("python -m megalab.train")
+    assert config["command"].startswith("python -m megalab.cli.train")
     assert Path(record["best_checkpoint"]).name == config["checkpoint"]["file"]
     loaded = megalab.from_pretrained(str(out))
     reference = hydra.utils.instantiate(cfg.task)

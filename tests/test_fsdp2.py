@@ -85,7 +85,7 @@ def test_tensor_parallel_mesh_and_bad_dtype_are_refused() -> None:
 @pytest.mark.slow
 def test_model_parallel_cpu_trains_like_one_process(fixture_data_dir: Path, tmp_path: Path) -> None:
     """`trainer=model_parallel_cpu` (2 gloo processes, FSDP2 per block) trains a Llama language
-    model (model=llama's defaults at a tiny width) for 2 steps through megalab.train to the
+    model (model=llama's defaults at a tiny width) for 2 steps through megalab.cli.train to the
     weights of one process."""
     import json
 
@@ -103,7 +103,7 @@ def test_model_parallel_cpu_trains_like_one_process(fixture_data_dir: Path, tmp_
     records = {}
     for trainer in ("cpu", "model_parallel_cpu"):
         out = tmp_path / trainer
-        proc = run_cli("-m", "megalab.train", *common, f"trainer={trainer}",
+        proc = run_cli("-m", "megalab.cli.train", *common, f"trainer={trainer}",
                        f"hydra.run.dir={out}")  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-3000:]
         records[trainer] = json.loads((out / "metrics.json").read_text())

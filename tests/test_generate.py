@@ -12,9 +12,10 @@ from omegaconf import OmegaConf
 
 from causal_models import CAUSAL_CASES, CAUSAL_IDS, VOCAB, build_lm
 from conftest import run_cli
+from megalab.cli.generate import generate
+from megalab.cli.train import train
 from megalab.data.lm.codec import AlphabetCodec, ByteCodec, WordCodec
-from megalab.generate import filter_logits, generate, next_token, sample_tokens
-from megalab.train import train
+from megalab.sampling import filter_logits, next_token, sample_tokens
 
 
 @pytest.mark.parametrize(("name", "variant"), CAUSAL_CASES, ids=CAUSAL_IDS)
@@ -169,7 +170,7 @@ def test_the_command_line_uses_the_run_config(compose_cfg, tmp_path: Path) -> No
     (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run_cfg))
     proc = run_cli(
         "-m",
-        "megalab.generate",
+        "megalab.cli.generate",
         f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
         "prompt=Once upon a time",
         "max_new_tokens=8",

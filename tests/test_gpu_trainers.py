@@ -65,7 +65,7 @@ def test_every_pair_composes_into_a_one_gpu_run(compose_cfg, model: str, trainer
 @pytest.mark.parametrize("trainer", TRAINERS)
 @pytest.mark.parametrize("model", list(EXPERIMENTS))
 def test_two_training_steps_on_cuda(compose_cfg, model: str, trainer: str) -> None:
-    from megalab.train import train
+    from megalab.cli.train import train
 
     experiment = EXPERIMENTS[model]
     cfg = compose_cfg(f"experiment={experiment}", *_overrides(compose_cfg, experiment, trainer))

@@ -347,7 +347,7 @@ def test_ddp_streams_and_carried_state_in_checkpoints(fixture_data_dir: Path, tm
 
     proc = run_cli(
         "-m",
-        "megalab.train",
+        "megalab.cli.train",
         *FAST,
         "trainer=ddp_cpu",
         "data=enwik8",

@@ -14,14 +14,14 @@ from omegaconf import OmegaConf
 from torch import Tensor, nn
 
 from causal_models import STATEFUL_CASES, STATEFUL_IDS, VOCAB, build_lm
-from megalab.eval import evaluate
+from megalab.cli.eval import evaluate
+from megalab.cli.train import train
 from megalab.long_context import bucket_edges, plot_buckets, score_stream, state_bytes
 from megalab.models.base import Backbone, BackboneOutput
 from megalab.models.mega.model import Mega
 from megalab.nn.embedding import SequenceEncoder
 from megalab.nn.state import register_state
 from megalab.tasks.language_modeling import LanguageModelingTask, LinearLMHead
-from megalab.train import train
 
 
 def test_bucket_edges_double_from_the_first() -> None:

@@ -21,6 +21,6 @@ def test_make_dry_run_of_reproduce_mega_runs_nothing(tmp_path: Path) -> None:
            f"BIN={Path(sys.executable).parent}"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("-m megalab.sweep") >= 6
+    assert proc.stdout.count("-m megalab.cli.sweep") >= 6
     assert "--table mega/table1_summary" in proc.stdout
     assert not (tmp_path / "repro").exists()

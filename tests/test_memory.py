@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megalab import memory
+from megalab.cli.train import build, train
 from megalab.memory import MemoryPlanError, plan_memory, probe
-from megalab.train import build, train
 from megalab.utils import errors
 from megalab.utils.checkpointing import RunInterrupted
 from megalab.utils.run import instantiate_trainer, lightning_trainer_config

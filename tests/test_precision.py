@@ -15,7 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import CONFIG_DIR
-from megalab.train import train
+from megalab.cli.train import train
 
 MODELS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
 # Size presets of a model config above (same classes and code path, only wider and deeper):

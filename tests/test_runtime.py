@@ -48,7 +48,7 @@ def _run(prelude: str, **env: str) -> dict:
 
 @pytest.mark.skipif(not LINUX_GLIBC, reason="the malloc settings apply to Linux/glibc only")
 def test_entry_point_settings_keep_freed_pages_and_set_passive_waiting():
-    tuned = _run("import megalab.train")
+    tuned = _run("import megalab.cli.train")
     plain = _run("", MEGALAB_MALLOC_TUNING="0")
     opted_out = _run(
         "from megalab.utils.runtime import configure_runtime; configure_runtime()",

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megalab.cli.train import train
+from megalab.cli.translate import CheckpointError, load_translator
+from megalab.cli.translate import main as translate_main
 from megalab.generation.beam import GenerationConfig, beam_search
 from megalab.tasks.seq2seq import Seq2SeqTask, decoder_inputs
-from megalab.train import train
-from megalab.translate import CheckpointError, load_translator
-from megalab.translate import main as translate_main
 from megalab.utils.checkpointing import write_checkpoint
 
 SMALL = {

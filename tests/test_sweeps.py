@@ -1,6 +1,6 @@
-"""W&B sweep files (`sweeps/`) and the offline sweep runner (`megalab.sweep`).
+"""W&B sweep files (`sweeps/`) and the offline sweep runner (`megalab.cli.sweep`).
 
-Every sweep file is a valid W&B sweep config, passes its parameters to `megalab.train` as Hydra
+Every sweep file is a valid W&B sweep config, passes its parameters to `megalab.cli.train` as Hydra
 overrides, and each of its grid points composes (and, for the ablations, builds and runs a
 forward pass); the offline runner plans multiruns, skips what cannot run, and runs a 2-point
 grid end to end on fixture data.
@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 from conftest import CONFIG_DIR, ROOT, run_cli
-from megalab import sweep as sw
+from megalab.cli import sweep as sw
 
 SWEEPS = sorted((ROOT / "sweeps").glob("*.yaml"))
 SCHEMA = json.loads((ROOT / "sweeps" / "wandb_sweep.schema.json").read_text())
@@ -71,7 +71,7 @@ def test_schema_rejects_malformed_sweeps() -> None:
         {**good, "metric": {"goal": "maximize"}},
         {**good, "parameters": {"model.backbone.chunk_size": {"vals": [1]}}},
         {**good, "parameters": {"model.backbone.chunk_size": {"values": []}}},
-        {**good, "command": "python -m megalab.train"},
+        {**good, "command": "python -m megalab.cli.train"},
         {**good, "unknown_key": 1},
     ):
         with pytest.raises(jsonschema.ValidationError):
@@ -82,7 +82,7 @@ def test_schema_rejects_malformed_sweeps() -> None:
 def test_sweep_runs_megalab_train_with_hydra_overrides(path: Path) -> None:
     cfg = yaml.safe_load(path.read_text())
     command = cfg["command"]
-    assert command[:4] == ["${env}", "python", "-m", "megalab.train"]
+    assert command[:4] == ["${env}", "python", "-m", "megalab.cli.train"]
     assert command[-1] == "${args_no_hyphens}"  # key=value: Hydra overrides
     assert "logger=wandb" in command and "logger.wandb.offline=false" in command
     assert cfg["method"] == "grid"
@@ -170,7 +170,7 @@ def test_ablation_points_build_and_run(hydra_compose, path: Path) -> None:
 # -- the offline runner ----------------------------------------------------------------------
 def _sweep_file(tmp_path: Path, values: list, experiment: str = "mega/lra_listops") -> Path:
     path = tmp_path / "tiny_chunk_size.yaml"
-    command = ["${env}", "python", "-m", "megalab.train", f"experiment={experiment}"]
+    command = ["${env}", "python", "-m", "megalab.cli.train", f"experiment={experiment}"]
     command += ["logger=wandb", "logger.wandb.offline=false", "${args_no_hyphens}"]
     spec = {
         "name": "tiny",
@@ -274,7 +274,7 @@ def test_offline_sweep_runs_a_two_point_smoke_grid_and_plots(tmp_path: Path) -> 
     path = _sweep_file(tmp_path, [16, -1])
     out = tmp_path / "out"
     proc = run_cli(
-        *("-m", "megalab.sweep", str(path), "--smoke", "--seeds", "1", "--out", str(out)),
+        *("-m", "megalab.cli.sweep", str(path), "--smoke", "--seeds", "1", "--out", str(out)),
         "model.backbone.num_layers=1",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -285,7 +285,7 @@ def test_offline_sweep_runs_a_two_point_smoke_grid_and_plots(tmp_path: Path) -> 
     assert [r["global_step"] for r in records] == [2, 2]
     assert {r["experiment"] for r in records} == {"mega/lra_listops"}
 
-    from megalab import tables
+    from megalab.cli import tables
 
     assert tables.main([str(out)]) == 0
     plot = out / "chunk_size.png"

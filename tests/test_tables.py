@@ -1,4 +1,4 @@
-"""Paper tables (`tables/`), the table tool (`megalab.tables`) and the reproduce targets.
+"""Paper tables (`tables/`), the table tool (`megalab-tables`) and the reproduce targets.
 
 The published numbers load with their provenance and match the paper's own averages; runs are
 matched to cells, averaged over seeds and rendered beside the paper's numbers with the
@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from conftest import CONFIG_DIR, ROOT
-from megalab import tables as tb
+from megalab import reporting as tb
+from megalab.cli.tables import main as tables_main
 
 TABLES = tb.load_tables(ROOT / "tables")
 BY_ID = {t.id: t for t in TABLES}
@@ -36,7 +37,7 @@ def write_run(
     config: dict | None = None,
     **metrics: float,
 ) -> Path:
-    """A run folder as megalab.train writes it: metrics.json and the resolved config.yaml."""
+    """A run folder as megalab.cli.train writes it: metrics.json and the resolved config.yaml."""
     run = root / name
     run.mkdir(parents=True, exist_ok=True)
     values = {"val/acc_best": 0.5, **metrics}
@@ -206,7 +207,7 @@ def test_render_mean_std_delta_and_missing(tmp_path: Path) -> None:
 
 
 def test_a_later_evaluation_of_a_run_takes_precedence(tmp_path: Path) -> None:
-    """`megalab.eval` (e.g. with the paper's longer test chunks) overrides the training test."""
+    """`megalab.cli.eval` (e.g. with the paper's longer test chunks) overrides the training test."""
     run = write_run(tmp_path, "wt103", "mega/wikitext103", 1, None, **{"test/ppl": 19.5})
     evaluation = {"ckpt_path": "x.ckpt", "metrics": {"test/ppl": 18.25, "test/loss": 2.9}}
     (run / "eval_metrics.json").write_text(json.dumps(evaluation))
@@ -322,11 +323,11 @@ def test_wandb_runs_are_read_through_the_public_api() -> None:
 
 def test_cli_writes_table_and_rejects_unknown_tables(tmp_path: Path, capsys) -> None:
     write_run(tmp_path, "a", "mega/lra_listops", 1, 0.6)
-    assert tb.main([str(tmp_path)]) == 0
+    assert tables_main([str(tmp_path)]) == 0
     assert "| | ours | 60.00 |" in capsys.readouterr().out
     assert "### Mega Table 2" in (tmp_path / "table.md").read_text()
     with pytest.raises(SystemExit):
-        tb.main([str(tmp_path), "--table", "mega/no_such_table"])
+        tables_main([str(tmp_path), "--table", "mega/no_such_table"])
 
 
 # -- make targets ----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from conftest import ROOT
-from megalab import tables as tb
+from megalab import reporting as tb
 
 TABLES = tb.load_tables(ROOT / "tables")
 TABLE2 = ["mega/table2_lra"]
@@ -33,7 +33,7 @@ def run_folder(
     config: dict | None = None,
     mtime: float | None = None,
 ) -> Path:
-    """A run folder as `megalab.train` leaves it: metrics.json (with the schedule record), the
+    """A run folder as `megalab.cli.train` leaves it: metrics.json (with the schedule record), the
     resolved config.yaml and Hydra's .hydra/overrides.yaml."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
@@ -75,7 +75,7 @@ def other_runs(text: str) -> list[str]:
 
 
 def test_the_readme_multirun_keeps_all_four_runs(tmp_path: Path) -> None:
-    """`python -m megalab.train -m model.d_model=32,64 seed=0,1`: two configurations of two
+    """`python -m megalab.cli.train -m model.d_model=32,64 seed=0,1`: two configurations of two
     seeds each (grouping by experiment name and newest per seed kept two of the four)."""
     for i, (d, seed) in enumerate(((32, 0), (32, 1), (64, 0), (64, 1))):
         overrides = [f"model.d_model={d}", f"seed={seed}"]

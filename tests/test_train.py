@@ -12,8 +12,8 @@ import torch
 from lightning import Callback
 
 from conftest import FAST, run_cli
-from megalab.eval import evaluate
-from megalab.train import train
+from megalab.cli.eval import evaluate
+from megalab.cli.train import train
 from megalab.utils.checkpointing import RunInterrupted
 
 
@@ -176,12 +176,15 @@ def test_resumed_run_logs_to_the_same_wandb_run(compose_cfg, tmp_path: Path) -> 
 
 def test_unknown_override_fails_with_hydra_message(fixture_data_dir: Path) -> None:
     proc = run_cli(
-        "-m", "megalab.train", "model.backbone.num_layerz=2", f"paths.data_dir={fixture_data_dir}"
+        "-m",
+        "megalab.cli.train",
+        "model.backbone.num_layerz=2",
+        f"paths.data_dir={fixture_data_dir}",
     )
     assert proc.returncode != 0
     assert "Could not override 'model.backbone.num_layerz'" in proc.stderr
     assert "Traceback" not in proc.stderr
-    proc = run_cli("-m", "megalab.train", "model=transformerr")
+    proc = run_cli("-m", "megalab.cli.train", "model=transformerr")
     assert proc.returncode != 0
     assert "Could not find 'model/transformerr'" in proc.stderr
     assert "Available options" in proc.stderr and "Traceback" not in proc.stderr
@@ -197,7 +200,7 @@ def test_multirun_gives_each_job_its_own_dir(fixture_data_dir: Path, tmp_path: P
     sweep = tmp_path / "sweep"
     proc = run_cli(
         "-m",
-        "megalab.train",
+        "megalab.cli.train",
         "-m",
         "model.d_model=16,32",
         *FAST,
@@ -214,7 +217,7 @@ def test_multirun_gives_each_job_its_own_dir(fixture_data_dir: Path, tmp_path: P
 def test_quickstart_beats_majority_class(tmp_path: Path) -> None:
     proc = run_cli(
         "-m",
-        "megalab.train",
+        "megalab.cli.train",
         "experiment=quickstart",
         f"hydra.run.dir={tmp_path}",
         f"paths.data_dir={tmp_path / 'data'}",
@@ -226,7 +229,7 @@ def test_quickstart_beats_majority_class(tmp_path: Path) -> None:
 def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> None:
     proc = run_cli(
         "-m",
-        "megalab.train",
+        "megalab.cli.train",
         *FAST,
         "trainer=ddp_cpu",
         "trainer.max_steps=2",
@@ -241,7 +244,7 @@ def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> N
 
 
 def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) -> None:
-    from megalab.eval import merge_run_config
+    from megalab.cli.eval import merge_run_config
 
     # rotary bias: its parameters do not depend on the chunk size, so the test chunk can differ
     mega = ("model=mega", "model.backbone.chunk_size=16", "model.backbone.rel_pos_bias=rotary")

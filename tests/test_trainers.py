@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import CONFIG_DIR
-from megalab.train import train
+from megalab.cli.train import train
 
 TRAINERS = sorted(p.stem for p in (CONFIG_DIR / "trainer").glob("*.yaml"))
 

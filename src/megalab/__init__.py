@@ -11,7 +11,7 @@ _install_moved()  # old module names of code that moved still import, with a war
 
 
 def from_pretrained(name_or_path: str, revision: str | None = None) -> Any:
-    """Load a model `megalab-export` wrote, from a folder or a Hub id (`megalab.export`)."""
-    from megalab.export import from_pretrained as load
+    """Load a model `megalab-export` wrote, from a folder or a Hub id (`megalab.pretrained`)."""
+    from megalab.pretrained import from_pretrained as load
 
     return load(name_or_path, revision=revision)

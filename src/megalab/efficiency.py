@@ -26,7 +26,7 @@ out of the averages. At the end of training the averages go into `metrics.json["
                             on the first step (`torch.utils.flop_counter`; FFTs count zero)
 
 `megalab-tables` shows these numbers under every table it renders, with the papers' relative
-Speed / Mem. columns as ratios between runs (`megalab.tables.efficiency`).
+Speed / Mem. columns as ratios between runs (`megalab.reporting.efficiency`).
 """
 
 from __future__ import annotations

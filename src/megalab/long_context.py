@@ -1,7 +1,7 @@
 """Unlimited-context evaluation: score a document of any length in segments with the carried
 state, in bounded memory, and report perplexity per context-position bucket.
 
-    python -m megalab.eval mode=long_context ckpt_path=<ckpt> [long_context.split=test
+    megalab-eval mode=long_context ckpt_path=<ckpt> [long_context.split=test
         long_context.max_tokens=2000000 long_context.segment_len=4096]
 
 This is Megalodon's Fig. 5 (perplexity against context length, 4K to 2M tokens; also Mega
@@ -251,7 +251,7 @@ def plot_buckets(result: LongContextResult, path: Path, title: str = "") -> Path
 
 
 def evaluate_long_context(cfg: Any) -> dict[str, Any]:
-    """`megalab.eval mode=long_context`: load the checkpoint, score the split, write
+    """`megalab-eval mode=long_context`: load the checkpoint, score the split, write
     `long_context.json` and `long_context.png` into the output folder; return the record."""
     import hydra
 

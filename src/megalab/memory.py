@@ -1,6 +1,6 @@
 """How much memory a configuration needs, before it trains: micro-batches that fit, or a clear no.
 
-`plan_memory(cfg, task)` runs in `megalab.train` after the model is built and before the trainer:
+`plan_memory(cfg, task)` runs in `megalab-train` after the model is built and before the trainer:
 
 0. It runs one example of at most 512 tokens, with and without autograd. Memory grows at most
    quadratically in the length and at most linearly in the batch, so m × (L / 512)² times what
@@ -545,7 +545,7 @@ def _matches(record: dict[str, Any], cfg: DictConfig) -> bool:
 def plan_run(
     cfg: DictConfig, task: nn.Module, run_dir: str | os.PathLike[str], resume: bool = False
 ) -> dict[str, Any] | None:
-    """The micro-batch of a run (what `megalab.train` calls before building the trainer).
+    """The micro-batch of a run (what `megalab.cli.train` calls before building the trainer).
 
     A resumed run (`resume`) takes the accumulation its `memory_plan.json` recorded, and a
     process started by a launcher takes its launcher's (`PLAN_ENV`), so that the micro-batches

@@ -48,7 +48,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cli_subset_with_other_class_count_names_its_own_flag(folder: Path, capsys) -> None:
     """`megalab-data imagenet` on a 3-class folder: one message naming --num-classes."""
-    from megalab.data.cli import main
+    from megalab.cli.data import main
 
     root = folder.parent / "cli_root"
     (root / "imagenet").mkdir(parents=True, exist_ok=True)

@@ -104,7 +104,7 @@ def test_offline_without_data_names_the_file_url_and_place(tmp_path: Path) -> No
 def test_cli_prepares_with_the_data_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from megalab.data.cli import main
+    from megalab.cli.data import main
 
     zip_member(tmp_path / "text8" / "text8.zip", "text8", text8_bytes())
     main(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_download import ServerState, server  # noqa: F401 - the local HTTP server fixture
 
-from megalab.data.cli import main as cli_main
+from megalab.cli.data import main as cli_main
 from megalab.data.download import DatasetMissingError
 from megalab.data.lra.listops import ListOpsDataModule, ListOpsSettings, generate_listops
 from megalab.data.lra.pathfinder import PathfinderDataModule

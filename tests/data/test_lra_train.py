@@ -1,4 +1,4 @@
-"""`python -m megalab.train model=transformer data=lra_<task>` trains on every LRA fixture, and
+"""`python -m megalab.cli.train model=transformer data=lra_<task>` trains on every LRA fixture, and
 the documented offline Pathfinder recipe works on a fresh data folder."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from megalab.train import train
+from megalab.cli.train import train
 
 SMALL = ["data.batch_size=4", "data.eval_batch_size=4"]
 TASKS = {
@@ -60,7 +60,7 @@ def test_documented_offline_pathfinder_command(tmp_path: Path) -> None:
     """The exact command of docs/datasets_lra.md (2,000 generated images, then a few steps)."""
     proc = run_cli(
         "-m",
-        "megalab.train",
+        "megalab.cli.train",
         "experiment=transformer/lra_pathfinder",
         "data.generate_if_missing=true",
         "data.generator_samples=2000",

@@ -288,7 +288,7 @@ def test_archive_from_a_local_mirror_is_downloaded_and_extracted(tmp_path: Path)
 
 
 def test_cli_prepares_and_reports(tmp_path: Path, capsys) -> None:
-    from megalab.data.cli import main
+    from megalab.cli.data import main
 
     make_tree(tmp_path / "speech_commands")
     assert main(["sc10", "--root", str(tmp_path), "--protocol", "official"]) == 0

@@ -95,7 +95,7 @@ def test_run_folder_config_with_megalab_targets_passes() -> None:
 
 
 def test_eval_refuses_a_crafted_run_config(compose_cfg, tmp_path: Path) -> None:
-    from megalab.eval import merge_run_config
+    from megalab.cli.eval import merge_run_config
 
     run = tmp_path / "sent"
     (run / ".hydra").mkdir(parents=True)
@@ -176,8 +176,8 @@ def test_foreign_checkpoint_is_refused_on_resume_and_eval(
 ) -> None:
     """A dict that is no run's checkpoint as `last.ckpt`: one message naming the file and what
     to pass instead (no KeyError from inside Lightning), when resuming and when evaluating."""
-    from megalab.eval import evaluate
-    from megalab.train import train
+    from megalab.cli.eval import evaluate
+    from megalab.cli.train import train
     from megalab.utils.errors import actionable
 
     run = tmp_path / "run"
@@ -415,7 +415,7 @@ def test_generate_refusals_are_one_message(tmp_path: Path, damage: str) -> None:
     if damage == "garbage":
         ckpt.write_bytes(b"PK\x03\x04" + b"\0" * 200)
     proc = run_cli(
-        "-m", "megalab.generate", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"
+        "-m", "megalab.cli.generate", f"ckpt_path={ckpt}", f"hydra.run.dir={tmp_path / 'out'}"
     )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr

@@ -17,7 +17,7 @@ OFFLINE_VARS = ("MEGALAB_OFFLINE", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 SCRIPT = """
 import sys, time
 time.sleep = lambda seconds: None
-from megalab.data.cli import main
+from megalab.cli.data import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -62,7 +62,7 @@ def test_unreachable_hub_prints_one_message_last(tmp_path: Path) -> None:
 
 
 def test_offline_hub_prints_one_message_last(tmp_path: Path, monkeypatch, capfd) -> None:
-    from megalab.data.cli import main
+    from megalab.cli.data import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert main(["imdb", "--out", str(tmp_path / "imdb")]) == 1

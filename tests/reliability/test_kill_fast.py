@@ -16,7 +16,7 @@ import torch
 from faults import assert_same_run, csv_rows
 
 from conftest import FAST
-from megalab.train import train
+from megalab.cli.train import train
 from megalab.utils.run_folder import RunFolderError, resolve_ckpt_path
 
 OVERRIDES = (

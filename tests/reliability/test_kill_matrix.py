@@ -74,7 +74,7 @@ def _run(
         "MEGALAB_ROOT": str(ROOT),
         **(env or {}),
     }
-    cmd = [sys.executable, "-m", "megalab.train", *args, f"paths.data_dir={data}"]
+    cmd = [sys.executable, "-m", "megalab.cli.train", *args, f"paths.data_dir={data}"]
     proc = subprocess.Popen(
         [*cmd, f"hydra.run.dir={out}"],
         cwd=ROOT,

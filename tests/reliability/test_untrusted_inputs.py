@@ -110,11 +110,11 @@ def test_yaml_tags_are_refused_naming_the_file_and_line(tmp_path: Path, marker: 
         load_run_config(run / ".hydra" / "config.yaml")
 
 
-# -- megalab.eval (and long-context eval, which shares its config) -------------------------------
+# -- megalab.cli.eval (and long-context eval, which shares its config) ---------------------------
 def test_eval_refuses_a_torch_load_pickle_in_the_run_config(
     compose_cfg, tmp_path: Path, marker: Path
 ) -> None:
-    from megalab.eval import merge_run_config
+    from megalab.cli.eval import merge_run_config
 
     payload = _pickle_payload(tmp_path, marker)
     evil = {"_target_": "torch.load", "f": str(payload), "weights_only": False}
@@ -132,7 +132,7 @@ def test_eval_of_a_crafted_run_writes_no_data_anywhere(
     reads there, and neither generates nor writes anything."""
     import hydra
 
-    from megalab.eval import merge_run_config
+    from megalab.cli.eval import merge_run_config
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -159,7 +159,7 @@ def test_eval_of_a_crafted_run_writes_no_data_anywhere(
 def test_eval_and_generate_read_the_runs_data_folder(compose_cfg, tmp_path: Path) -> None:
     """The run's `paths.data_dir` (a small ListOps folder, say), not this command's default;
     a `paths.data_dir` on the command line still wins."""
-    from megalab.eval import merge_run_config
+    from megalab.cli.eval import merge_run_config
 
     small = tmp_path / "small_data"
     run_cfg = compose_cfg(f"paths.data_dir={small}")
@@ -182,12 +182,12 @@ def test_eval_and_generate_read_the_runs_data_folder(compose_cfg, tmp_path: Path
 def test_eval_command_tests_on_the_runs_small_data_and_generates_nothing(
     compose_cfg, tmp_path: Path
 ) -> None:
-    """`python -m megalab.eval ckpt_path=<run>/checkpoints/last.ckpt` of a run trained on a
+    """`python -m megalab.cli.eval ckpt_path=<run>/checkpoints/last.ckpt` of a run trained on a
     small ListOps folder: tested on that folder, nothing generated into the default ./data."""
     import json
 
     from conftest import run_cli
-    from megalab.train import train
+    from megalab.cli.train import train
 
     run_cfg = compose_cfg("data=lra_listops")
     train(run_cfg)
@@ -198,7 +198,7 @@ def test_eval_command_tests_on_the_runs_small_data_and_generates_nothing(
     (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run_cfg))
     home = tmp_path / "elsewhere"  # this command's default data folder: <root>/data
     proc = run_cli(
-        "-m", "megalab.eval", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+        "-m", "megalab.cli.eval", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
         f"hydra.run.dir={tmp_path / 'eval'}", "trainer=cpu", "logger=none",
         env={"MEGALAB_ROOT": str(home)},
     )  # fmt: skip
@@ -228,7 +228,7 @@ def test_long_context_eval_refuses_a_crafted_checkpoint(
 
 # -- megalab-generate -----------------------------------------------------------------------------
 def test_generate_refuses_a_crafted_checkpoint(compose_cfg, tmp_path: Path, marker: Path) -> None:
-    from megalab.generate import load_task
+    from megalab.cli.generate import load_task
 
     ckpt = tmp_path / "evil.ckpt"
     write_checkpoint({"state_dict": {}, "x": _RunsCode(marker)}, ckpt)
@@ -241,7 +241,7 @@ def test_generate_refuses_a_crafted_checkpoint(compose_cfg, tmp_path: Path, mark
         load_task(cfg, torch.device("cpu"), torch.float32)
 
 
-# -- megalab.train resume: checkpoints and carried state ----------------------------------------
+# -- megalab.cli.train resume: checkpoints and carried state ------------------------------------
 def test_resume_reads_checkpoints_without_running_code(tmp_path: Path, marker: Path) -> None:
     from megalab.utils.checkpointing import AtomicCheckpointIO
 
@@ -367,7 +367,7 @@ def test_reference_checkpoint_loaders_refuse_pickles(tmp_path: Path, marker: Pat
 
 # -- megalab-translate ----------------------------------------------------------------------------
 def test_translate_refuses_a_pickled_checkpoint(tmp_path: Path, marker: Path, capsys) -> None:
-    from megalab.translate import main
+    from megalab.cli.translate import main
 
     ckpt = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "text_pipeline": _RunsCode(marker)}, ckpt)
@@ -379,8 +379,8 @@ def test_translate_refuses_a_pickled_checkpoint(tmp_path: Path, marker: Path, ca
 
 
 def test_translate_refuses_a_language_that_is_a_path(tmp_path: Path) -> None:
-    from megalab.translate import CheckpointError as TranslateError
-    from megalab.translate import load_translator
+    from megalab.cli.translate import CheckpointError as TranslateError
+    from megalab.cli.translate import load_translator
 
     ckpt = tmp_path / "mt.ckpt"
     pipeline = {"source_lang": "../../etc/passwd", "target_lang": "de", "bpe": "", "symbols": []}
@@ -392,7 +392,7 @@ def test_translate_refuses_a_language_that_is_a_path(tmp_path: Path) -> None:
 
 # -- megalab-tables -------------------------------------------------------------------------------
 def test_tables_refuse_a_yaml_tag_in_a_run_folder(tmp_path: Path, marker: Path, capsys) -> None:
-    from megalab.tables import main
+    from megalab.cli.tables import main
 
     tagged = f"seed: !!python/object/apply:os.system ['touch {marker}']\n"
     run, _ = _run_folder(tmp_path / "runs", tagged)
@@ -408,7 +408,7 @@ def _sweep(tmp_path: Path, command: list[str], parameters: dict[str, Any] | None
     path = tmp_path / "shared_sweep.yaml"
     spec = {
         "method": "grid",
-        "command": ["python", "-m", "megalab.train", "experiment=mega/lra_listops", *command],
+        "command": ["python", "-m", "megalab.cli.train", "experiment=mega/lra_listops", *command],
         "parameters": parameters or {"seed": {"values": [1]}},
     }
     path.write_text(yaml.safe_dump(spec))
@@ -433,7 +433,7 @@ def _sweep(tmp_path: Path, command: list[str], parameters: dict[str, Any] | None
 def test_sweep_file_overrides_are_data(
     tmp_path: Path, marker: Path, capsys, override: str, why: str
 ) -> None:
-    from megalab.sweep import main
+    from megalab.cli.sweep import main
 
     path = _sweep(tmp_path, [override])
     out = tmp_path / "out"
@@ -454,7 +454,7 @@ def test_sweep_file_overrides_are_data(
     ],
 )  # fmt: skip
 def test_sweep_parameters_are_data(tmp_path: Path, capsys, parameters: dict, key: str) -> None:
-    from megalab.sweep import main
+    from megalab.cli.sweep import main
 
     path = _sweep(tmp_path, [], parameters)
     with pytest.raises(SystemExit):
@@ -463,7 +463,7 @@ def test_sweep_parameters_are_data(tmp_path: Path, capsys, parameters: dict, key
 
 
 def test_sweep_parameter_keys_must_exist(tmp_path: Path, capsys) -> None:
-    from megalab.sweep import main
+    from megalab.cli.sweep import main
 
     path = _sweep(tmp_path, [], {"model.backbone.no_such_key": {"values": [1, 2]}})
     with pytest.raises(SystemExit):
@@ -473,7 +473,7 @@ def test_sweep_parameter_keys_must_exist(tmp_path: Path, capsys) -> None:
 
 
 def test_sweep_yaml_tags_are_refused(tmp_path: Path, marker: Path, capsys) -> None:
-    from megalab.sweep import main
+    from megalab.cli.sweep import main
 
     path = tmp_path / "tagged.yaml"
     path.write_text(f"method: grid\nname: !!python/object/apply:os.system ['touch {marker}']\n")
@@ -483,7 +483,7 @@ def test_sweep_yaml_tags_are_refused(tmp_path: Path, marker: Path, capsys) -> No
 
 
 def test_allow_targets_on_the_command_line_trusts_the_file(tmp_path: Path, capsys) -> None:
-    from megalab.sweep import main
+    from megalab.cli.sweep import main
 
     path = _sweep(tmp_path, ["+extra_note=x"])
     with pytest.raises(SystemExit):  # refused by default
@@ -496,7 +496,7 @@ def test_allow_targets_on_the_command_line_trusts_the_file(tmp_path: Path, capsy
 
 
 def test_command_line_overrides_are_trusted(tmp_path: Path, capsys) -> None:
-    from megalab.sweep import main
+    from megalab.cli.sweep import main
 
     path = _sweep(tmp_path, [])
     assert main([str(path), "--dry-run", "+extra_note=x"]) == 0

@@ -71,7 +71,7 @@ class ChunkParallelStrategy(DDPStrategy):
         self.chunk = new_chunk_parallel(self.chunk_parallel_size, self._process_group_backend)
 
     def check(self, task: Any, datamodule: Any = None) -> None:
-        """Raise if `task` cannot train chunk-parallel (megalab.train calls it before any
+        """Raise if `task` cannot train chunk-parallel (megalab.cli.train calls it before any
         process starts): a language model whose training batches start from a fresh state."""
         if not hasattr(task, "use_chunk_parallel"):
             raise TypeError(

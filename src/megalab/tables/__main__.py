@@ -1,8 +1,6 @@
-"""`python -m megalab.tables`, as the Makefile's reproduce targets run it."""
+"""Deprecated: `python -m megalab.tables` still runs `megalab-tables`, saying so."""
 
-import sys
-
-from megalab.tables.cli import main
+from megalab.cli.deprecated import run_moved
 
 if __name__ == "__main__":  # importing the module (walking the package) runs nothing
-    sys.exit(main())
+    run_moved("megalab.tables", "megalab.cli.tables", "megalab-tables")

@@ -251,7 +251,7 @@ def resume_command(cfg: DictConfig) -> str:
         if o.split("=", 1)[0].lstrip("+~") not in ("ckpt_path", "hydra.run.dir")
     ]
     args = [*keep, f"hydra.run.dir={cfg.paths.output_dir}", "ckpt_path=last"]
-    return "python -m megalab.train " + " ".join(_quote(a) for a in args)
+    return "python -m megalab.cli.train " + " ".join(_quote(a) for a in args)
 
 
 def _quote(arg: str) -> str:

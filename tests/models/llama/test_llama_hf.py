@@ -86,9 +86,9 @@ def test_round_trip_matches_transformers(tmp_path: Path, tied: bool) -> None:
 
 
 def test_eval_tests_a_converted_checkpoint(compose_cfg, fixture_data_dir: Path, tmp_path: Path):
-    """`python -m megalab.eval ckpt_path=<from-hf run>/checkpoints/hf.ckpt` (docs/long_context.md)
+    """`megalab-eval ckpt_path=<from-hf run>/checkpoints/hf.ckpt` (docs/long_context.md)
     tests the converted model: the checkpoint is a verified Lightning checkpoint."""
-    from megalab.eval import evaluate, merge_run_config
+    from megalab.cli.eval import evaluate, merge_run_config
     from megalab.utils.checkpointing import verify_checkpoint
 
     config = transformers.LlamaConfig(
@@ -101,14 +101,14 @@ def test_eval_tests_a_converted_checkpoint(compose_cfg, fixture_data_dir: Path, 
     ckpt = hf_to_run(tmp_path / "hf", tmp_path / "run", data="enwik8", overrides=lm)
     assert verify_checkpoint(ckpt)
     cfg = compose_cfg(f"ckpt_path={ckpt}", f"paths.output_dir={tmp_path / 'eval'}", config="eval")
-    record = evaluate(merge_run_config(cfg, []))  # as megalab.eval's main does
+    record = evaluate(merge_run_config(cfg, []))  # as megalab.cli.eval's main does
     assert record["metrics"]["test/loss"] > 0
     assert json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())["metrics"]
 
 
 def test_incremental_decoding_matches_transformers_generate(tmp_path: Path) -> None:
     """Greedy decoding with megalab's KV cache gives transformers' greedy tokens."""
-    from megalab.generate import sample_tokens
+    from megalab.sampling import sample_tokens
 
     hf = tiny_hf_llama(tmp_path / "hf", tied=False, kv_heads=1, seed=4)
     task, _ = load_task(hf_to_run(tmp_path / "hf", tmp_path / "run"))

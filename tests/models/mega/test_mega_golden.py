@@ -1,8 +1,8 @@
 """Mega vs the authors' code: every golden case in `<shared>/golden/mega/` (see its README).
 
 Each file holds the reference weights, inputs, outputs and gradients computed by the authors'
-modules in float64. We load the weights through `megalab.models.mega.convert`, run our modules in float64
-and compare with e = max|ours − ref| / max|ref| per tensor:
+modules in float64. We load the weights through `megalab.models.mega.convert`, run our modules in
+float64 and compare with e = max|ours − ref| / max|ref| per tensor:
 
 - against `output` / `grad.*` / `incremental*` (the reference with its four float32 casts):
   e ≤ 2e-5;

@@ -1,6 +1,6 @@
 """Megalodon's long-context hooks: the carried modules of chunk parallelism, the evaluation-time
 re-estimation of the timestep-norm statistics (the authors' `inference.py`), the FSDP block
-class, and `megalab.eval mode=long_context` with the option on."""
+class, and `megalab.cli.eval mode=long_context` with the option on."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import torch
 from omegaconf import OmegaConf
 
 from causal_models import CAUSAL_CASES, STATEFUL_CASES, VOCAB, build_backbone, build_lm
-from megalab.eval import evaluate
+from megalab.cli.eval import evaluate
+from megalab.cli.train import train
 from megalab.long_context import score_stream
 from megalab.models import block_classes
 from megalab.models.megalodon.model import MegalodonBlock, MegalodonState
 from megalab.models.megalodon.timestep_norm import TimestepNorm
-from megalab.train import train
 from megalab.utils.paths import CONFIG_DIR
 
 VARIANT = "chunked_swiglu_two_heads"  # c = 8
@@ -127,7 +127,7 @@ def test_norm_refresh_follows_the_reference_schedule_and_is_off_by_default() -> 
 
 
 def test_eval_long_context_with_norm_refresh(compose_cfg, tmp_path: Path) -> None:
-    """`megalab.eval mode=long_context long_context.norm_refresh_after=...` on a Megalodon
+    """`megalab.cli.eval mode=long_context long_context.norm_refresh_after=...` on a Megalodon
     checkpoint: the option reaches the backbone and changes the scores after the refresh."""
     overrides = [
         "data=pg19", "data.vocab_size=400", "data.tokenizer_sample_books=null", "data.max_len=32",

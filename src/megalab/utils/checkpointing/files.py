@@ -255,7 +255,8 @@ def check_lightning_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLi
     raise CheckpointError(
         f"{path} is not a checkpoint of a megalab run: it has no {' or '.join(map(repr, missing))} "
         f"(it holds {held}{more}). Pass a checkpoint a run wrote (<run>/checkpoints/last.ckpt "
-        "or best-*.ckpt); an authors' checkpoint is converted first (megalab.models.<model>.convert)."
+        "or best-*.ckpt); an authors' checkpoint is converted first "
+        "(megalab.models.<model>.convert)."
         f"{_alternatives(Path(path))}"
     )
 

@@ -251,7 +251,7 @@ def _load_config(run_dir: Path) -> Any:
 
 
 def _with_evaluation(record: dict[str, Any], eval_path: Path) -> dict[str, Any]:
-    """The run's record with the metrics of a later `megalab.eval` of it taking precedence."""
+    """The run's record with the metrics of a later `megalab-eval` of it taking precedence."""
     if not eval_path.is_file():
         return record
     try:

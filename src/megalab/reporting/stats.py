@@ -9,8 +9,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from megalab.tables.paper import Cell, PaperTable
-from megalab.tables.runs import Planned, Run, same_value
+from megalab.reporting.paper import Cell, PaperTable
+from megalab.reporting.runs import Planned, Run, same_value
 
 
 def matches(cell: Cell, run: Run) -> bool:

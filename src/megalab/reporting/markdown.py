@@ -8,9 +8,9 @@ import json
 import statistics
 from collections.abc import Mapping, Sequence
 
-from megalab.tables.paper import BLANK, MISSING, Cell, Column, PaperTable, Row
-from megalab.tables.runs import Run, flatten_config, is_setting
-from megalab.tables.stats import Stat, aggregate, configurations
+from megalab.reporting.paper import BLANK, MISSING, Cell, Column, PaperTable, Row
+from megalab.reporting.runs import Run, flatten_config, is_setting
+from megalab.reporting.stats import Stat, aggregate, configurations
 
 
 def number_text(x: float, digits: int) -> str:

@@ -12,9 +12,9 @@ from typing import Any
 
 import yaml
 
-from megalab.tables.paper import BLANK, PaperTable
-from megalab.tables.runs import Run
-from megalab.tables.stats import aggregate, matches
+from megalab.reporting.paper import BLANK, PaperTable
+from megalab.reporting.runs import Run
+from megalab.reporting.stats import aggregate, matches
 
 RAW_COLUMNS = (
     ("s / step", "eff/train_step_s", "{:.3g}"),

@@ -10,9 +10,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megalab.tables.paper import TABLES_DIR, load_tables
-from megalab.tables.report import build_report
-from megalab.tables.runs import collect_planned, collect_runs, collect_wandb_runs
+from megalab.reporting.paper import TABLES_DIR, load_tables
+from megalab.reporting.report import build_report
+from megalab.reporting.runs import collect_planned, collect_runs, collect_wandb_runs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,3 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for plot in report.plots:
             print(f"[tables] wrote {plot}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

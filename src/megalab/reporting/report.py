@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megalab.tables.efficiency import render_efficiency
-from megalab.tables.markdown import render_other_runs, render_table
-from megalab.tables.paper import PaperTable
-from megalab.tables.plots import plot_sweep, sweep_series
-from megalab.tables.runs import Planned, Run
-from megalab.tables.stats import cell_runs, plan_status, summarize
+from megalab.reporting.efficiency import render_efficiency
+from megalab.reporting.markdown import render_other_runs, render_table
+from megalab.reporting.paper import PaperTable
+from megalab.reporting.plots import plot_sweep, sweep_series
+from megalab.reporting.runs import Planned, Run
+from megalab.reporting.stats import cell_runs, plan_status, summarize
 
 
 @dataclass

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from megalab.tables.markdown import number_text
-from megalab.tables.paper import Cell, PaperTable
-from megalab.tables.runs import Run, same_value
-from megalab.tables.stats import Stat, aggregate
+from megalab.reporting.markdown import number_text
+from megalab.reporting.paper import Cell, PaperTable
+from megalab.reporting.runs import Run, same_value
+from megalab.reporting.stats import Stat, aggregate
 
 
 @dataclass

@@ -1,0 +1,181 @@
+"""Train a model: `megalab-train experiment=mega/lra_listops` (or `python -m megalab.cli.train`).
+
+Instantiates data -> task (encoder, backbone, head) -> callbacks -> loggers -> trainer from the
+Hydra config, fits (resuming from `ckpt_path`), tests the best checkpoint, and writes the
+resolved `config.yaml` and a `metrics.json` of final numbers into the run directory. Returns
+the monitored metric so Hydra sweepers can optimise it.
+"""
+
+from __future__ import annotations
+
+from megalab.utils.runtime import configure_runtime, log_settings
+
+# Allocator and OpenMP settings must precede the first import of torch (docs/benchmarks.md).
+configure_runtime()
+
+import logging  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import hydra  # noqa: E402
+import lightning as L  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from megalab.config_schema import validate as validate_config  # noqa: E402
+from megalab.efficiency import efficiency_metrics  # noqa: E402
+from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
+from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
+from megalab.utils import errors  # noqa: E402
+from megalab.utils import run as run_utils  # noqa: E402
+from megalab.utils.checkpointing import RunInterrupted, set_verification  # noqa: E402
+from megalab.utils.locking import unlock_run_folder  # noqa: E402
+from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
+from megalab.utils.run_folder import (  # noqa: E402
+    remember_wandb_run,
+    resolve_ckpt_path,
+    resume_command,
+    schedule_record,
+    start_run,
+)
+
+log = logging.getLogger(__name__)
+
+export_project_root()
+
+
+def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
+    """Instantiate everything a run needs; nothing is trained. The memory plan may raise
+    `trainer.accumulate_grad_batches` (a resumed run keeps its own), or fail early; a run that
+    only tests (`train=false`) has no training step to plan."""
+    if cfg.get("seed") is not None:
+        L.seed_everything(cfg.seed, workers=True)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    task = hydra.utils.instantiate(cfg.task)
+    memory_plan = None
+    if cfg.get("train", True):
+        memory_plan = plan_run(cfg, task, cfg.paths.output_dir, resume=resume)
+    callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
+    loggers = run_utils.instantiate_loggers(cfg.get("logger"))
+    trainer = run_utils.instantiate_trainer(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False
+    )
+    check = getattr(trainer.strategy, "check", None)  # chunk parallelism: before processes start
+    if callable(check):
+        check(task, datamodule)
+    find_unused_data_dependent_parameters(trainer.strategy, task)
+    return {
+        "datamodule": datamodule,
+        "task": task,
+        "trainer": trainer,
+        "loggers": loggers,
+        "memory_plan": memory_plan,
+    }
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit and test; return the final metrics record written to `metrics.json`.
+
+    A W&B run opened here is always closed, so the next run in the same process (a multirun
+    job, a test) starts its own.
+    """
+    try:
+        return _train(cfg)
+    except RunInterrupted as err:
+        err.message += f"\nResume it with:\n  {resume_command(cfg)}"
+        raise
+    finally:
+        run_utils.finish_wandb()
+        unlock_run_folder(cfg.paths.output_dir)
+
+
+def _train(cfg: DictConfig) -> dict[str, Any]:
+    output_dir = Path(cfg.paths.output_dir)
+    validate_config(cfg)
+    ckpt_path = start_run(cfg, output_dir)  # lock the folder, what to resume, the W&B run
+    run_utils.save_config(cfg, output_dir / "config.yaml")
+    objs = build(cfg, resume=ckpt_path is not None)
+    datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
+    set_verification(trainer, cfg.get("ckpt_verify", True))
+    run_utils.log_hyperparameters(cfg, objs["loggers"], task)
+    remember_wandb_run(objs["loggers"], output_dir)
+    params = run_utils.count_parameters(task)
+    log.info(
+        "model: %s parameters (%s trainable)", f"{params['total']:,}", f"{params['trainable']:,}"
+    )
+
+    start = time.time()
+    fit_metrics: dict[str, Any] = {}
+    if cfg.get("train", True):
+        if ckpt_path:
+            log.info("resuming from %s", ckpt_path)
+        with shared_with_launched_processes(objs["memory_plan"]):  # DDP ranks: the same plan
+            trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+        fit_metrics = {k: run_utils.to_number(v) for k, v in trainer.callback_metrics.items()}
+
+    test_metrics: dict[str, Any] = {}
+    best_path = None
+    if cfg.get("test", True):
+        ckpt_cb = trainer.checkpoint_callback
+        best_path = getattr(ckpt_cb, "best_model_path", "") or None
+        if best_path is None and not cfg.get("train", True) and cfg.get("ckpt_path"):
+            # Test only: the given checkpoint, with this config's overrides (e.g. a longer
+            # evaluation memory, LaMemo's Fig. 5).
+            best_path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
+        if best_path is None:
+            log.warning("no best checkpoint found: testing the current weights")
+        results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
+        test_metrics = {
+            k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()
+        }
+
+    monitor = cfg.get("monitor")
+    record = {
+        "experiment": cfg.get("experiment_name"),
+        "task_name": cfg.get("task_name"),
+        "tags": list(cfg.get("tags") or []),
+        "seed": cfg.get("seed"),
+        "monitor": monitor,
+        "monitor_value": fit_metrics.get(monitor) if monitor else None,
+        "best_checkpoint": best_path,
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+        **schedule_record(trainer),
+        "params": params,
+        "wall_time_s": round(time.time() - start, 3),
+        "metrics": {**fit_metrics, **test_metrics},
+        "memory_plan": objs["memory_plan"],
+        "output_dir": str(output_dir),
+    }
+    record["metrics"].update(efficiency_metrics(trainer))
+    best = getattr(trainer.checkpoint_callback, "best_model_score", None)
+    if best is not None and monitor:
+        record["monitor_value"] = run_utils.to_number(best)
+    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
+    if callable(extras):
+        record.update(extras())
+    run_utils.write_metrics(output_dir / "metrics.json", record)
+    return record
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def hydra_main(cfg: DictConfig) -> float | None:
+    """Hydra entry point; returns the monitored metric for sweepers."""
+    log_settings()
+    with errors.reported():
+        record = train(cfg)
+    value = record.get("monitor_value")
+    log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
+    for key, val in sorted(record["metrics"].items()):
+        if key.startswith("test/") and isinstance(val, float):
+            print(f"{key} = {val:.4f}")
+    return float(value) if value is not None else None
+
+
+def main() -> None:
+    """`megalab-train`: the Hydra entry point, with the closest keys after a misspelled one."""
+    errors.run_entry_point(hydra_main, "train")
+
+
+if __name__ == "__main__":
+    main()
