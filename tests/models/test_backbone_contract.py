@@ -161,7 +161,7 @@ def test_constructor_names_and_types_every_option(cls: type) -> None:
 @pytest.mark.parametrize("cls", CONFIGURED, ids=[cls.__name__ for cls in CONFIGURED])
 def test_constructor_hands_every_option_to_the_config(cls: type, monkeypatch) -> None:
     """Each argument, by name or by position, reaches the config dataclass unchanged (a
-    stand-in for the dataclass records what the constructor passes, then stops it)."""
+    stand-in subclass of the dataclass records what the constructor passes, then stops it)."""
     config = config_type(cls)
     names = [f.name for f in dataclasses.fields(config) if f.init]
 
@@ -170,12 +170,13 @@ def test_constructor_hands_every_option_to_the_config(cls: type, monkeypatch) ->
 
     received: dict[str, Any] = {}
 
-    def record(*args: Any, **kwargs: Any) -> None:
-        assert args == (), "the config is built from keyword arguments"
-        received.update(kwargs)
-        raise RecordedError
+    class Recorder(config):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            assert args == (), "the config is built from keyword arguments"
+            received.update(kwargs)
+            raise RecordedError
 
-    monkeypatch.setattr(sys.modules[cls.__module__], config.__name__, record)
+    monkeypatch.setattr(sys.modules[cls.__module__], config.__name__, Recorder)
     values = {name: object() for name in names}
     for call in (lambda: cls(**values), lambda: cls(*values.values())):
         received.clear()

@@ -42,8 +42,9 @@ contract as a structural type, for code that only calls a backbone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -165,6 +166,20 @@ class Backbone(nn.Module):
         self, x: Tensor, mask: Tensor | None = None, state: Any = None
     ) -> BackboneOutput:
         raise NotImplementedError
+
+
+C = TypeVar("C")
+
+
+def config_from_arguments(config_class: type[C], arguments: Mapping[str, Any]) -> C:
+    """The config dataclass a backbone's constructor describes, from its `locals()` on entry.
+
+    A constructor names every field of its config as a typed parameter (so type checkers and
+    IDEs see the options); this hands each one to the dataclass by name, once, instead of a
+    second list of `name=name` lines. The contract suite checks signature and fields agree.
+    """
+    names = [f.name for f in fields(config_class) if f.init]  # type: ignore[arg-type]
+    return config_class(**{name: arguments[name] for name in names})
 
 
 def unwrap(module: nn.Module) -> nn.Module:

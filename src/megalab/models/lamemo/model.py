@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from megalab.models.base import BackboneOutput
+from megalab.models.base import BackboneOutput, config_from_arguments
 from megalab.models.transformer_xl.memory import (
     RelativeMemoryBackbone,
     RelativeMemoryConfig,
@@ -240,26 +240,7 @@ class LaMemo(RelativeMemoryBackbone):
         rpe: str = "disentangled",
         eps: float = 1e-6,
     ) -> None:
-        cfg = LaMemoConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            ffn_dim=ffn_dim,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            pre_lnorm=pre_lnorm,
-            mem_len=mem_len,
-            eval_mem_len=eval_mem_len,
-            same_length=same_length,
-            clamp_len=clamp_len,
-            init_std=init_std,
-            causal=causal,
-            look_ahead=look_ahead,
-            interpolation=interpolation,
-            rpe=rpe,
-            eps=eps,
-        )
+        cfg = config_from_arguments(LaMemoConfig, locals())
         super().__init__(cfg, LaMemoLayer)
         # Besides u and v₊ = v (the code's r_w_bias, r_r_bias): v₋ for keys on the right
         # (r_r_bias_future); XL's encoding reuses v for both.

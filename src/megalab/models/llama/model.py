@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.nn.attention import KVCache, chunked_attention
 from megalab.nn.ffn import GatedFFN
 from megalab.nn.norms import RMSNorm
@@ -250,22 +250,7 @@ class Llama(Backbone):
         causal: bool = True,
     ) -> None:
         super().__init__()
-        cfg = LlamaConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            ffn_dim=ffn_dim,
-            multiple_of=multiple_of,
-            ffn_dim_multiplier=ffn_dim_multiplier,
-            rope_base=rope_base,
-            norm_eps=norm_eps,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            init_std=init_std,
-            max_len=max_len,
-            causal=causal,
-        )
+        cfg = config_from_arguments(LlamaConfig, locals())
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.checkpoint import checkpoint_block
 from megalab.nn.ema import DampedEMA
@@ -382,38 +382,7 @@ class Mega(Backbone):
         attention_recompute: bool | None = None,
     ) -> None:
         super().__init__()
-        cfg = MegaConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            z_dim=z_dim,
-            v_dim=v_dim,
-            ffn_dim=ffn_dim,
-            ema_dim=ema_dim,
-            chunk_size=chunk_size,
-            truncation=truncation,
-            attention_activation=attention_activation,
-            rel_pos_bias=rel_pos_bias,
-            max_positions=max_positions,
-            norm_type=norm_type,
-            prenorm=prenorm,
-            final_norm_affine=final_norm_affine,
-            norm_affine=norm_affine,
-            embed_norm=embed_norm,
-            embed_dropout=embed_dropout,
-            causal=causal,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            hidden_dropout=hidden_dropout,
-            activation_dropout=activation_dropout,
-            activation=activation,
-            ema_shift=ema_shift,
-            drop_path=drop_path,
-            positions=positions,
-            max_len=max_len,
-            output_proj=output_proj,
-            checkpoint_activations=checkpoint_activations,
-            attention_recompute=attention_recompute,
-        )
+        cfg = config_from_arguments(MegaConfig, locals())
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

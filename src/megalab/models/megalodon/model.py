@@ -55,7 +55,7 @@ from typing import cast
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.models.megalodon.cema import CEMAState, ComplexEMA
 from megalab.models.megalodon.normalized_attention import NormalizedAttention
 from megalab.models.megalodon.timestep_norm import (
@@ -335,27 +335,7 @@ class Megalodon(Backbone):
         drop_path: float = 0.0,
     ) -> None:
         super().__init__()
-        cfg = MegalodonConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            z_dim=z_dim,
-            v_dim=v_dim,
-            num_heads=num_heads,
-            ffn_dim=ffn_dim,
-            swiglu=swiglu,
-            cema_dim=cema_dim,
-            chunk_size=chunk_size,
-            norm_groups=norm_groups,
-            norm_eps=norm_eps,
-            norm_prior_count=norm_prior_count,
-            norm_type=norm_type,
-            rope_base=rope_base,
-            causal=causal,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            hidden_dropout=hidden_dropout,
-            drop_path=drop_path,
-        )
+        cfg = config_from_arguments(MegalodonConfig, locals())
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
 from megalab.nn.state import register_state
@@ -194,18 +194,7 @@ class S4DBackbone(Backbone):
         dt_max: float = 1e-1,
     ) -> None:
         super().__init__()
-        cfg = S4DConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            state_dim=state_dim,
-            bidirectional=bidirectional,
-            norm_type=norm_type,
-            prenorm=prenorm,
-            dropout=dropout,
-            dropout_tied=dropout_tied,
-            dt_min=dt_min,
-            dt_max=dt_max,
-        )
+        cfg = config_from_arguments(S4DConfig, locals())
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = not cfg.bidirectional

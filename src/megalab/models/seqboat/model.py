@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.models.seqboat.sma import (
     CompressedAttention,
     Packing,
@@ -539,40 +539,7 @@ class SeqBoat(Backbone):
         input_dropout: float = 0.0,
     ) -> None:
         super().__init__()
-        cfg = SeqBoatConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            z_dim=z_dim,
-            v_dim=v_dim,
-            ema_dim=ema_dim,
-            ssm=ssm,
-            truncation=truncation,
-            attention=attention,
-            chunk_size=chunk_size,
-            attention_activation=attention_activation,
-            rel_pos_bias=rel_pos_bias,
-            local_pos=local_pos,
-            max_positions=max_positions,
-            positions=positions,
-            norm_type=norm_type,
-            norm_affine=norm_affine,
-            prenorm=prenorm,
-            final_norm_affine=final_norm_affine,
-            causal=causal,
-            router=router,
-            init_temp_scale=init_temp_scale,
-            act_bias=act_bias,
-            gumbel_tau=gumbel_tau,
-            gumbel_hard=gumbel_hard,
-            always_compress=always_compress,
-            ffn_dim=ffn_dim,
-            ffn_mode=ffn_mode,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            hidden_dropout=hidden_dropout,
-            activation_dropout=activation_dropout,
-            input_dropout=input_dropout,
-        )
+        cfg = config_from_arguments(SeqBoatConfig, locals())
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal

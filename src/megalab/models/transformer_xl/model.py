@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from megalab.models.base import BackboneOutput
+from megalab.models.base import BackboneOutput, config_from_arguments
 from megalab.models.transformer_xl.memory import (
     RelativeMemoryBackbone,
     RelativeMemoryConfig,
@@ -153,23 +153,7 @@ class TransformerXL(RelativeMemoryBackbone):
         causal: bool = True,
         ext_len: int = 0,
     ) -> None:
-        cfg = TransformerXLConfig(
-            d_model=d_model,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            head_dim=head_dim,
-            ffn_dim=ffn_dim,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            pre_lnorm=pre_lnorm,
-            mem_len=mem_len,
-            eval_mem_len=eval_mem_len,
-            same_length=same_length,
-            clamp_len=clamp_len,
-            init_std=init_std,
-            causal=causal,
-            ext_len=ext_len,
-        )
+        cfg = config_from_arguments(TransformerXLConfig, locals())
         super().__init__(cfg, XLLayer)
         self.reset_parameters()
 
