@@ -330,14 +330,3 @@ def count_parameters(cfg: LlamaConfig, vocab_size: int, tie_embeddings: bool = F
     per_layer = 2 * d * (cfg.num_heads + cfg.kv_heads) * hd + 3 * d * F_ + 2 * d
     embeddings = vocab_size * d * (1 if tie_embeddings else 2)
     return cfg.num_layers * per_layer + d + embeddings
-
-
-__all__ = [
-    "Llama",
-    "LlamaAttention",
-    "LlamaBlock",
-    "LlamaConfig",
-    "LlamaState",
-    "count_parameters",
-    "llama_ffn_dim",
-]
