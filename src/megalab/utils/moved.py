@@ -35,6 +35,8 @@ MOVED: dict[str, str] = {
     "megalab.models.state": "megalab.nn.state",
     "megalab.models.transformer_translation": "megalab.models.transformer.translation",
     "megalab.nn.attention_functions": "megalab.kernels.attention_functions",
+    # named apart from the checkpoint files (megalab.utils.checkpointing)
+    "megalab.nn.checkpoint": "megalab.nn.activation_checkpoint",
     "megalab.nn.cema": "megalab.models.megalodon.cema",
     "megalab.nn.cross_attention": "megalab.models.mega.cross_attention",
     "megalab.nn.normalized_attention": "megalab.models.megalodon.normalized_attention",

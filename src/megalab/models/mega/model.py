@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.nn.attention import ChunkedAttention, KVCache
-from megalab.nn.checkpoint import checkpoint_block
+from megalab.nn.activation_checkpoint import checkpoint_block
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
 from megalab.nn.norms import SequenceNorm
@@ -334,8 +334,8 @@ class Mega(Backbone):
         output_proj: SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`; weight
             N(0, 0.02), bias 0), so pooling and the head read projected features.
         checkpoint_activations: keep only each block's input for the backward and recompute
-            the block (`megalab.nn.checkpoint`): activation memory of one (B, L, D) tensor per
-            layer, for about a third more compute. Results are unchanged.
+            the block (`megalab.nn.activation_checkpoint`): activation memory of one (B, L, D)
+            tensor per layer, for about a third more compute. Results are unchanged.
         attention_recompute: how the fused attention kernel treats the attention weights in
             the backward: True recomputes them (memory linear in the span), False keeps them
             (faster), None keeps them for spans of at most 512 keys (chunks) and recomputes

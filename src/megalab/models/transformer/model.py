@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.nn.checkpoint import checkpoint_block
+from megalab.nn.activation_checkpoint import checkpoint_block
 from megalab.nn.embedding import INITS, init_bert_params
 from megalab.nn.regularization import DropPath, drop_path_rates
 
@@ -120,7 +120,8 @@ class Transformer(Backbone):
     the embedding dropout. `init="bert"` redraws every Linear weight and the learned position
     table from N(0, 0.02) with zero biases (fairseq's `init_bert_params`); norms keep (1, 0).
     `checkpoint_activations` keeps only each layer's input for the backward and recomputes the
-    layer (`megalab.nn.checkpoint`): less memory, about a third more compute, same results.
+    layer (`megalab.nn.activation_checkpoint`): less memory, about a third more compute, same
+    results.
     """
 
     block_class = TransformerLayer

@@ -7,7 +7,7 @@ import torch
 
 from megalab.models.mega.model import Mega
 from megalab.models.transformer.model import Transformer
-from megalab.nn.checkpoint import checkpoint_block
+from megalab.nn.activation_checkpoint import checkpoint_block
 
 MEGA = dict(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, chunk_size=8,
             max_positions=32, dropout=0.2, attention_dropout=0.1, hidden_dropout=0.1)  # fmt: skip
