@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
-from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.activation_checkpoint import checkpoint_block
+from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
 from megalab.nn.norms import SequenceNorm
