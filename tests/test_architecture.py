@@ -61,7 +61,6 @@ LAYERS: list[tuple[str, ...]] = [
         "megalab.long_context",
         "megalab.sampling",
         "megalab.pretrained",
-        "megalab.convert",
     ),
     ("megalab.reporting",),
     ("megalab.cli",),
