@@ -45,6 +45,7 @@ from megalab.data.cache import (
     rebuild_hint,
 )
 from megalab.data.hub import HubDataset
+from megalab.data.lra import release
 from megalab.data.lra.release import LRAFormatError
 from megalab.data.lra.text import fresh_cache
 
@@ -59,15 +60,8 @@ _CACHE_VERSION = 1
 
 def hub_dataset(data_dir: str | Path, hub_id: str = HUB_ID) -> HubDataset:
     """CIFAR-10's train and test splits (``img``, ``label``) in ``<data_dir>/plain_text/``."""
-    return HubDataset(
-        name="LRA Image (CIFAR-10)",
-        repo=hub_id,
-        local_dir=Path(data_dir),
-        columns=("img", "label"),
-        splits=("train", "test"),
-        fetch_dir="plain_text",
-        command=f"megalab-data cifar10 --out {data_dir}",
-        format_error=LRAFormatError,
+    return release.hub_dataset(
+        "LRA Image (CIFAR-10)", hub_id, data_dir, ("img", "label"), "cifar10"
     )
 
 

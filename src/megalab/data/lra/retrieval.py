@@ -29,7 +29,7 @@ import numpy as np
 from megalab.data.base import SequenceDataModule, TokenSequences
 from megalab.data.cache import cache_dir, mark_prepared, prepared
 from megalab.data.download import require_files
-from megalab.data.lra.release import LRAFormatError, data_root_of, release_how
+from megalab.data.lra.release import LRAFormatError, binary_label, data_root_of, release_how
 from megalab.data.lra.text import (
     NUM_CLASSES,
     PAD_ID,
@@ -64,15 +64,7 @@ def read_pairs(path: str | Path) -> Iterator[tuple[int, bytes, bytes]]:
                     f"{path}:{lineno}: expected {len(COLUMNS)} tab-separated fields "
                     f"({', '.join(COLUMNS)}), got {len(fields)}"
                 )
-            try:
-                value = float(fields[0])
-            except ValueError:
-                raise LRAFormatError(
-                    f"{path}:{lineno}: label {fields[0][:20]!r} is not a number"
-                ) from None
-            if value not in (0.0, 1.0):
-                raise LRAFormatError(f"{path}:{lineno}: label {value:g} is not 0 or 1")
-            yield int(value), fields[3], fields[4]
+            yield binary_label(fields[0], f"{path}:{lineno}", float), fields[3], fields[4]
 
 
 class AANDataModule(SequenceDataModule):

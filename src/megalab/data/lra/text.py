@@ -51,6 +51,7 @@ from megalab.data.cache import (
     rebuild_hint,
 )
 from megalab.data.hub import HubDataset
+from megalab.data.lra import release
 from megalab.data.lra.release import LRAFormatError
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,7 @@ _TOKEN_DTYPE = np.int16
 
 def hub_dataset(data_dir: str | Path, hub_id: str = HUB_ID) -> HubDataset:
     """IMDB's train and test splits (``text``, ``label``) in ``<data_dir>/plain_text/``."""
-    return HubDataset(
-        name="LRA Text (IMDB)",
-        repo=hub_id,
-        local_dir=Path(data_dir),
-        columns=("text", "label"),
-        splits=("train", "test"),
-        fetch_dir="plain_text",
-        command=f"megalab-data imdb --out {data_dir}",
-        format_error=LRAFormatError,
-    )
+    return release.hub_dataset("LRA Text (IMDB)", hub_id, data_dir, ("text", "label"), "imdb")
 
 
 def byte_vocab() -> list[str]:
