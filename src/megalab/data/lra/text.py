@@ -205,8 +205,35 @@ def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, S
 # ---------------------------------------------------------------------------------------------
 # DataModule
 # ---------------------------------------------------------------------------------------------
-class IMDBDataModule(SequenceDataModule):
+class ByteDataModule(SequenceDataModule):
+    """The byte-level LRA tasks (Text, Retrieval): bytes shifted past the specials, with optional
+    <s> and </s>; the spec (vocabulary, classes, padding) is the byte vocabulary's."""
+
+    #: The task's name in error messages.
+    task = "LRA bytes"
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        max_len: int = 4001,
+        append_eos: bool = True,
+        prepend_cls: bool = False,
+        truncate: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("vocab_size", VOCAB_SIZE)
+        kwargs.setdefault("num_classes", NUM_CLASSES)
+        kwargs.setdefault("pad_id", PAD_ID)
+        super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
+        _check_spec(self, self.task)
+        self.append_eos, self.prepend_cls, self.truncate = append_eos, prepend_cls, truncate
+        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
+
+
+class IMDBDataModule(ByteDataModule):
     """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes)."""
+
+    task = "LRA Text"
 
     def __init__(
         self,
@@ -223,19 +250,12 @@ class IMDBDataModule(SequenceDataModule):
         truncate: bool = True,
         **kwargs: Any,
     ) -> None:
-        kwargs.setdefault("vocab_size", VOCAB_SIZE)
-        kwargs.setdefault("num_classes", NUM_CLASSES)
-        kwargs.setdefault("pad_id", PAD_ID)
-        super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
-        _check_spec(self, "LRA Text")
+        super().__init__(data_dir, max_len, append_eos, prepend_cls, truncate, **kwargs)
         if val_source not in ("test", "train"):
             raise ValueError(f"val_source must be 'test' or 'train', got {val_source!r}")
-        self.append_eos, self.prepend_cls = append_eos, prepend_cls
         self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
-        self.truncate = truncate
         self.source = hub_dataset(self.data_dir, hub_id)
-        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
     def cache_path(self) -> Path:
         params = {
