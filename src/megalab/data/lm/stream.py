@@ -281,7 +281,20 @@ def extended_offsets(a: int, width: int, ext_len: int) -> np.ndarray:
     return np.arange(-min(ext_len, a), width)[None, :]
 
 
-class StreamBatches(Dataset):
+class _TrainingBatches(Dataset):
+    """Training batches addressed by `(epoch, i)`: `rows_per_device` rows of up to `seq_len`
+    tokens of `stream` per process, in `layout`'s processes and accumulation groups."""
+
+    def __init__(
+        self, stream: TokenStream, rows_per_device: int, seq_len: int, layout: Layout, seed: int
+    ) -> None:
+        self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
+        self.seed = seed
+        #: The rows of one optimizer step, over every process and accumulation group.
+        self.total_rows = rows_per_device * layout.world_size * layout.accumulate
+
+
+class StreamBatches(_TrainingBatches):
     """Training batches in Transformer-XL order: B contiguous rows read in segments of L.
 
     Items are addressed by `(epoch, i)`; batch i is segment `i // accumulate` of stream group
@@ -304,11 +317,8 @@ class StreamBatches(Dataset):
             raise ValueError(f"unknown roll {roll!r}: true (the stream), false or 'rows'")
         if ext_len < 0:
             raise ValueError(f"ext_len must be >= 0, got {ext_len}")
-        self.ext_len = ext_len
-        self.stream, self.seq_len, self.layout = stream, seq_len, layout
-        self.rows = rows_per_device
-        self.roll, self.seed = roll, seed
-        self.total_rows = rows_per_device * layout.world_size * layout.accumulate
+        super().__init__(stream, rows_per_device, seq_len, layout, seed)
+        self.ext_len, self.roll = ext_len, roll
         n_pred = len(stream) - 1
         self.row_len = n_pred // self.total_rows
         if self.row_len < 1:
@@ -439,7 +449,7 @@ class EvalBatches(Dataset):
         return _batch(self.stream, index, index + 1, valid, scored, True, 0, self.words)
 
 
-class RandomWindowBatches(Dataset):
+class RandomWindowBatches(_TrainingBatches):
     """Independent random windows (stateless training); every batch has `reset`.
 
     `multiples=(lo, hi)` draws m uniformly from lo..hi per optimizer step (the same on every
@@ -457,8 +467,8 @@ class RandomWindowBatches(Dataset):
         multiples: tuple[int, ...] | None = None,
         unit: int | None = None,
     ) -> None:
-        self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
-        self.seed, self.multiples, self.unit = seed, multiples, unit
+        super().__init__(stream, rows_per_device, seq_len, layout, seed)
+        self.multiples, self.unit = multiples, unit
         if multiples is not None:
             lo, hi = multiples
             if unit is None or not 1 <= lo <= hi or hi * unit > seq_len:
@@ -473,8 +483,7 @@ class RandomWindowBatches(Dataset):
                 f"the {stream.name or 'training'} split has {n_pred} predictions, fewer than one "
                 f"window of {longest}: lower data.max_len"
             )
-        per_step = rows_per_device * layout.world_size * layout.accumulate * seq_len
-        self.steps = max(1, n_pred // per_step)
+        self.steps = max(1, n_pred // (self.total_rows * seq_len))
 
     def __len__(self) -> int:
         return self.steps * self.layout.accumulate
