@@ -543,7 +543,8 @@ class LMStreamDataModule(SequenceDataModule):
             `eval_max_len` (None: consecutive segments with carried state).
         train_len_multiples, train_len_unit: variable-length windows m x unit, m uniform in
             [lo, hi] per step (`random` sampler; Mega's variant blocks).
-        vocab_size, pad_id: the spec (`d_input`/`num_classes` must stay None for LM data).
+        kwargs: `SequenceDataModule`'s other settings; of the spec, `vocab_size` (required) and
+            `pad_id` (`d_input`/`num_classes` must stay None for LM data).
     """
 
     word_level: bool = False
@@ -553,14 +554,6 @@ class LMStreamDataModule(SequenceDataModule):
         data_dir: str | Path,
         max_len: int,
         batch_size: int = 8,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        seed: int = 42,
-        vocab_size: int | None = None,
-        d_input: int | None = None,
-        num_classes: int | None = None,
-        pad_id: int | None = None,
         sampler: str = "stream",
         roll: bool | str = True,
         eval_max_len: int | None = None,
@@ -568,12 +561,14 @@ class LMStreamDataModule(SequenceDataModule):
         train_len_multiples: list[int] | tuple[int, int] | None = None,
         train_len_unit: int | None = None,
         ext_len: int = 0,
+        **kwargs: Any,
     ) -> None:
-        if d_input is not None or num_classes is not None:
+        if kwargs.get("d_input") is not None or kwargs.get("num_classes") is not None:
             raise ValueError(
                 "language-model data has tokens and no classes: set data.d_input "
                 "and data.num_classes to null"
             )
+        vocab_size = kwargs.get("vocab_size")
         if vocab_size is None or vocab_size <= 0:
             raise ValueError(f"language-model data needs a positive vocab_size, got {vocab_size}")
         if sampler not in SAMPLERS:
@@ -589,17 +584,7 @@ class LMStreamDataModule(SequenceDataModule):
                 "ext_len extends carried-state segments with the tokens before them: it needs "
                 "sampler=stream (random windows have no preceding segment)"
             )
-        super().__init__(
-            data_dir,
-            max_len,
-            batch_size,
-            eval_batch_size,
-            num_workers,
-            pin_memory,
-            seed,
-            vocab_size=vocab_size,
-            pad_id=pad_id,
-        )
+        super().__init__(data_dir, max_len, batch_size, **kwargs)
         # Not `self.sampler`: that would shadow SequenceDataModule.sampler(split, batch_size).
         self.train_sampling = sampler
         self.roll = roll
