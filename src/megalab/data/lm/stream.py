@@ -181,10 +181,26 @@ def token_dtype(vocab_size: int) -> str:
     raise ValueError(f"vocabulary of {vocab_size} ids is too large")
 
 
-def write_meta(cache: Path, meta: Mapping[str, Any]) -> None:
+def write_split(
+    cache: Path, split: str, chunks: Iterable[np.ndarray], dtype: str, **extra: Any
+) -> dict[str, Any]:
+    """Write one split's token chunks to `<split>.bin` in `cache`; returns its `meta.json` entry
+    (file, dtype, number of tokens, largest id, and `extra`)."""
+    info = write_tokens(cache / f"{split}.bin", chunks, dtype)
+    return {"file": f"{split}.bin", "dtype": dtype, **info, **extra}
+
+
+def write_meta(
+    cache: Path, meta: Mapping[str, Any], sources: Iterable[str | os.PathLike[str]]
+) -> None:
+    """The last step of a preparation: write `meta.json`, then mark `cache` prepared with the
+    checksums of its files and of the `sources` it was prepared from (`megalab.data.cache`)."""
+    from megalab.data.cache import mark_prepared
+
     tmp = cache / f".meta.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(dict(meta), indent=2, sort_keys=True) + "\n")
     os.replace(tmp, cache / "meta.json")
+    mark_prepared(cache, meta, sources=sources)
 
 
 def load_streams(cache: Path, vocab_size: int | None = None) -> dict[str, TokenStream]:
