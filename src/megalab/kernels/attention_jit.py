@@ -75,8 +75,8 @@ def _queries_start(
     pid_n: tl.tensor, q_offset: tl.tensor, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ) -> tl.tensor:  # fmt: skip
-    """The first query block that sees key block pid_n: 0, or (BOUNDED) the block of the first
-    query at or after the block's first key."""
+    """Where the queries that see key block pid_n start: 0, or (BOUNDED: no row sees a key
+    after its own position) the query block holding the block's first key position."""
     lo = 0
     if BOUNDED:
         lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
