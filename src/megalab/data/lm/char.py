@@ -29,13 +29,8 @@ import numpy as np
 from megalab.data.cache import cache_dir, prepared
 from megalab.data.download import download
 from megalab.data.lm.codec import AlphabetCodec, ByteCodec
-from megalab.data.lm.stream import (
-    LMStreamDataModule,
-    TokenStream,
-    load_streams,
-    write_meta,
-    write_split,
-)
+from megalab.data.lm.prepared import write_meta, write_split
+from megalab.data.lm.stream import LMStreamDataModule, TokenStream, load_streams
 
 log = logging.getLogger(__name__)
 

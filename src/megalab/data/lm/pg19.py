@@ -36,15 +36,8 @@ from megalab.data.cache import cache_dir, prepared
 from megalab.data.download import DatasetMissingError, is_offline
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import TokenizerCodec
-from megalab.data.lm.stream import (
-    LMStreamDataModule,
-    TokenStream,
-    load_streams,
-    token_dtype,
-    write_meta,
-    write_split,
-    write_tokens,
-)
+from megalab.data.lm.prepared import token_dtype, write_meta, write_split, write_tokens
+from megalab.data.lm.stream import LMStreamDataModule, TokenStream, load_streams
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -36,14 +36,8 @@ import numpy as np
 from megalab.data.cache import cache_dir, prepared
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import WordCodec
-from megalab.data.lm.stream import (
-    LMStreamDataModule,
-    TokenStream,
-    load_streams,
-    token_dtype,
-    write_meta,
-    write_split,
-)
+from megalab.data.lm.prepared import token_dtype, write_meta, write_split
+from megalab.data.lm.stream import LMStreamDataModule, TokenStream, load_streams
 
 log = logging.getLogger(__name__)
 
