@@ -149,9 +149,13 @@ class EfficiencyMonitor(Callback):
             self.eval_time, self.eval_tokens = 0.0, 0
             self.flops_per_token = None
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _attach(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The device whose memory is measured and the number of processes (token rates)."""
         self._device = pl_module.device
         self._world = trainer.world_size
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._attach(trainer, pl_module)
         if self.count_flops and self._device.type == "cuda":
             from lightning.fabric.utilities.throughput import get_available_flops
 
@@ -206,16 +210,6 @@ class EfficiencyMonitor(Callback):
             pl_module.log_dict(values, on_step=True, on_epoch=False, batch_size=1)
 
     # -- evaluation --------------------------------------------------------------------------
-    def _eval_start(self, trainer: L.Trainer) -> None:
-        self._eval_t0 = None if trainer.sanity_checking else self._now()
-
-    def _eval_end(self, trainer: L.Trainer, batch: Any) -> None:
-        if self._eval_t0 is None:
-            return
-        self.eval_time += self._now() - self._eval_t0
-        self.eval_tokens += count_tokens(batch) or 0
-        self._eval_t0 = None
-
     def on_validation_batch_start(
         self,
         trainer: L.Trainer,
@@ -224,7 +218,8 @@ class EfficiencyMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._eval_start(trainer)
+        """Start timing an evaluation batch (validation or test; not the sanity check)."""
+        self._eval_t0 = None if trainer.sanity_checking else self._now()
 
     def on_validation_batch_end(
         self,
@@ -235,32 +230,19 @@ class EfficiencyMonitor(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._eval_end(trainer, batch)
+        """Add the batch's time and tokens to the evaluation totals."""
+        if self._eval_t0 is None:
+            return
+        self.eval_time += self._now() - self._eval_t0
+        self.eval_tokens += count_tokens(batch) or 0
+        self._eval_t0 = None
+
+    # Test batches are timed as validation batches are.
+    on_test_batch_start = on_validation_batch_start
+    on_test_batch_end = on_validation_batch_end
 
     def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._device = pl_module.device
-        self._world = trainer.world_size
-
-    def on_test_batch_start(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_start(trainer)
-
-    def on_test_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._eval_end(trainer, batch)
+        self._attach(trainer, pl_module)
 
     # -- summary -----------------------------------------------------------------------------
     def summary(self) -> dict[str, float]:

@@ -433,6 +433,12 @@ def _is_connection_failure(exc: BaseException) -> bool:
     return isinstance(exc, (socket.gaierror, ConnectionRefusedError))
 
 
+def _after_backoff(attempt: int, backoff: float) -> int:
+    """Wait before the next try (backoff · 2^attempt seconds) and return its number."""
+    time.sleep(backoff * 2**attempt)
+    return attempt + 1
+
+
 def download(
     url: str,
     dest: str | os.PathLike[str],
@@ -519,8 +525,7 @@ def download(
                     f"Downloading {url} failed: HTTP {e.code} {e.reason}. "
                     f"If the file has moved, download it by hand and save it as {dest}."
                 ) from e
-            attempt += 1
-            time.sleep(backoff * 2 ** (attempt - 1))
+            attempt = _after_backoff(attempt, backoff)
             continue
         except FileNotFoundError as e:
             if urllib.parse.urlparse(url).scheme.lower() == "file":
@@ -539,8 +544,7 @@ def download(
                     f"Downloading {url} failed after {retries + 1} attempt(s): {e!r}. "
                     f"The partial file {part} is kept; run again to resume."
                 ) from e
-            attempt += 1
-            time.sleep(backoff * 2 ** (attempt - 1))
+            attempt = _after_backoff(attempt, backoff)
             continue
 
         bad = _digest_mismatches(part, expected) if expected else {}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 
@@ -98,31 +98,27 @@ def use_kernel(name: str, *tensors: torch.Tensor) -> bool:
 
 
 @contextmanager
-def disabled(*names: str) -> Iterator[None]:
-    """Run the PyTorch reference instead of the named kernels (all when none is named)."""
+def _added(names: tuple[str, ...], switches: set[str]) -> Iterator[None]:
+    """The named kernels (all when none is named) in `switches` for the block, as before after."""
     names = names or KERNELS
     _check(names)
-    before = set(_disabled)
-    _disabled.update(names)
+    before = set(switches)
+    switches.update(names)
     try:
         yield
     finally:
-        _disabled.clear()
-        _disabled.update(before)
+        switches.clear()
+        switches.update(before)
 
 
-@contextmanager
-def forced(*names: str) -> Iterator[None]:
+def disabled(*names: str) -> AbstractContextManager[None]:
+    """Run the PyTorch reference instead of the named kernels (all when none is named)."""
+    return _added(names, _disabled)
+
+
+def forced(*names: str) -> AbstractContextManager[None]:
     """Run the named kernels on CPU tensors too, under Triton's interpreter (tests only).
 
     Outside the interpreter this changes nothing: Triton cannot compile for the CPU.
     """
-    names = names or KERNELS
-    _check(names)
-    before = set(_forced)
-    _forced.update(names)
-    try:
-        yield
-    finally:
-        _forced.clear()
-        _forced.update(before)
+    return _added(names, _forced)

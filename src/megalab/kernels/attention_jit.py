@@ -27,6 +27,63 @@ def _mm(a: tl.tensor, b: tl.tensor, PRECISION: tl.constexpr, UPCAST: tl.constexp
 
 
 @triton.jit
+def _tile(
+    X: tl.tensor, n: tl.tensor, h: tl.tensor, rows: tl.tensor, cols: tl.tensor, s_n: tl.tensor,
+    s_h: tl.tensor, s_r: tl.tensor, s_c: tl.tensor, R: tl.tensor, C: tl.tensor,
+) -> tuple[tl.tensor, tl.tensor]:  # fmt: skip
+    """The pointers of tile (rows, cols) of head (n, h) in an (N, H, R, C) tensor with strides
+    (s_n, s_h, s_r, s_c), and which of them lie inside it."""
+    ptrs = X + n * s_n + h * s_h + rows[:, None] * s_r + cols[None, :] * s_c
+    return ptrs, (rows[:, None] < R) & (cols[None, :] < C)
+
+
+@triton.jit
+def _load_tile(
+    X: tl.tensor, n: tl.tensor, h: tl.tensor, rows: tl.tensor, cols: tl.tensor, s_n: tl.tensor,
+    s_h: tl.tensor, s_r: tl.tensor, s_c: tl.tensor, R: tl.tensor, C: tl.tensor,
+) -> tl.tensor:  # fmt: skip
+    """A `_tile`, zero outside the tensor."""
+    ptrs, inside = _tile(X, n, h, rows, cols, s_n, s_h, s_r, s_c, R, C)
+    return tl.load(ptrs, mask=inside, other=0.0)
+
+
+@triton.jit
+def _store_tile(
+    X: tl.tensor, value: tl.tensor, n: tl.tensor, h: tl.tensor, rows: tl.tensor, cols: tl.tensor,
+    s_n: tl.tensor, s_h: tl.tensor, s_r: tl.tensor, s_c: tl.tensor, R: tl.tensor, C: tl.tensor,
+) -> None:  # fmt: skip
+    """Write `value` (float32) to a `_tile` in X's dtype."""
+    ptrs, inside = _tile(X, n, h, rows, cols, s_n, s_h, s_r, s_c, R, C)
+    tl.store(ptrs, value.to(X.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _keys_end(
+    pid_m: tl.tensor, Ck: tl.tensor, q_offset: tl.tensor, BOUNDED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+) -> tl.tensor:  # fmt: skip
+    """The end of the keys query block pid_m sees: all, or (BOUNDED: no row sees a key after
+    its own position) up to its last row's position."""
+    hi = Ck
+    if BOUNDED:
+        hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
+    return hi
+
+
+@triton.jit
+def _queries_start(
+    pid_n: tl.tensor, q_offset: tl.tensor, BOUNDED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+) -> tl.tensor:  # fmt: skip
+    """Where the queries that see key block pid_n start: 0, or (BOUNDED: no row sees a key
+    after its own position) the query block holding the block's first key position."""
+    lo = 0
+    if BOUNDED:
+        lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
+    return lo
+
+
+@triton.jit
 def _scores(
     q: tl.tensor,
     k: tl.tensor,
@@ -120,29 +177,14 @@ def fwd_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_z = tl.arange(0, BLOCK_Z)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    q = tl.load(
-        Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-        mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-        other=0.0,
-    )
+    q = _load_tile(Q, n, h, offs_m, offs_z, sqn, sqh, sqm, sqz, Cq, Z)
     acc = tl.zeros((BLOCK_M, BLOCK_E), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), -1.0e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    hi = Ck
-    if BOUNDED:  # no row sees a key after its own position
-        hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, _keys_end(pid_m, Ck, q_offset, BOUNDED, BLOCK_M), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(
-            K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        v = tl.load(
-            V + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
-            mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
-            other=0.0,
-        )
+        k = _load_tile(K, n, h, offs_n, offs_z, skn, skh, skm, skz, Ck, Z)
+        v = _load_tile(V, n, h, offs_n, offs_e, svn, svh, svm, sve, Ck, E)
         s, allowed = _scores(
             q, k, offs_m, offs_n, n, W, VALID, FIRST, stride_valid, Cq, Ck, q_offset,
             positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
@@ -163,11 +205,7 @@ def fwd_kernel(
         acc = acc / l_i[:, None]
         if pid_e == 0:
             tl.store(LSE + pid_b * Cq + offs_m, m_i + tl.log(l_i), mask=offs_m < Cq)
-    tl.store(
-        OUT + n * son + h * soh + offs_m[:, None] * som + offs_e[None, :] * soe,
-        acc.to(OUT.dtype.element_ty),
-        mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
-    )
+    _store_tile(OUT, acc, n, h, offs_m, offs_e, son, soh, som, soe, Cq, E)
 
 
 @triton.jit
@@ -214,64 +252,45 @@ def bwd_dv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_z = tl.arange(0, BLOCK_Z)
     offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    k = tl.load(
-        K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-        mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-        other=0.0,
-    )
+    k = _load_tile(K, n, h, offs_n, offs_z, skn, skh, skm, skz, Ck, Z)
     dv = tl.zeros((BLOCK_N, BLOCK_E), dtype=tl.float32)
-    lo = 0
-    if BOUNDED:  # queries before the block's first key do not see it
-        lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, Cq, BLOCK_M):
+    for start_m in range(_queries_start(pid_n, q_offset, BOUNDED, BLOCK_M, BLOCK_N), Cq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(
-            Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        do = tl.load(
-            DO + n * sdn + h * sdh + offs_m[:, None] * sdm + offs_e[None, :] * sde,
-            mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
-            other=0.0,
-        )
+        q = _load_tile(Q, n, h, offs_m, offs_z, sqn, sqh, sqm, sqz, Cq, Z)
+        do = _load_tile(DO, n, h, offs_m, offs_e, sdn, sdh, sdm, sde, Cq, E)
         p, _s, _allowed = _weights(
             q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
             q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
             PRECISION, UPCAST,
         )  # fmt: skip
         dv += _mm(tl.trans(p.to(do.dtype)), do, PRECISION, UPCAST)
-    tl.store(
-        DV + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
-        dv.to(DV.dtype.element_ty),
-        mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
-    )
+    _store_tile(DV, dv, n, h, offs_n, offs_e, svn, svh, svm, sve, Ck, E)
 
 
 @triton.jit
 def _grad_scores(
-    p: tl.tensor, s: tl.tensor, allowed: tl.tensor, offs_m: tl.tensor, offs_n: tl.tensor,
-    n: tl.tensor, h: tl.tensor, pid_b: tl.tensor, V: tl.tensor, DO: tl.tensor, DELTA: tl.tensor,
+    q: tl.tensor, k: tl.tensor, offs_m: tl.tensor, offs_n: tl.tensor, n: tl.tensor, h: tl.tensor,
+    pid_b: tl.tensor, V: tl.tensor, W: tl.tensor, VALID: tl.tensor, FIRST: tl.tensor,
+    LSE: tl.tensor, DELTA: tl.tensor, DO: tl.tensor,
     svn: tl.tensor, svh: tl.tensor, svm: tl.tensor, sve: tl.tensor,
-    sdn: tl.tensor,
-    sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, E: tl.tensor,
-    FN: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+    sdn: tl.tensor, sdh: tl.tensor, sdm: tl.tensor, sde: tl.tensor,
+    stride_valid: tl.tensor, Cq: tl.tensor, Ck: tl.tensor, E: tl.tensor, q_offset: tl.tensor,
+    positions: tl.tensor, scale: tl.tensor, FN: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_VALID: tl.constexpr, CAUSAL: tl.constexpr, EMPTY_CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ) -> tl.tensor:  # fmt: skip
-    """dS of a tile: dP = dO Vᵀ over every value tile, then the softmax or f' chain rule."""
+    """dS of a (query block, key block) tile: P recomputed (`_weights`), dP = dO Vᵀ over every
+    value tile, then the softmax or f' chain rule."""
+    p, s, allowed = _weights(
+        q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck, q_offset,
+        positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST,
+    )  # fmt: skip
     dp = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start_e in range(0, E, BLOCK_E):
         offs_e = start_e + tl.arange(0, BLOCK_E)
-        do = tl.load(
-            DO + n * sdn + h * sdh + offs_m[:, None] * sdm + offs_e[None, :] * sde,
-            mask=(offs_m[:, None] < Cq) & (offs_e[None, :] < E),
-            other=0.0,
-        )
-        v = tl.load(
-            V + n * svn + h * svh + offs_n[:, None] * svm + offs_e[None, :] * sve,
-            mask=(offs_n[:, None] < Ck) & (offs_e[None, :] < E),
-            other=0.0,
-        )
+        do = _load_tile(DO, n, h, offs_m, offs_e, sdn, sdh, sdm, sde, Cq, E)
+        v = _load_tile(V, n, h, offs_n, offs_e, svn, svh, svm, sve, Ck, E)
         dp += _mm(do, tl.trans(v), PRECISION, UPCAST)
     if FN == 0:
         delta = tl.load(DELTA + pid_b * Cq + offs_m, mask=offs_m < Cq, other=0.0)
@@ -299,40 +318,22 @@ def bwd_dk_kernel(
     n, h = pid_b // H, pid_b % H
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_z = tl.arange(0, BLOCK_Z)
-    k = tl.load(
-        K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-        mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-        other=0.0,
-    )
+    k = _load_tile(K, n, h, offs_n, offs_z, skn, skh, skm, skz, Ck, Z)
     dk = tl.zeros((BLOCK_N, BLOCK_Z), dtype=tl.float32)
-    lo = 0
-    if BOUNDED:
-        lo = (tl.maximum(pid_n * BLOCK_N - q_offset, 0) // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, Cq, BLOCK_M):
+    for start_m in range(_queries_start(pid_n, q_offset, BOUNDED, BLOCK_M, BLOCK_N), Cq, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = tl.load(
-            Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-            mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        p, s, allowed = _weights(
-            q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
-            q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-            PRECISION, UPCAST,
-        )  # fmt: skip
+        q = _load_tile(Q, n, h, offs_m, offs_z, sqn, sqh, sqm, sqz, Cq, Z)
         ds = _grad_scores(
-            p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
-            sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
+            q, k, offs_m, offs_n, n, h, pid_b, V, W, VALID, FIRST, LSE, DELTA, DO, svn, svh,
+            svm, sve, sdn, sdh, sdm, sde, stride_valid, Cq, Ck, E, q_offset, positions, scale,
+            FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST, BLOCK_M, BLOCK_N,
+            BLOCK_E,
         )  # fmt: skip
         dk += _mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
         if HAS_BIAS:  # dw[M − 1 + j − (i + offset)] += dS_ij, along the diagonals
             idx = positions - 1 + offs_n[None, :] - (offs_m + q_offset)[:, None]
             tl.atomic_add(DW + idx, ds, mask=(offs_m[:, None] < Cq) & (offs_n[None, :] < Ck))
-    tl.store(
-        DK + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-        (dk * scale).to(DK.dtype.element_ty),
-        mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-    )
+    _store_tile(DK, dk * scale, n, h, offs_n, offs_z, skn, skh, skm, skz, Ck, Z)
 
 
 @triton.jit
@@ -355,34 +356,16 @@ def bwd_dq_kernel(
     n, h = pid_b // H, pid_b % H
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_z = tl.arange(0, BLOCK_Z)
-    q = tl.load(
-        Q + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-        mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-        other=0.0,
-    )
+    q = _load_tile(Q, n, h, offs_m, offs_z, sqn, sqh, sqm, sqz, Cq, Z)
     dq = tl.zeros((BLOCK_M, BLOCK_Z), dtype=tl.float32)
-    hi = Ck
-    if BOUNDED:
-        hi = tl.minimum(Ck, (pid_m + 1) * BLOCK_M + q_offset)
-    for start_n in range(0, hi, BLOCK_N):
+    for start_n in range(0, _keys_end(pid_m, Ck, q_offset, BOUNDED, BLOCK_M), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = tl.load(
-            K + n * skn + h * skh + offs_n[:, None] * skm + offs_z[None, :] * skz,
-            mask=(offs_n[:, None] < Ck) & (offs_z[None, :] < Z),
-            other=0.0,
-        )
-        p, s, allowed = _weights(
-            q, k, offs_m, offs_n, n, W, VALID, FIRST, LSE, pid_b, stride_valid, Cq, Ck,
-            q_offset, positions, scale, FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL,
-            PRECISION, UPCAST,
-        )  # fmt: skip
+        k = _load_tile(K, n, h, offs_n, offs_z, skn, skh, skm, skz, Ck, Z)
         ds = _grad_scores(
-            p, s, allowed, offs_m, offs_n, n, h, pid_b, V, DO, DELTA, svn, svh, svm, sve,
-            sdn, sdh, sdm, sde, Cq, Ck, E, FN, PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_E,
+            q, k, offs_m, offs_n, n, h, pid_b, V, W, VALID, FIRST, LSE, DELTA, DO, svn, svh,
+            svm, sve, sdn, sdh, sdm, sde, stride_valid, Cq, Ck, E, q_offset, positions, scale,
+            FN, HAS_BIAS, HAS_VALID, CAUSAL, EMPTY_CAUSAL, PRECISION, UPCAST, BLOCK_M, BLOCK_N,
+            BLOCK_E,
         )  # fmt: skip
         dq += _mm(ds.to(k.dtype), k, PRECISION, UPCAST)
-    tl.store(
-        DQ + n * sqn + h * sqh + offs_m[:, None] * sqm + offs_z[None, :] * sqz,
-        (dq * scale).to(DQ.dtype.element_ty),
-        mask=(offs_m[:, None] < Cq) & (offs_z[None, :] < Z),
-    )
+    _store_tile(DQ, dq * scale, n, h, offs_m, offs_z, sqn, sqh, sqm, sqz, Cq, Z)

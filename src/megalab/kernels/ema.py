@@ -59,6 +59,30 @@ def _kahan(total: tl.tensor, comp: tl.tensor, value: tl.tensor) -> tuple[tl.tens
 
 
 @triton.jit
+def _exponents(
+    t: tl.tensor, t_ok: tl.tensor, base: tl.tensor, L: tl.tensor, REVERSE: tl.constexpr
+) -> tl.tensor:
+    """e(t) = base + t, or base + L − 1 − t (REVERSE), in float32; 0 past the end."""
+    if REVERSE:
+        return tl.where(t_ok, base + L - 1 - t, 0).to(tl.float32)
+    return tl.where(t_ok, base + t, 0).to(tl.float32)
+
+
+@triton.jit
+def _load_log_q(
+    q_ptr: tl.tensor, d: tl.tensor, n: tl.tensor, N: tl.tensor, n_ok: tl.tensor,
+    COMPLEX: tl.constexpr,
+) -> tuple[tl.tensor, tl.tensor]:  # fmt: skip
+    """(log |q|, arg q) of row d at n (real q: (log q, log q), the second unused)."""
+    if COMPLEX:
+        log_abs = tl.load(q_ptr + (d * N + n) * 2, mask=n_ok, other=0.0)
+        theta = tl.load(q_ptr + (d * N + n) * 2 + 1, mask=n_ok, other=0.0)
+        return log_abs, theta
+    log_q = tl.load(q_ptr + d * N + n, mask=n_ok, other=0.0)
+    return log_q, log_q
+
+
+@triton.jit
 def _apply_kernel(
     c_ptr: tl.tensor,  # (G·D, N) float32, or (G·D, N, 2) interleaved complex
     q_ptr: tl.tensor,  # (D, N) log q, or (D, N, 2) interleaved complex
@@ -76,26 +100,21 @@ def _apply_kernel(
     d = row % D
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < L
-    if REVERSE:
-        e = tl.where(t_ok, base + L - 1 - t, 0).to(tl.float32)
-    else:
-        e = tl.where(t_ok, base + t, 0).to(tl.float32)
+    e = _exponents(t, t_ok, base, L, REVERSE)
     acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < N
+        log_abs, theta = _load_log_q(q_ptr, d, n, N, n_ok, COMPLEX)
         if COMPLEX:
-            log_abs = tl.load(q_ptr + (d * N + n) * 2, mask=n_ok, other=0.0)
-            theta = tl.load(q_ptr + (d * N + n) * 2 + 1, mask=n_ok, other=0.0)
             c_re = tl.load(c_ptr + (row * N + n) * 2, mask=n_ok, other=0.0)
             c_im = tl.load(c_ptr + (row * N + n) * 2 + 1, mask=n_ok, other=0.0)
             z = tl.exp(e[:, None] * log_abs[None, :])
             angle = e[:, None] * theta[None, :]
             term = z * (c_re[None, :] * tl.cos(angle) - c_im[None, :] * tl.sin(angle))
         else:
-            log_q = tl.load(q_ptr + d * N + n, mask=n_ok, other=0.0)
             c = tl.load(c_ptr + row * N + n, mask=n_ok, other=0.0)
-            term = c[None, :] * tl.exp(e[:, None] * log_q[None, :])
+            term = c[None, :] * tl.exp(e[:, None] * log_abs[None, :])
         acc += tl.sum(term, axis=1)
     tl.store(out_ptr + row * L + t, acc, mask=t_ok)
 
@@ -120,12 +139,7 @@ def _reduce_kernel(
     d = row % D
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    if COMPLEX:
-        log_abs = tl.load(q_ptr + (d * N + n) * 2, mask=n_ok, other=0.0)
-        theta = tl.load(q_ptr + (d * N + n) * 2 + 1, mask=n_ok, other=0.0)
-    else:
-        log_abs = tl.load(q_ptr + d * N + n, mask=n_ok, other=0.0)
-        theta = log_abs  # unused
+    log_abs, theta = _load_log_q(q_ptr, d, n, N, n_ok, COMPLEX)
     zero = tl.zeros((BLOCK_N,), dtype=tl.float32)
     s0_re, s0_im, s1_re, s1_im = zero, zero, zero, zero
     k0_re, k0_im, k1_re, k1_im = zero, zero, zero, zero  # Kahan compensations
@@ -133,10 +147,7 @@ def _reduce_kernel(
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < L
         w = tl.load(w_ptr + row * L + t, mask=t_ok, other=0.0).to(tl.float32)
-        if REVERSE:
-            e = tl.where(t_ok, base + L - 1 - t, 0).to(tl.float32)
-        else:
-            e = tl.where(t_ok, base + t, 0).to(tl.float32)
+        e = _exponents(t, t_ok, base, L, REVERSE)
         wz = w[:, None] * tl.exp(e[:, None] * log_abs[None, :])
         if COMPLEX:
             angle = e[:, None] * theta[None, :]
@@ -327,6 +338,19 @@ def state_decay(h: Tensor, log_q: Tensor, length: int) -> Tensor:
 
 # --------------------------------------------------------------------------------- the output
 @triton.jit
+def _skip_tile(
+    L: tl.tensor, D: tl.tensor, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """This program's (batch, steps, features) of a (B, L, D) tensor, the in-range mask and the
+    offsets of the tile in a contiguous (B, L, D) tensor."""
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = (t < L)[:, None] & (d < D)[None, :]
+    return b, t, d, ok, (b * L + t[:, None]) * D + d[None, :]
+
+
+@triton.jit
 def _skip_fwd_kernel(
     y_ptr: tl.tensor,  # (B, D, L) float32, any strides: the EMA term
     x_ptr: tl.tensor,  # (B, L, D) any strides, any float dtype: the skip input
@@ -346,15 +370,11 @@ def _skip_fwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ) -> None:
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = (t < L)[:, None] & (d < D)[None, :]
+    b, t, d, ok, offsets = _skip_tile(L, D, BLOCK_T, BLOCK_D)
     y = tl.load(y_ptr + b * sy_b + d[None, :] * sy_d + t[:, None] * sy_t, mask=ok, other=0.0)
     x = tl.load(x_ptr + b * sx_b + t[:, None] * sx_t + d[None, :] * sx_d, mask=ok, other=0.0)
     w = tl.load(w_ptr + d, mask=d < D, other=0.0)
     pre = y + x.to(tl.float32) * w[None, :]
-    offsets = (b * L + t[:, None]) * D + d[None, :]
     if SAVE_PRE:
         tl.store(pre_ptr + offsets, pre, mask=ok)
     out = pre
@@ -379,13 +399,9 @@ def _skip_bwd_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ) -> None:
-    b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = (t < L)[:, None] & (d < D)[None, :]
+    b, t, d, ok, offsets = _skip_tile(L, D, BLOCK_T, BLOCK_D)
     g = tl.load(g_ptr + b * sg_b + t[:, None] * sg_t + d[None, :] * sg_d, mask=ok, other=0.0)
     g = g.to(tl.float32)
-    offsets = (b * L + t[:, None]) * D + d[None, :]
     if SILU:
         pre = tl.load(pre_ptr + offsets, mask=ok, other=0.0)
         s = tl.sigmoid(pre)

@@ -44,6 +44,17 @@ __all__ = ["timestep_norm"]
 
 
 @triton.jit
+def _block_program(
+    G: tl.tensor, NBLK: tl.tensor
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
+    """This program's (block, batch·group, batch, group): one flat grid of NBLK blocks per
+    batch·group, so no per-axis limit on either."""
+    pid = tl.program_id(0)
+    bg = pid // NBLK
+    return pid % NBLK, bg, bg // G, bg % G
+
+
+@triton.jit
 def _load_tile(
     x_ptr: tl.tensor, mask_ptr: tl.tensor, b: tl.tensor, g: tl.tensor, blk: tl.tensor, L: tl.tensor,
     D: tl.tensor, Dg: tl.tensor,
@@ -94,11 +105,7 @@ def _fwd_block_stats(
     Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor,
     HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:  # fmt: skip
-    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
-    blk = pid % NBLK
-    bg = pid // NBLK
-    b = bg // G
-    g = bg % G
+    blk, bg, b, g = _block_program(G, NBLK)
     _, _, _, _, _, valid, m, v = _load_step_stats(
         x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
     )
@@ -198,11 +205,7 @@ def _fwd_normalize(
     D: tl.tensor, Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor, eps: tl.tensor,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:  # fmt: skip
-    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
-    blk = pid % NBLK
-    bg = pid // NBLK
-    b = bg // G
-    g = bg % G
+    blk, bg, b, g = _block_program(G, NBLK)
     x, offs, offs_t, in_t, in_d, valid, m, v = _load_step_stats(
         x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
     )
@@ -239,13 +242,14 @@ def _fwd_normalize(
 def _bwd_step_terms(
     x_ptr: tl.tensor, dy_ptr: tl.tensor, mask_ptr: tl.tensor, w_ptr: tl.tensor, mu_ptr: tl.tensor,
     rstd_ptr: tl.tensor, prefix_ptr: tl.tensor, dmean_ptr: tl.tensor, dvar_ptr: tl.tensor,
-    b: tl.tensor, g: tl.tensor, bg: tl.tensor, blk: tl.tensor, L: tl.tensor, D: tl.tensor,
-    Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor,
+    L: tl.tensor, D: tl.tensor, Dg: tl.tensor, G: tl.tensor, NBLK: tl.tensor,
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> tuple[tl.tensor, ...]:  # fmt: skip
     """Per step of the block: the mean and variance terms u_t, c_t, p_t of the backward (see
-    `_TimestepNormFn`), with x̂ and the gradient g = dy·(1 + γ) at x̂ (zero at padded steps)."""
+    `_TimestepNormFn`), with x̂ and the gradient g = dy·(1 + γ) at x̂ (zero at padded steps),
+    for this program's block (`_block_program`)."""
+    blk, bg, b, g = _block_program(G, NBLK)
     x, offs, offs_t, in_t, in_d, valid = _load_tile(
         x_ptr, mask_ptr, b, g, blk, L, D, Dg, HAS_MASK, BLOCK_T, BLOCK_D
     )
@@ -270,7 +274,7 @@ def _bwd_step_terms(
         u -= tl.where(last, tl.load(dmean_ptr + bg).to(tl.float32), 0.0) * inv_n
         c -= tl.where(last, 2.0 * tl.load(dvar_ptr + bg).to(tl.float32), 0.0) * inv_n
     p = c * (mu - K)
-    return x, dy, gx, xhat, mu, rstd, u, c, p, K, offs, in_t, in_d, live
+    return x, dy, gx, xhat, mu, rstd, u, c, p, K, offs, in_t, in_d, live, blk, bg, b, g
 
 
 @triton.jit
@@ -282,15 +286,9 @@ def _bwd_block_sums(
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:  # fmt: skip
-    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
-    blk = pid % NBLK
-    bg = pid // NBLK
-    b = bg // G
-    g = bg % G
-    _, dy, _, xhat, _, _, u, c, p, _, _, _, in_d, _ = _bwd_step_terms(
+    _, dy, _, xhat, _, _, u, c, p, _, _, _, in_d, _, blk, bg, b, g = _bwd_step_terms(
         x_ptr, dy_ptr, mask_ptr, w_ptr, mu_ptr, rstd_ptr, prefix_ptr, dmean_ptr, dvar_ptr,
-        b, g, bg, blk, L, D, Dg, G, NBLK,
-        HAS_MASK, AFFINE, STATE_GRAD, BLOCK_T, BLOCK_D,
+        L, D, Dg, G, NBLK, HAS_MASK, AFFINE, STATE_GRAD, BLOCK_T, BLOCK_D,
     )  # fmt: skip
     base = sums_ptr + (bg.to(tl.int64) * NBLK + blk) * 3
     tl.store(base, tl.sum(u, axis=0))
@@ -344,15 +342,9 @@ def _bwd_dx(
     HAS_MASK: tl.constexpr, AFFINE: tl.constexpr, STATE_GRAD: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ) -> None:  # fmt: skip
-    pid = tl.program_id(0)  # one flat grid: no per-axis limit on blocks or batch·groups
-    blk = pid % NBLK
-    bg = pid // NBLK
-    b = bg // G
-    g = bg % G
-    x, _, gx, _, mu, rstd, u, c, p, K, offs, in_t, in_d, live = _bwd_step_terms(
+    x, _, gx, _, mu, rstd, u, c, p, K, offs, in_t, in_d, live, blk, bg, _, _ = _bwd_step_terms(
         x_ptr, dy_ptr, mask_ptr, w_ptr, mu_ptr, rstd_ptr, prefix_ptr, dmean_ptr, dvar_ptr,
-        b, g, bg, blk, L, D, Dg, G, NBLK,
-        HAS_MASK, AFFINE, STATE_GRAD, BLOCK_T, BLOCK_D,
+        L, D, Dg, G, NBLK, HAS_MASK, AFFINE, STATE_GRAD, BLOCK_T, BLOCK_D,
     )  # fmt: skip
     base = suffix_ptr + (bg.to(tl.int64) * NBLK + blk) * 3
     U = tl.load(base) + tl.cumsum(u, axis=0, reverse=True)

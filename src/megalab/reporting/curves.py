@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megalab.reporting.plots import pyplot, save_figure
 from megalab.reporting.runs import Run, collect_runs, config_value
 
 log = logging.getLogger(__name__)
@@ -257,11 +258,7 @@ def render_markdown(series: Sequence[Line], baseline: str) -> str:
 
 def plot_curves(path: str | Path, series: Sequence[Line], baseline: str, title: str) -> Path:
     """Write the PNG: loss against tokens (left), tokens/s by context and model (right)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12.0, 4.8), dpi=150)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     models = sorted({ln.model for ln in series}, key=lambda m: (m.lower() == baseline.lower(), m))
@@ -302,13 +299,4 @@ def plot_curves(path: str | Path, series: Sequence[Line], baseline: str, title: 
     bx.grid(True, axis="y", alpha=0.3)
     bx.legend(fontsize=8)
     fig.suptitle(title, fontsize=11)
-    smoke = any(ln.smoke for ln in series)
-    if smoke:
-        fig.text(0.5, 0.01, "smoke runs: 2 training steps on fixture data, not results",
-                 ha="center", fontsize=8, color="firebrick")  # fmt: skip
-    fig.tight_layout(rect=(0, 0.03 if smoke else 0, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, any(ln.smoke for ln in series))

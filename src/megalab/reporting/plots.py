@@ -30,6 +30,36 @@ def _tick(key: str, value: Any) -> str:
     return "full" if key.endswith("chunk_size") and same_value(value, -1) else str(value)
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: str | Path, smoke: bool) -> Path:
+    """Lay `fig` out, with a note at the bottom when it shows smoke runs, write it to `path`
+    (creating the folder) and close it."""
+    if smoke:
+        fig.text(
+            0.5,
+            0.01,
+            "smoke runs: 2 training steps on fixture data, not results",
+            ha="center",
+            fontsize=8,
+            color="firebrick",
+        )
+    fig.tight_layout(rect=(0, 0.03 if smoke else 0, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    pyplot().close(fig)
+    return path
+
+
 def sweep_series(
     key: str, runs: Sequence[Run], table: PaperTable | None, metric: str, scale: float
 ) -> tuple[list[str], list[Series]]:
@@ -91,11 +121,7 @@ def plot_sweep(
 ) -> Path:
     """Write a PNG: ours (mean ± std, filled markers and lines) and the paper's points
     (hollow markers, ≈ for values the paper only describes) for every series."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.0, 5.0), dpi=150)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     # Ordered numeric values (chunk size, EMA dimension) are joined by lines; categories
@@ -185,18 +211,4 @@ def plot_sweep(
         ncol=2,
         frameon=False,
     )
-    if smoke:
-        fig.text(
-            0.5,
-            0.01,
-            "smoke runs: 2 training steps on fixture data, not results",
-            ha="center",
-            fontsize=8,
-            color="firebrick",
-        )
-    fig.tight_layout(rect=(0, 0.03 if smoke else 0, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, smoke)

@@ -154,6 +154,17 @@ class TaskBase(L.LightningModule):
             "metrics": metric_states(self),
         }
 
+    def _same_processes(self, ranks: list[Any], saved: str, otherwise: str) -> bool:
+        """Whether per-process states saved by `len(ranks)` processes match this run's number of
+        processes; if not, a warning says what is `saved` and what happens `otherwise`."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        if len(ranks) == world:
+            return True
+        log.warning(
+            "%s comes from %d process(es), this run has %d: %s", saved, len(ranks), world, otherwise
+        )
+        return False
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["resume_states"] = {"ranks": gather_from_ranks(self._own_resume_state())}
 
@@ -166,14 +177,11 @@ class TaskBase(L.LightningModule):
             return
         ranks = saved["ranks"]
         rank = self.global_rank if self._trainer is not None else 0
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if len(ranks) != world:
-            log.warning(
-                "the checkpoint comes from %d process(es), this run has %d: the random number "
-                "generators and metric accumulations cannot continue exactly",
-                len(ranks),
-                world,
-            )
+        self._same_processes(
+            ranks,
+            "the checkpoint",
+            "the random number generators and metric accumulations cannot continue exactly",
+        )
         mine = ranks[rank] if rank < len(ranks) else ranks[0]
         states = mine["rng"]
         random.setstate(states["python"])

@@ -89,23 +89,18 @@ class ClassificationTask(SequenceTask):
         aux_loss = self.aux_loss(out, split, n)
         self.losses[f"{split}_loss"](loss.detach(), n)
         self.accs[f"{split}_acc"](logits.detach(), hard)
-        on_step = split == "train"
-        self.log(
-            f"{split}/loss",
-            self.losses[f"{split}_loss"],
-            on_step=on_step,
-            on_epoch=True,
-            batch_size=n,
-            prog_bar=True,
-        )
-        self.log(
-            f"{split}/acc",
-            self.accs[f"{split}_acc"],
-            on_step=on_step,
-            on_epoch=True,
-            batch_size=n,
-            prog_bar=True,
-        )
+        for name, metric in (
+            ("loss", self.losses[f"{split}_loss"]),
+            ("acc", self.accs[f"{split}_acc"]),
+        ):
+            self.log(
+                f"{split}/{name}",
+                metric,
+                on_step=split == "train",
+                on_epoch=True,
+                batch_size=n,
+                prog_bar=True,
+            )
         if aux_loss is not None and split == "train":
             loss = loss + aux_loss
         return loss

@@ -18,7 +18,6 @@ when batches carry `num_words`, `word_ppl` = exp(total NLL / number of words).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -35,8 +34,6 @@ from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.nn.state import detach_state, pack_state, state_to, unpack_state
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
 from megalab.utils.distributed import gather_from_ranks
-
-log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 _STATE_KEY = "lm_train_state"
@@ -389,14 +386,9 @@ class LanguageModelingTask(SequenceTask):
         if not saved or not self.carry_state:
             return
         ranks = saved["ranks"]
-        world = self.trainer.world_size if self._trainer is not None else 1
-        if len(ranks) != world:
-            log.warning(
-                "the checkpoint's carried state comes from %d process(es), this run has "
-                "%d: training streams restart without it",
-                len(ranks),
-                world,
-            )
+        if not self._same_processes(
+            ranks, "the checkpoint's carried state", "training streams restart without it"
+        ):
             return
         mine = ranks[self.global_rank if self._trainer is not None else 0]
         self._state["train"] = {int(g): unpack_state(s) for g, s in mine["items"]}

@@ -26,16 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, prepared
 from megalab.data.download import download
 from megalab.data.lm.codec import AlphabetCodec, ByteCodec
-from megalab.data.lm.stream import (
-    LMStreamDataModule,
-    TokenStream,
-    load_streams,
-    write_meta,
-    write_tokens,
-)
+from megalab.data.lm.prepared import write_meta, write_split
+from megalab.data.lm.stream import LMStreamDataModule, TokenStream, load_streams
 
 log = logging.getLogger(__name__)
 
@@ -125,11 +120,10 @@ class CharLMDataModule(LMStreamDataModule):
         splits = {"train": data[:a], "val": data[a:b], "test": data[b:]}
         meta: dict = {"dataset": self.name, "vocab_size": self.spec.vocab_size, "splits": {}}
         for split, part in splits.items():
-            info = write_tokens(cache / f"{split}.bin", [self.encode(part, split)], "uint8")
-            meta["splits"][split] = {"file": f"{split}.bin", "dtype": "uint8", **info}
-            log.info("%s %s: %s tokens", self.name, split, f"{info['tokens']:,}")
-        write_meta(cache, meta)
-        mark_prepared(cache, meta, sources=[self.archive])
+            entry = write_split(cache, split, [self.encode(part, split)], "uint8")
+            meta["splits"][split] = entry
+            log.info("%s %s: %s tokens", self.name, split, f"{entry['tokens']:,}")
+        write_meta(cache, meta, [self.archive])
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not self.archive.exists():

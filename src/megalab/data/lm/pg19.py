@@ -32,18 +32,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, prepared
 from megalab.data.download import DatasetMissingError, is_offline
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import TokenizerCodec
-from megalab.data.lm.stream import (
-    LMStreamDataModule,
-    TokenStream,
-    load_streams,
-    token_dtype,
-    write_meta,
-    write_tokens,
-)
+from megalab.data.lm.prepared import token_dtype, write_meta, write_split, write_tokens
+from megalab.data.lm.stream import LMStreamDataModule, TokenStream, load_streams
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -286,8 +280,7 @@ class PG19DataModule(LMStreamDataModule):
                         word_chunks.append(words)
                     yield chunk
 
-            info = write_tokens(cache / f"{split}.bin", ids(), dtype)
-            entry = {"file": f"{split}.bin", "dtype": dtype, **info}
+            entry = write_split(cache, split, ids(), dtype)
             if with_words:
                 words = np.concatenate(word_chunks)
                 if words.max(initial=0) > 255 or int(words.sum()) != total[0]:
@@ -298,12 +291,11 @@ class PG19DataModule(LMStreamDataModule):
             log.info(
                 "PG-19 %s: %s tokens%s",
                 split,
-                f"{info['tokens']:,}",
+                f"{entry['tokens']:,}",
                 f", {total[0]:,} words" if with_words else "",
             )
         (cache / "tokenizer.json").write_text(tok.to_str())
-        write_meta(cache, meta)
-        mark_prepared(cache, meta, sources=self.source.source_files())
+        write_meta(cache, meta, self.source.source_files())
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not prepared(self.cache()):

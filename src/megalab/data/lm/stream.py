@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,45 +148,6 @@ class TokenStream:
 # --------------------------------------------------------------------------- writing streams
 
 
-def write_tokens(path: Path, chunks: Iterable[np.ndarray], dtype: str) -> dict[str, int]:
-    """Write token chunks to a raw `.bin` file (native byte order), atomically.
-
-    Returns the number of tokens and the largest id.
-    """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    count, max_id = 0, -1
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                chunk = np.asarray(chunk)
-                if chunk.size == 0:
-                    continue
-                if chunk.min() < 0 or chunk.max() > np.iinfo(dtype).max:
-                    raise ValueError(f"token ids out of range for {dtype} while writing {path}")
-                f.write(chunk.astype(dtype).tobytes())
-                count += chunk.size
-                max_id = max(max_id, int(chunk.max()))
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-    return {"tokens": count, "max_id": max_id}
-
-
-def token_dtype(vocab_size: int) -> str:
-    """The smallest unsigned dtype that holds ids below `vocab_size`."""
-    for dtype in ("uint8", "uint16", "uint32"):
-        if vocab_size <= np.iinfo(dtype).max + 1:
-            return dtype
-    raise ValueError(f"vocabulary of {vocab_size} ids is too large")
-
-
-def write_meta(cache: Path, meta: Mapping[str, Any]) -> None:
-    tmp = cache / f".meta.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(dict(meta), indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, cache / "meta.json")
-
-
 def load_streams(cache: Path, vocab_size: int | None = None) -> dict[str, TokenStream]:
     """The `TokenStream`s of a prepared directory (from its `meta.json`).
 
@@ -281,7 +242,20 @@ def extended_offsets(a: int, width: int, ext_len: int) -> np.ndarray:
     return np.arange(-min(ext_len, a), width)[None, :]
 
 
-class StreamBatches(Dataset):
+class _TrainingBatches(Dataset):
+    """Training batches addressed by `(epoch, i)`: `rows_per_device` rows of up to `seq_len`
+    tokens of `stream` per process, in `layout`'s processes and accumulation groups."""
+
+    def __init__(
+        self, stream: TokenStream, rows_per_device: int, seq_len: int, layout: Layout, seed: int
+    ) -> None:
+        self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
+        self.seed = seed
+        #: The rows of one optimizer step, over every process and accumulation group.
+        self.total_rows = rows_per_device * layout.world_size * layout.accumulate
+
+
+class StreamBatches(_TrainingBatches):
     """Training batches in Transformer-XL order: B contiguous rows read in segments of L.
 
     Items are addressed by `(epoch, i)`; batch i is segment `i // accumulate` of stream group
@@ -304,11 +278,8 @@ class StreamBatches(Dataset):
             raise ValueError(f"unknown roll {roll!r}: true (the stream), false or 'rows'")
         if ext_len < 0:
             raise ValueError(f"ext_len must be >= 0, got {ext_len}")
-        self.ext_len = ext_len
-        self.stream, self.seq_len, self.layout = stream, seq_len, layout
-        self.rows = rows_per_device
-        self.roll, self.seed = roll, seed
-        self.total_rows = rows_per_device * layout.world_size * layout.accumulate
+        super().__init__(stream, rows_per_device, seq_len, layout, seed)
+        self.ext_len, self.roll = ext_len, roll
         n_pred = len(stream) - 1
         self.row_len = n_pred // self.total_rows
         if self.row_len < 1:
@@ -439,7 +410,7 @@ class EvalBatches(Dataset):
         return _batch(self.stream, index, index + 1, valid, scored, True, 0, self.words)
 
 
-class RandomWindowBatches(Dataset):
+class RandomWindowBatches(_TrainingBatches):
     """Independent random windows (stateless training); every batch has `reset`.
 
     `multiples=(lo, hi)` draws m uniformly from lo..hi per optimizer step (the same on every
@@ -457,8 +428,8 @@ class RandomWindowBatches(Dataset):
         multiples: tuple[int, ...] | None = None,
         unit: int | None = None,
     ) -> None:
-        self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
-        self.seed, self.multiples, self.unit = seed, multiples, unit
+        super().__init__(stream, rows_per_device, seq_len, layout, seed)
+        self.multiples, self.unit = multiples, unit
         if multiples is not None:
             lo, hi = multiples
             if unit is None or not 1 <= lo <= hi or hi * unit > seq_len:
@@ -473,8 +444,7 @@ class RandomWindowBatches(Dataset):
                 f"the {stream.name or 'training'} split has {n_pred} predictions, fewer than one "
                 f"window of {longest}: lower data.max_len"
             )
-        per_step = rows_per_device * layout.world_size * layout.accumulate * seq_len
-        self.steps = max(1, n_pred // per_step)
+        self.steps = max(1, n_pred // (self.total_rows * seq_len))
 
     def __len__(self) -> int:
         return self.steps * self.layout.accumulate
@@ -534,7 +504,8 @@ class LMStreamDataModule(SequenceDataModule):
             `eval_max_len` (None: consecutive segments with carried state).
         train_len_multiples, train_len_unit: variable-length windows m x unit, m uniform in
             [lo, hi] per step (`random` sampler; Mega's variant blocks).
-        vocab_size, pad_id: the spec (`d_input`/`num_classes` must stay None for LM data).
+        kwargs: `SequenceDataModule`'s other settings; of the spec, `vocab_size` (required) and
+            `pad_id` (`d_input`/`num_classes` must stay None for LM data).
     """
 
     word_level: bool = False
@@ -544,14 +515,6 @@ class LMStreamDataModule(SequenceDataModule):
         data_dir: str | Path,
         max_len: int,
         batch_size: int = 8,
-        eval_batch_size: int | None = None,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        seed: int = 42,
-        vocab_size: int | None = None,
-        d_input: int | None = None,
-        num_classes: int | None = None,
-        pad_id: int | None = None,
         sampler: str = "stream",
         roll: bool | str = True,
         eval_max_len: int | None = None,
@@ -559,12 +522,14 @@ class LMStreamDataModule(SequenceDataModule):
         train_len_multiples: list[int] | tuple[int, int] | None = None,
         train_len_unit: int | None = None,
         ext_len: int = 0,
+        **kwargs: Any,
     ) -> None:
-        if d_input is not None or num_classes is not None:
+        if kwargs.get("d_input") is not None or kwargs.get("num_classes") is not None:
             raise ValueError(
                 "language-model data has tokens and no classes: set data.d_input "
                 "and data.num_classes to null"
             )
+        vocab_size = kwargs.get("vocab_size")
         if vocab_size is None or vocab_size <= 0:
             raise ValueError(f"language-model data needs a positive vocab_size, got {vocab_size}")
         if sampler not in SAMPLERS:
@@ -580,17 +545,7 @@ class LMStreamDataModule(SequenceDataModule):
                 "ext_len extends carried-state segments with the tokens before them: it needs "
                 "sampler=stream (random windows have no preceding segment)"
             )
-        super().__init__(
-            data_dir,
-            max_len,
-            batch_size,
-            eval_batch_size,
-            num_workers,
-            pin_memory,
-            seed,
-            vocab_size=vocab_size,
-            pad_id=pad_id,
-        )
+        super().__init__(data_dir, max_len, batch_size, **kwargs)
         # Not `self.sampler`: that would shadow SequenceDataModule.sampler(split, batch_size).
         self.train_sampling = sampler
         self.roll = roll

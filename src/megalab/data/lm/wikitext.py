@@ -33,17 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, prepared
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import WordCodec
-from megalab.data.lm.stream import (
-    LMStreamDataModule,
-    TokenStream,
-    load_streams,
-    token_dtype,
-    write_meta,
-    write_tokens,
-)
+from megalab.data.lm.prepared import token_dtype, write_meta, write_split
+from megalab.data.lm.stream import LMStreamDataModule, TokenStream, load_streams
 
 log = logging.getLogger(__name__)
 
@@ -174,18 +168,12 @@ class WikiText103DataModule(LMStreamDataModule):
         }
         for split in ("train", "val", "test"):
             chunks = encode_lines(self.source.texts(split, 4096), index, split)
-            info = write_tokens(cache / f"{split}.bin", chunks, dtype)
-            meta["splits"][split] = {
-                "file": f"{split}.bin",
-                "dtype": dtype,
-                "words_per_token": True,
-                **info,
-            }
+            entry = write_split(cache, split, chunks, dtype, words_per_token=True)
+            meta["splits"][split] = entry
             log.info(
-                "WikiText-103 %s: %s tokens (with the leading <eos>)", split, f"{info['tokens']:,}"
+                "WikiText-103 %s: %s tokens (with the leading <eos>)", split, f"{entry['tokens']:,}"
             )
-        write_meta(cache, meta)
-        mark_prepared(cache, meta, sources=self.source.source_files())
+        write_meta(cache, meta, self.source.source_files())
 
     def load_streams(self) -> dict[str, TokenStream]:
         if not prepared(self.cache()):

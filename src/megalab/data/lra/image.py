@@ -45,8 +45,9 @@ from megalab.data.cache import (
     rebuild_hint,
 )
 from megalab.data.hub import HubDataset
+from megalab.data.lra import release
 from megalab.data.lra.release import LRAFormatError
-from megalab.data.lra.text import fresh_cache
+from megalab.data.lra.text import hub_columns, refresh_hub_cache
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +60,8 @@ _CACHE_VERSION = 1
 
 def hub_dataset(data_dir: str | Path, hub_id: str = HUB_ID) -> HubDataset:
     """CIFAR-10's train and test splits (``img``, ``label``) in ``<data_dir>/plain_text/``."""
-    return HubDataset(
-        name="LRA Image (CIFAR-10)",
-        repo=hub_id,
-        local_dir=Path(data_dir),
-        columns=("img", "label"),
-        splits=("train", "test"),
-        fetch_dir="plain_text",
-        command=f"megalab-data cifar10 --out {data_dir}",
-        format_error=LRAFormatError,
+    return release.hub_dataset(
+        "LRA Image (CIFAR-10)", hub_id, data_dir, ("img", "label"), "cifar10"
     )
 
 
@@ -192,16 +186,11 @@ class CIFAR10DataModule(SequenceDataModule):
         return cache_dir(self.cache_root, "cifar10", params, version=_CACHE_VERSION)
 
     def prepare_data(self) -> None:
-        self.source.require(download=self.download, cache_dir=self.hf_cache_dir)
-        cache = self.cache_path()
-        if prepared(cache):
+        cache = refresh_hub_cache(self.source, self.cache_path, self.download, self.hf_cache_dir)
+        if cache is None:
             return
-        fresh_cache(cache)
         sizes = {}
-        for split in self.source.splits:
-            table = self.source.table(split)
-            images = table.column("img").to_pylist()
-            labels = table.column("label").to_pylist()
+        for split, images, labels in hub_columns(self.source, "img"):
             pixels = np.empty((len(images), SIDE * SIDE), dtype=np.uint8)
             for i, (img, y) in enumerate(zip(images, labels)):
                 where = f"{self.data_dir} ({split}, row {i})"

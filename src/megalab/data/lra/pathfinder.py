@@ -50,7 +50,13 @@ from megalab.data.base import SequenceDataModule
 from megalab.data.cache import cache_dir, mark_prepared, prepared
 from megalab.data.download import require_files
 from megalab.data.lra.image import PixelSequences, load_pixels, random_split_indices
-from megalab.data.lra.release import RELEASE_PAGE, LRAFormatError, data_root_of, release_how
+from megalab.data.lra.release import (
+    RELEASE_PAGE,
+    LRAFormatError,
+    binary_label,
+    data_root_of,
+    release_how,
+)
 from megalab.data.lra.text import fresh_cache
 
 log = logging.getLogger(__name__)
@@ -106,14 +112,7 @@ def read_metadata(
                         f"{meta}:{lineno}: expected at least 4 space-separated fields "
                         f"(directory, file, index, label), got {len(fields)}"
                     )
-                try:
-                    label = int(fields[3])
-                except ValueError:
-                    raise LRAFormatError(
-                        f"{meta}:{lineno}: label {fields[3]!r} is not an integer"
-                    ) from None
-                if label not in (0, 1):
-                    raise LRAFormatError(f"{meta}:{lineno}: label {label} is not 0 or 1")
+                label = binary_label(fields[3], f"{meta}:{lineno}")
                 rel = Path(difficulty) / fields[0] / fields[1]
                 if f"pathfinder{resolution}/{rel.as_posix()}" in skip:
                     continue

@@ -23,7 +23,7 @@ copies most tools describe, below a nested ``lra_release/lra_release/``; both ar
 
 The Hub datasets are stored as the Hub stores them (parquet shards under ``plain_text/``, with
 the Hub's column names and types); a ``save_to_disk`` folder works too. They are fetched and read
-by :mod:`megalab.data.hub` (see ``hub_dataset`` in :mod:`megalab.data.lra.text` and ``image``).
+by :mod:`megalab.data.hub` (see :func:`hub_dataset`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from pathlib import Path
 
 from megalab.data.archives import extract
 from megalab.data.download import download
+from megalab.data.hub import HubDataset
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,37 @@ _PREFIXES = ("lra_release/lra_release/", "lra_release/", "")
 
 class LRAFormatError(ValueError):
     """LRA data on disk that does not follow the official format; the message names the file."""
+
+
+def binary_label(field: str | bytes, where: str, number: type[int] | type[float] = int) -> int:
+    """A label field of the release that must be 0 or 1, read as `number` (Pathfinder writes
+    integers, AAN floats); errors are `LRAFormatError`s that name `where` (file:line)."""
+    try:
+        value = number(field)
+    except ValueError:
+        kind = "an integer" if number is int else "a number"
+        raise LRAFormatError(f"{where}: label {field[:20]!r} is not {kind}") from None
+    if value not in (0, 1):
+        raise LRAFormatError(f"{where}: label {value:g} is not 0 or 1")
+    return int(value)
+
+
+def hub_dataset(
+    name: str, repo: str, data_dir: str | Path, columns: tuple[str, str], command: str
+) -> HubDataset:
+    """An LRA task's Hub dataset: its train and test splits (``columns``: input, label) as the Hub
+    stores them under ``<data_dir>/plain_text/``; `command` is the `megalab-data` subcommand that
+    fetches it."""
+    return HubDataset(
+        name=name,
+        repo=repo,
+        local_dir=Path(data_dir),
+        columns=columns,
+        splits=("train", "test"),
+        fetch_dir="plain_text",
+        command=f"megalab-data {command} --out {data_dir}",
+        format_error=LRAFormatError,
+    )
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,14 @@ from typing import Any
 
 import numpy as np
 
-from megalab.data.base import SequenceDataModule, TokenSequences
+from megalab.data.base import TokenSequences
 from megalab.data.cache import cache_dir, mark_prepared, prepared
 from megalab.data.download import require_files
-from megalab.data.lra.release import LRAFormatError, data_root_of, release_how
+from megalab.data.lra.release import LRAFormatError, binary_label, data_root_of, release_how
 from megalab.data.lra.text import (
     NUM_CLASSES,
-    PAD_ID,
     VOCAB_SIZE,
-    _check_spec,
+    ByteDataModule,
     encode_bytes,
     fresh_cache,
     load_token_split,
@@ -64,38 +63,19 @@ def read_pairs(path: str | Path) -> Iterator[tuple[int, bytes, bytes]]:
                     f"{path}:{lineno}: expected {len(COLUMNS)} tab-separated fields "
                     f"({', '.join(COLUMNS)}), got {len(fields)}"
                 )
-            try:
-                value = float(fields[0])
-            except ValueError:
-                raise LRAFormatError(
-                    f"{path}:{lineno}: label {fields[0][:20]!r} is not a number"
-                ) from None
-            if value not in (0.0, 1.0):
-                raise LRAFormatError(f"{path}:{lineno}: label {value:g} is not 0 or 1")
-            yield int(value), fields[3], fields[4]
+            yield binary_label(fields[0], f"{path}:{lineno}", float), fields[3], fields[4]
 
 
-class AANDataModule(SequenceDataModule):
-    """LRA Retrieval (AAN): byte-level document-pair classification, up to 4K bytes each."""
+class AANDataModule(ByteDataModule):
+    """LRA Retrieval (AAN): byte-level document-pair classification, up to 4K bytes each.
 
-    def __init__(
-        self,
-        data_dir: str | Path,
-        max_len: int = 4001,
-        append_eos: bool = True,
-        prepend_cls: bool = False,
-        truncate: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        kwargs.setdefault("vocab_size", VOCAB_SIZE)
-        kwargs.setdefault("num_classes", NUM_CLASSES)
-        kwargs.setdefault("pad_id", PAD_ID)
+    Takes `ByteDataModule`'s arguments; the examples are always pairs."""
+
+    task = "LRA Retrieval"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["pairwise"] = True
-        super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
-        _check_spec(self, "LRA Retrieval")
-        self.append_eos, self.prepend_cls = append_eos, prepend_cls
-        self.truncate = truncate
-        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
+        super().__init__(*args, **kwargs)
 
     def files(self) -> dict[str, Path]:
         return {s: self.data_dir / f"new_aan_pairs.{name}.tsv" for s, name in FILES.items()}

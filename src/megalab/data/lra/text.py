@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -51,6 +51,7 @@ from megalab.data.cache import (
     rebuild_hint,
 )
 from megalab.data.hub import HubDataset
+from megalab.data.lra import release
 from megalab.data.lra.release import LRAFormatError
 
 log = logging.getLogger(__name__)
@@ -68,16 +69,7 @@ _TOKEN_DTYPE = np.int16
 
 def hub_dataset(data_dir: str | Path, hub_id: str = HUB_ID) -> HubDataset:
     """IMDB's train and test splits (``text``, ``label``) in ``<data_dir>/plain_text/``."""
-    return HubDataset(
-        name="LRA Text (IMDB)",
-        repo=hub_id,
-        local_dir=Path(data_dir),
-        columns=("text", "label"),
-        splits=("train", "test"),
-        fetch_dir="plain_text",
-        command=f"megalab-data imdb --out {data_dir}",
-        format_error=LRAFormatError,
-    )
+    return release.hub_dataset("LRA Text (IMDB)", hub_id, data_dir, ("text", "label"), "imdb")
 
 
 def byte_vocab() -> list[str]:
@@ -193,6 +185,26 @@ def fresh_cache(cache: Path) -> None:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
+def refresh_hub_cache(
+    source: HubDataset, cache_path: Callable[[], Path], download: bool, hf_cache_dir: str | None
+) -> Path | None:
+    """Fetch a Hub source where needed, then find its cache folder (the key depends on the
+    fetched files): None when it is prepared, else the folder, emptied for a rebuild."""
+    source.require(download=download, cache_dir=hf_cache_dir)
+    cache = cache_path()
+    if prepared(cache):
+        return None
+    fresh_cache(cache)
+    return cache
+
+
+def hub_columns(source: HubDataset, column: str) -> Iterator[tuple[str, list[Any], list[Any]]]:
+    """(split, the split's `column` values, its labels) for each split of a Hub source."""
+    for split in source.splits:
+        table = source.table(split)
+        yield split, table.column(column).to_pylist(), table.column("label").to_pylist()
+
+
 def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, Subset]:
     """Train/validation subsets as ``random_split(train, [n - k, k], Generator(seed))``."""
     if not 0.0 < fraction < 1.0:
@@ -213,8 +225,12 @@ def holdout_split(train: Dataset, fraction: float, seed: int) -> tuple[Subset, S
 # ---------------------------------------------------------------------------------------------
 # DataModule
 # ---------------------------------------------------------------------------------------------
-class IMDBDataModule(SequenceDataModule):
-    """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes)."""
+class ByteDataModule(SequenceDataModule):
+    """The byte-level LRA tasks (Text, Retrieval): bytes shifted past the specials, with optional
+    <s> and </s>; the spec (vocabulary, classes, padding) is the byte vocabulary's."""
+
+    #: The task's name in error messages.
+    task = "LRA bytes"
 
     def __init__(
         self,
@@ -222,12 +238,6 @@ class IMDBDataModule(SequenceDataModule):
         max_len: int = 4001,
         append_eos: bool = True,
         prepend_cls: bool = False,
-        val_source: str = "test",
-        val_fraction: float = 0.1,
-        split_seed: int = 42,
-        hub_id: str = HUB_ID,
-        download: bool = True,
-        hf_cache_dir: str | None = None,
         truncate: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -235,15 +245,36 @@ class IMDBDataModule(SequenceDataModule):
         kwargs.setdefault("num_classes", NUM_CLASSES)
         kwargs.setdefault("pad_id", PAD_ID)
         super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
-        _check_spec(self, "LRA Text")
+        _check_spec(self, self.task)
+        self.append_eos, self.prepend_cls, self.truncate = append_eos, prepend_cls, truncate
+        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
+
+
+class IMDBDataModule(ByteDataModule):
+    """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes).
+
+    Takes `ByteDataModule`'s arguments, and where the validation split comes from: `val_source`
+    "test" (LRA's choice) or "train" (a `val_fraction` held out with `split_seed`)."""
+
+    task = "LRA Text"
+
+    def __init__(
+        self,
+        *args: Any,
+        val_source: str = "test",
+        val_fraction: float = 0.1,
+        split_seed: int = 42,
+        hub_id: str = HUB_ID,
+        download: bool = True,
+        hf_cache_dir: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
         if val_source not in ("test", "train"):
             raise ValueError(f"val_source must be 'test' or 'train', got {val_source!r}")
-        self.append_eos, self.prepend_cls = append_eos, prepend_cls
         self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
         self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
-        self.truncate = truncate
         self.source = hub_dataset(self.data_dir, hub_id)
-        encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
     def cache_path(self) -> Path:
         params = {
@@ -256,17 +287,12 @@ class IMDBDataModule(SequenceDataModule):
         return cache_dir(self.cache_root, "imdb", params, version=_CACHE_VERSION)
 
     def prepare_data(self) -> None:
-        self.source.require(download=self.download, cache_dir=self.hf_cache_dir)
-        cache = self.cache_path()
-        if prepared(cache):
+        cache = refresh_hub_cache(self.source, self.cache_path, self.download, self.hf_cache_dir)
+        if cache is None:
             return
-        fresh_cache(cache)
         sizes, truncated = {}, {}
         room = self.max_len - int(self.append_eos) - int(self.prepend_cls)
-        for split in self.source.splits:
-            table = self.source.table(split)
-            texts = table.column("text").to_pylist()
-            labels = table.column("label").to_pylist()
+        for split, texts, labels in hub_columns(self.source, "text"):
             bad = [i for i, y in enumerate(labels) if y not in (0, 1)]
             if bad:
                 raise LRAFormatError(

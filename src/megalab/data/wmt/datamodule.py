@@ -49,32 +49,30 @@ class WMTFormatError(HubFormatError):
 def hub_sources(data_dir: str | Path, config: str = "de-en") -> tuple[HubDataset, HubDataset]:
     """(training data of wmt/wmt16, newstest2013/2014 of wmt/wmt14), `config` folders."""
     data_dir = Path(data_dir)
-    command = f"megalab-data wmt16 --root {data_dir.parent}"
-    train = HubDataset(
-        name="WMT'16 English-German (training)",
-        repo="wmt/wmt16",
-        config=config,
-        local_dir=data_dir / "wmt16" / config,
-        columns=("translation",),
-        splits=("train",),
-        fetch_dir=".",
-        command=command,
-        load_per_split=True,
-        format_error=WMTFormatError,
+
+    def source(name: str, year: str, splits: tuple[str, ...]) -> HubDataset:
+        """The `config` folder of wmt/wmt<year> with `splits`, fetched by one command."""
+        return HubDataset(
+            name=name,
+            repo=f"wmt/wmt{year}",
+            config=config,
+            local_dir=data_dir / f"wmt{year}" / config,
+            columns=("translation",),
+            splits=splits,
+            fetch_dir=".",
+            command=f"megalab-data wmt16 --root {data_dir.parent}",
+            load_per_split=True,
+            format_error=WMTFormatError,
+        )
+
+    return (
+        source("WMT'16 English-German (training)", "16", ("train",)),
+        source(
+            "WMT'14 English-German (newstest2013 validation, newstest2014 test)",
+            "14",
+            ("val", "test"),
+        ),
     )
-    evaluation = HubDataset(
-        name="WMT'14 English-German (newstest2013 validation, newstest2014 test)",
-        repo="wmt/wmt14",
-        config=config,
-        local_dir=data_dir / "wmt14" / config,
-        columns=("translation",),
-        splits=("val", "test"),
-        fetch_dir=".",
-        command=command,
-        load_per_split=True,
-        format_error=WMTFormatError,
-    )
-    return train, evaluation
 
 
 def _flat(seqs: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
