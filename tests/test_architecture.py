@@ -59,7 +59,6 @@ LAYERS: list[tuple[str, ...]] = [
         "megalab.loggers",
         "megalab.run_loading",
         "megalab.long_context",
-        "megalab.sampling",
         "megalab.pretrained",
     ),
     ("megalab.reporting",),

@@ -64,7 +64,7 @@ def test_python_m_megalab_train_still_composes_the_packaged_configs() -> None:
     ("old", "name", "new"),
     [
         ("megalab.train", "train", "megalab.cli.train"),
-        ("megalab.generate", "sample_tokens", "megalab.sampling"),
+        ("megalab.generate", "sample_tokens", "megalab.generation.sampling"),
         ("megalab.export", "from_pretrained", "megalab.pretrained"),
         ("megalab.tables", "collect_runs", "megalab.reporting"),
         ("megalab.curves", "load_curves", "megalab.reporting.curves"),

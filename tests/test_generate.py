@@ -15,7 +15,7 @@ from conftest import run_cli
 from megalab.cli.generate import generate
 from megalab.cli.train import train
 from megalab.data.lm.codec import AlphabetCodec, ByteCodec, WordCodec
-from megalab.sampling import filter_logits, next_token, sample_tokens
+from megalab.generation.sampling import filter_logits, next_token, sample_tokens
 
 
 @pytest.mark.parametrize(("name", "variant"), CAUSAL_CASES, ids=CAUSAL_IDS)

@@ -215,8 +215,8 @@ def test_decoding_paths_refuse_a_memory_that_leaves_out_ext_len() -> None:
     """Generation and long-context scoring feed contiguous segments without extended context:
     an XL whose memory leaves out the last ext_len positions would lose them, so both stop
     and say how to run the same weights (ext_len 0)."""
+    from megalab.generation.sampling import IncrementalDecoder
     from megalab.long_context import score_stream
-    from megalab.sampling import IncrementalDecoder
 
     task = xl_task(2, 4)
     with pytest.raises(ValueError, match=r"model\.backbone\.ext_len=0"):

@@ -42,10 +42,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import Tensor
 
+from megalab.generation.sampling import sample_tokens
 from megalab.run_loading import load_task as load_task
 from megalab.run_loading import merge_run_config
 from megalab.run_loading import pick_device as pick_device
-from megalab.sampling import sample_tokens
 from megalab.utils import errors
 from megalab.utils.checkpointing import verify_checkpoint
 from megalab.utils.paths import CONFIG_DIR

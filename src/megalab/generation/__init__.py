@@ -1,1 +1,2 @@
-"""Decoding and scoring of sequence-to-sequence models: beam search (`beam`) and BLEU (`bleu`)."""
+"""Decoding: sampling from language models (`sampling`), and for sequence-to-sequence models
+beam search (`beam`) and BLEU (`bleu`)."""

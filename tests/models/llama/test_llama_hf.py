@@ -108,7 +108,7 @@ def test_eval_tests_a_converted_checkpoint(compose_cfg, fixture_data_dir: Path, 
 
 def test_incremental_decoding_matches_transformers_generate(tmp_path: Path) -> None:
     """Greedy decoding with megalab's KV cache gives transformers' greedy tokens."""
-    from megalab.sampling import sample_tokens
+    from megalab.generation.sampling import sample_tokens
 
     hf = tiny_hf_llama(tmp_path / "hf", tied=False, kv_heads=1, seed=4)
     task, _ = load_task(hf_to_run(tmp_path / "hf", tmp_path / "run"))
