@@ -68,6 +68,7 @@ from megalab.models.seqboat.sma_routing import pack as pack
 from megalab.models.seqboat.sma_routing import plan_packing as plan_packing
 from megalab.models.seqboat.sma_routing import unpack as unpack
 from megalab.nn.attention import laplace
+from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.rope import apply_rope, rope_inv_freq
 from megalab.nn.state import register_state
 
@@ -111,17 +112,12 @@ def sinusoidal_positions(length: int, d_model: int, like: Tensor, offset: int = 
 
     The code's `SinusoidalPositionalEmbedding` of `--add-apos` (before its learned scale).
     """
-    half = d_model // 2
     dtype = torch.promote_types(like.dtype, torch.float32)
-    inv_freq = 1.0 / (
-        10000 ** (torch.arange(0, d_model, 2, device=like.device, dtype=torch.float64) / d_model)
-    ).to(dtype)
+    inv_freq = sinusoid_frequencies(
+        d_model // 2, d_model / 2, dtype=dtype, device=like.device, power_dtype=torch.float64
+    )
     t = torch.arange(offset, offset + length, device=like.device, dtype=dtype)
-    angle = t.unsqueeze(1) * inv_freq[:half].unsqueeze(0)
-    emb = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
-    if d_model % 2:
-        emb = F.pad(emb, (0, 1))
-    return emb
+    return sinusoid_table(t, inv_freq, width=d_model)
 
 
 # ------------------------------------------------------------------ attention on packed tokens

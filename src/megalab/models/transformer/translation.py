@@ -40,6 +40,7 @@ from megalab.models.mega.translation import mt_embedding
 from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import get_activation
+from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.state import register_state
 
 
@@ -50,13 +51,8 @@ def fairseq_sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
     appended for odd d. Computed in float32 like fairseq's table.
     """
     half = d_model // 2
-    scale = math.log(10000.0) / (half - 1)
-    freq = torch.exp(torch.arange(half, device=positions.device, dtype=torch.float32) * -scale)
-    angle = positions.to(torch.float32).unsqueeze(-1) * freq
-    table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
-    if d_model % 2:
-        table = F.pad(table, (0, 1))
-    return table
+    freq = sinusoid_frequencies(half, half - 1, form="exp", device=positions.device)
+    return sinusoid_table(positions.to(torch.float32), freq, width=d_model)
 
 
 class MultiheadAttention(nn.Module):
