@@ -35,10 +35,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.mega.cross_attention import CrossAttentionCache, GatedCrossAttention
-from megalab.models.mega.model import MAGAState, Mega, MegaConfig, MovingAverageGatedAttention
+from megalab.models.mega.model import (
+    MAGAState,
+    Mega,
+    MegaConfig,
+    MovingAverageGatedAttention,
+    mega_ffn,
+)
 from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.nn.embedding import TokenEmbedding
-from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.state import register_state
 
@@ -81,19 +86,7 @@ class MegaDecoderLayer(nn.Module):
             hidden_dropout=cfg.hidden_dropout,
             activation=cfg.activation,
         )
-        self.ffn = (
-            NormalizedFFN(
-                cfg.d_model,
-                cfg.ffn_dim,
-                dropout=cfg.dropout,
-                hidden_dropout=cfg.activation_dropout,
-                activation=cfg.activation,
-                norm_type=cfg.norm_type,
-                prenorm=cfg.prenorm,
-            )
-            if cfg.ffn_dim > 0
-            else None
-        )
+        self.ffn = mega_ffn(cfg) if cfg.ffn_dim > 0 else None
 
     def forward(
         self,
