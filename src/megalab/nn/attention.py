@@ -49,8 +49,8 @@ REL_POS_BIASES = ("simple", "rotary")
 KEEP_WEIGHTS_SPAN = 512
 
 
-class SimpleRelativePositionalBias(nn.Module):
-    """b[i, j] = w[M − 1 + j − i] with a learned w ∈ R^{2M−1} (init N(0, 0.02))."""
+class RelativeBiasTable(nn.Module):
+    """A learned bias by relative offset δ ∈ (−M, M): w[M − 1 + δ], w ∈ R^{2M−1}."""
 
     def __init__(self, max_positions: int) -> None:
         super().__init__()
@@ -58,7 +58,15 @@ class SimpleRelativePositionalBias(nn.Module):
             raise ValueError(f"max_positions must be positive, got {max_positions}")
         self.max_positions = max_positions
         self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """w ~ N(0, 0.02)."""
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+class SimpleRelativePositionalBias(RelativeBiasTable):
+    """b[i, j] = w[M − 1 + j − i] with a learned w ∈ R^{2M−1} (init N(0, 0.02))."""
 
     def check(self, k_len: int) -> None:
         """Raise when `k_len` keys exceed the table."""

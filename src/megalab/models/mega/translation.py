@@ -155,11 +155,7 @@ class MegaEncoderDecoder(EncoderDecoder):
         share_all_embeddings: bool = True,
         share_decoder_input_output_embed: bool = True,
     ) -> None:
-        config = constructor_arguments(locals())
-        super().__init__()
-        self.config = config  # the arguments, which checkpoints store to rebuild the model
-        self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
-        self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
+        super().__init__(constructor_arguments(locals()))
         common = dict(
             d_model=d_model,
             z_dim=z_dim,
