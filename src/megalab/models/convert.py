@@ -27,6 +27,29 @@ def _unknown(kind: str, name: str) -> KeyError:
     return KeyError(f"unexpected {kind} entry {name!r}: not a parameter of the authors' {kind}")
 
 
+def lra_io_entry(
+    name: str, t: Tensor, enc: str, encoder_prefix: str, head_prefix: str
+) -> tuple[str, Tensor] | None:
+    """Our name and tensor for an entry of the authors' LRA models' input embedding or
+    one-layer classifier (Mega's and SeqBoat's `LRAModel` share them); None for other names.
+
+    Tokens: `{enc}embed_tokens.embed.weight` -> `TokenEmbedding`; pixels/audio:
+    `{enc}embed_tokens.weight` (D,) and `.bias` -> `FeatureEmbedding`'s (D, 1) `proj`; the
+    head: `classifier.0.0.*` -> `fc1`, `sentence_projection_layer.weight` -> `fc2.weight`.
+    """
+    if name == enc + "embed_tokens.embed.weight":
+        return encoder_prefix + "embedding.weight", t
+    if name == enc + "embed_tokens.weight":
+        return encoder_prefix + "proj.weight", t.reshape(-1, 1)
+    if name == enc + "embed_tokens.bias":
+        return encoder_prefix + "proj.bias", t
+    if name.startswith("classifier.0.0."):
+        return head_prefix + "fc1." + name[len("classifier.0.0.") :], t
+    if name == "sentence_projection_layer.weight":
+        return head_prefix + "fc2.weight", t
+    return None
+
+
 def _checkpoint_safe_globals() -> list[Any]:
     """The non-tensor objects the authors' checkpoints pickle besides plain containers.
 

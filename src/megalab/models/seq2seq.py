@@ -46,7 +46,8 @@ class EncoderDecoder(nn.Module):
 
     Subclasses set `vocab_size`, `pad_id`, `d_model`, `max_source_len` and `max_target_len`
     (None: unbounded) and `config` (their constructor's arguments, which checkpoints store),
-    and implement `encode`, `decode`, `initial_state` and `step`.
+    by hand or by passing `config` to this constructor, and implement `encode`, `decode`,
+    `initial_state` and `step`.
     """
 
     vocab_size: int
@@ -55,6 +56,18 @@ class EncoderDecoder(nn.Module):
     max_source_len: int | None = None
     max_target_len: int | None = None
     config: dict[str, Any]
+
+    def __init__(self, config: dict[str, Any] | None = None) -> None:
+        """With `config`, a subclass's constructor arguments (`constructor_arguments`), store it
+        and take the sizes from its `vocab_size`, `pad_id`, `d_model`, `max_source_positions`
+        and `max_target_positions`."""
+        super().__init__()
+        if config is not None:
+            self.config = config  # which checkpoints store to rebuild the model
+            self.vocab_size, self.pad_id = config["vocab_size"], config["pad_id"]
+            self.d_model = config["d_model"]
+            self.max_source_len = config["max_source_positions"]
+            self.max_target_len = config["max_target_positions"]
 
     def encode(self, src: Tensor, src_mask: Tensor | None = None) -> EncoderOut:
         raise NotImplementedError

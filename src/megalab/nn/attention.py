@@ -29,7 +29,6 @@ at each chunk boundary, as the code's incremental decoding does.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Protocol
 
 import torch
@@ -37,6 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.kernels.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
+from megalab.nn.positions import sinusoid_frequencies
+from megalab.nn.rope import apply_rope
 from megalab.nn.state import register_state
 
 REL_POS_BIASES = ("simple", "rotary")
@@ -48,8 +49,8 @@ REL_POS_BIASES = ("simple", "rotary")
 KEEP_WEIGHTS_SPAN = 512
 
 
-class SimpleRelativePositionalBias(nn.Module):
-    """b[i, j] = w[M − 1 + j − i] with a learned w ∈ R^{2M−1} (init N(0, 0.02))."""
+class RelativeBiasTable(nn.Module):
+    """A learned bias by relative offset δ ∈ (−M, M): w[M − 1 + δ], w ∈ R^{2M−1}."""
 
     def __init__(self, max_positions: int) -> None:
         super().__init__()
@@ -57,7 +58,15 @@ class SimpleRelativePositionalBias(nn.Module):
             raise ValueError(f"max_positions must be positive, got {max_positions}")
         self.max_positions = max_positions
         self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """w ~ N(0, 0.02)."""
         nn.init.normal_(self.weight, mean=0.0, std=0.02)
+
+
+class SimpleRelativePositionalBias(RelativeBiasTable):
+    """b[i, j] = w[M − 1 + j − i] with a learned w ∈ R^{2M−1} (init N(0, 0.02))."""
 
     def check(self, k_len: int) -> None:
         """Raise when `k_len` keys exceed the table."""
@@ -99,13 +108,10 @@ class RotaryRelativePositionalBias(nn.Module):
     def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """R_p x for every position p: (P, z), half-split pairs (x1 | x2)."""
         half = self.z_dim // 2
-        inv_freq = torch.exp(
-            torch.arange(half, device=x.device, dtype=positions.dtype) * (-math.log(10000.0) / half)
+        inv_freq = sinusoid_frequencies(
+            half, half, form="exp", dtype=positions.dtype, device=x.device
         )
-        angle = positions.unsqueeze(1) * inv_freq.unsqueeze(0)
-        sin, cos = torch.sin(angle), torch.cos(angle)
-        x1, x2 = x.to(positions.dtype).chunk(2)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=1)
+        return apply_rope(x.to(positions.dtype), positions, inv_freq, interleaved=False)
 
     def factors(self, q_len: int, k_len: int, q_offset: int = 0) -> tuple[str, Tensor, Tensor]:
         """The bias as the product R_a R_bᵀ of the rotated vectors (q_len, z) and (k_len, z)."""

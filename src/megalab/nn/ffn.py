@@ -1,9 +1,12 @@
-"""Mega's normalized feed-forward network (the code's `NormalizedFeedForwardNetwork`).
+"""The normalized feed-forward sub-layer of Mega and Megalodon (the code's
+`NormalizedFeedForwardNetwork`), and the plain gated FFN.
 
-    Y = X + dropout(fc2(hidden_dropout(act(fc1(X̂)))))      X̂ = Norm(X) if pre-norm else X
-    post-norm: Y ← Norm(Y)
+    Y = R + DropPath(dropout(fc2(hidden_dropout(act(fc1 X̂) [⊙ fc3 X̂]))))
+    X̂ = Norm(X) if pre-norm else X;  post-norm: Y ← Norm(Y)
 
-The residual always uses the un-normalised input. Linears are initialised N(0, 0.02), bias 0.
+R is the un-normalised input X, or the residual the block passes (Megalodon's two-hop
+residual: Y = X + FFN(Ŷ)). fc3 exists for the gated (SwiGLU) variant only. Linears are
+initialised N(0, 0.02), bias 0, unless a model overrides `reset_parameters`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.nn.norms import SequenceNorm
+from megalab.nn.regularization import DropPath
 
 
 def gelu_accurate(x: Tensor) -> Tensor:
@@ -43,7 +47,8 @@ def get_activation(name: str) -> Callable[[Tensor], Tensor]:
 
 
 class NormalizedFFN(nn.Module):
-    """fc1 → act → hidden dropout → fc2 → dropout → + residual, with a pre- or post-norm.
+    """fc1 → act (⊙ fc3) → hidden dropout → fc2 → dropout → DropPath → + residual, with a
+    pre- or post-norm.
 
     Args:
         d_model: model width d.
@@ -55,6 +60,11 @@ class NormalizedFFN(nn.Module):
         prenorm: normalise the input (True) or the output (False).
         norm_affine: whether the norm learns its gain and bias (False: the code's
             `affine=False` norms).
+        norm: a norm module to use instead of `SequenceNorm(norm_type, ...)` (Megalodon's
+            plus-one LayerNorm); it is stored as `norm` either way.
+        gated: add the linear branch fc3 (SwiGLU with SiLU).
+        bias: biases on the linears.
+        drop_path: stochastic-depth rate on the branch, before the residual (0: none).
     """
 
     def __init__(
@@ -67,30 +77,49 @@ class NormalizedFFN(nn.Module):
         norm_type: str = "layernorm",
         prenorm: bool = True,
         norm_affine: bool = True,
+        norm: nn.Module | None = None,
+        gated: bool = False,
+        bias: bool = True,
+        drop_path: float = 0.0,
     ) -> None:
         super().__init__()
         self.prenorm = prenorm
         self.act = get_activation(activation)
-        self.norm = SequenceNorm(norm_type, d_model, affine=norm_affine)
-        self.fc1 = nn.Linear(d_model, ffn_dim)
-        self.fc2 = nn.Linear(ffn_dim, d_model)
+        self.norm = (
+            norm if norm is not None else SequenceNorm(norm_type, d_model, affine=norm_affine)
+        )
+        self.fc1 = nn.Linear(d_model, ffn_dim, bias=bias)
+        self.fc2 = nn.Linear(ffn_dim, d_model, bias=bias)
+        self.fc3 = nn.Linear(d_model, ffn_dim, bias=bias) if gated else None
         self.dropout = nn.Dropout(dropout)
         self.hidden_dropout = nn.Dropout(hidden_dropout)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else None
         self.reset_parameters()
+
+    def linears(self) -> list[nn.Linear]:
+        """fc1, fc2 and (gated) fc3, in that order."""
+        return [lin for lin in (self.fc1, self.fc2, self.fc3) if lin is not None]
 
     def reset_parameters(self) -> None:
         """The authors' init: weights N(0, 0.02), biases 0."""
-        for lin in (self.fc1, self.fc2):
+        for lin in self.linears():
             nn.init.normal_(lin.weight, mean=0.0, std=0.02)
-            nn.init.zeros_(lin.bias)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(B, L, D) -> (B, L, D)."""
-        residual = x
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """(B, L, D) -> (B, L, D); `residual` defaults to x (the un-normalised input)."""
+        if residual is None:
+            residual = x
         if self.prenorm:
             x = self.norm(x)
-        x = self.hidden_dropout(self.act(self.fc1(x)))
-        x = self.dropout(self.fc2(x)) + residual
+        h = self.act(self.fc1(x))
+        if self.fc3 is not None:
+            h = h * self.fc3(x)
+        out = self.dropout(self.fc2(self.hidden_dropout(h)))
+        if self.drop_path is not None:
+            out = self.drop_path(out)
+        x = out + residual
         if not self.prenorm:
             x = self.norm(x)
         return x

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
+
 
 def at_least_float32(x: Tensor) -> Tensor:
     """`x` in float32 when it is a lower precision, unchanged in float32/float64.
@@ -55,13 +57,12 @@ class SinusoidPositions(nn.Module):
         if d_model % 2:
             raise ValueError(f"the sinusoid table needs an even d_model, got {d_model}")
         self.d_model = d_model
-        inv_freq = 1.0 / (10000 ** (torch.arange(0.0, d_model, 2.0, dtype=torch.float32) / d_model))
+        inv_freq = sinusoid_frequencies(d_model // 2, d_model / 2)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, distances: Tensor) -> Tensor:
         """(P,) distances -> (P, D) table, in the dtype of `distances`."""
-        inp = torch.outer(distances, self.inv_freq.to(distances.dtype))
-        return torch.cat([inp.sin(), inp.cos()], dim=-1)
+        return sinusoid_table(distances, self.inv_freq.to(distances.dtype))
 
 
 def relative_distances(

@@ -16,10 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from megalab.nn.positions import sinusoid_frequencies
+
 
 def rope_inv_freq(dim: int, base: float, dtype: torch.dtype = torch.float32) -> Tensor:
     """θ_j = base^(−2j/dim) for j < dim/2."""
-    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)).to(dtype)
+    return sinusoid_frequencies(
+        (dim + 1) // 2, dim / 2, base=base, dtype=dtype, power_dtype=torch.float64
+    )
 
 
 def apply_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, interleaved: bool) -> Tensor:

@@ -223,11 +223,11 @@ def test_drop_path_rates_are_linear_over_depth() -> None:
         assert r == pytest.approx(0.2 * i / 11, abs=1e-7)
     m = Mega(8, 4, 4, 8, 8, 2, drop_path=0.3, max_positions=6)
     assert m.drop_path_rates == drop_path_rates(0.3, 4)
-    assert m.layers[0].maga.drop_path is None and m.layers[0].ffn_drop_path is None
+    assert m.layers[0].maga.drop_path is None and m.layers[0].ffn.drop_path is None
     for blk, r in zip(m.layers[1:], m.drop_path_rates[1:], strict=True):
-        assert blk.maga.drop_path.p == r and blk.ffn_drop_path.p == r
+        assert blk.maga.drop_path.p == r and blk.ffn.drop_path.p == r
     plain = Mega(8, 4, 4, 8, 8, 2, max_positions=6)
-    assert all(b.maga.drop_path is None and b.ffn_drop_path is None for b in plain.layers)
+    assert all(b.maga.drop_path is None and b.ffn.drop_path is None for b in plain.layers)
 
 
 def block_pair(drop: float, seed: int = 0) -> tuple[MegaBlock, MegaBlock]:
@@ -246,8 +246,8 @@ def test_block_with_drop_path_equals_plain_block_in_eval() -> None:
     ya, _ = a.eval()(x)
     yb, _ = b.eval()(x)
     torch.testing.assert_close(ya, yb, rtol=0, atol=0)
-    # The FFN re-composition is NormalizedFFN.forward exactly.
-    torch.testing.assert_close(a._ffn_with_drop_path(x), a.ffn(x), rtol=0, atol=0)
+    # The FFN with an inactive DropPath is the plain FFN exactly.
+    torch.testing.assert_close(a.ffn(x), b.ffn(x), rtol=0, atol=0)
 
 
 def test_drop_path_acts_on_h_hat_inside_the_gated_residual() -> None:
@@ -265,8 +265,8 @@ def test_drop_path_acts_on_h_hat_inside_the_gated_residual() -> None:
     torch.testing.assert_close(y, (1 - phi) * x, rtol=0, atol=1e-14)
     a, _ = block_pair(1.0)
     a.train()
-    torch.testing.assert_close(a.ffn_drop_path(x), torch.zeros_like(x))
-    torch.testing.assert_close(a._ffn_with_drop_path(x), x, rtol=0, atol=0)
+    torch.testing.assert_close(a.ffn.drop_path(x), torch.zeros_like(x))
+    torch.testing.assert_close(a.ffn(x), x, rtol=0, atol=0)
 
 
 def test_block_drop_path_in_train_matches_manual_per_sample_rule() -> None:

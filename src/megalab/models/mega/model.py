@@ -229,6 +229,21 @@ class MovingAverageGatedAttention(nn.Module):
         return Y, (MAGAState(ema_state, kv) if want_state else None)
 
 
+def mega_ffn(cfg: MegaConfig, drop_path: float = 0.0) -> NormalizedFFN:
+    """The normalized FFN of a Mega layer (eq. 21), with its stochastic-depth rate."""
+    return NormalizedFFN(
+        cfg.d_model,
+        cfg.ffn_dim,
+        dropout=cfg.dropout,
+        hidden_dropout=cfg.activation_dropout,
+        activation=cfg.activation,
+        norm_type=cfg.norm_type,
+        prenorm=cfg.prenorm,
+        norm_affine=cfg.norm_affine,
+        drop_path=drop_path,
+    )
+
+
 class MegaBlock(nn.Module):
     """One Mega layer: MAGA followed by the normalized FFN (skipped when ffn_dim <= 0).
 
@@ -238,38 +253,7 @@ class MegaBlock(nn.Module):
     def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:
         super().__init__()
         self.maga = MovingAverageGatedAttention(cfg, drop_path=drop_path)
-        self.ffn = (
-            NormalizedFFN(
-                cfg.d_model,
-                cfg.ffn_dim,
-                dropout=cfg.dropout,
-                hidden_dropout=cfg.activation_dropout,
-                activation=cfg.activation,
-                norm_type=cfg.norm_type,
-                prenorm=cfg.prenorm,
-                norm_affine=cfg.norm_affine,
-            )
-            if cfg.ffn_dim > 0
-            else None
-        )
-        self.ffn_drop_path = DropPath(drop_path) if drop_path > 0 and cfg.ffn_dim > 0 else None
-
-    def _ffn_with_drop_path(self, x: Tensor) -> Tensor:
-        """`NormalizedFFN.forward` with DropPath on its branch: x + DropPath(branch) (mega-image).
-
-        It runs the FFN's own submodules in the same order, so with DropPath inactive (eval) it
-        equals `self.ffn(x)` exactly (tested).
-        """
-        ffn = self.ffn
-        assert ffn is not None and self.ffn_drop_path is not None, "only with an FFN and DropPath"
-        residual = x
-        if ffn.prenorm:
-            x = ffn.norm(x)
-        x = ffn.hidden_dropout(ffn.act(ffn.fc1(x)))
-        x = self.ffn_drop_path(ffn.dropout(ffn.fc2(x))) + residual
-        if not ffn.prenorm:
-            x = ffn.norm(x)
-        return x
+        self.ffn = mega_ffn(cfg, drop_path) if cfg.ffn_dim > 0 else None
 
     def forward(
         self,
@@ -280,9 +264,7 @@ class MegaBlock(nn.Module):
     ) -> tuple[Tensor, MAGAState | None]:
         """(B, L, D) -> (B, L, D), plus the MAGA streaming state."""
         x, state = self.maga(x, mask, state, return_state)
-        if self.ffn_drop_path is not None:
-            x = self._ffn_with_drop_path(x)
-        elif self.ffn is not None:
+        if self.ffn is not None:
             x = self.ffn(x)
         return x, state
 

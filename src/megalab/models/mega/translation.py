@@ -35,10 +35,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.mega.cross_attention import CrossAttentionCache, GatedCrossAttention
-from megalab.models.mega.model import MAGAState, Mega, MegaConfig, MovingAverageGatedAttention
+from megalab.models.mega.model import (
+    MAGAState,
+    Mega,
+    MegaConfig,
+    MovingAverageGatedAttention,
+    mega_ffn,
+)
 from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.nn.embedding import TokenEmbedding
-from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.state import register_state
 
@@ -81,19 +86,7 @@ class MegaDecoderLayer(nn.Module):
             hidden_dropout=cfg.hidden_dropout,
             activation=cfg.activation,
         )
-        self.ffn = (
-            NormalizedFFN(
-                cfg.d_model,
-                cfg.ffn_dim,
-                dropout=cfg.dropout,
-                hidden_dropout=cfg.activation_dropout,
-                activation=cfg.activation,
-                norm_type=cfg.norm_type,
-                prenorm=cfg.prenorm,
-            )
-            if cfg.ffn_dim > 0
-            else None
-        )
+        self.ffn = mega_ffn(cfg) if cfg.ffn_dim > 0 else None
 
     def forward(
         self,
@@ -162,11 +155,7 @@ class MegaEncoderDecoder(EncoderDecoder):
         share_all_embeddings: bool = True,
         share_decoder_input_output_embed: bool = True,
     ) -> None:
-        config = constructor_arguments(locals())
-        super().__init__()
-        self.config = config  # the arguments, which checkpoints store to rebuild the model
-        self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
-        self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
+        super().__init__(constructor_arguments(locals()))
         common = dict(
             d_model=d_model,
             z_dim=z_dim,

@@ -64,6 +64,7 @@ from megalab.models.megalodon.timestep_norm import (
     TimestepNormState,
 )
 from megalab.nn.attention import KVCache
+from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import PlusOneLayerNorm, PlusOneRMSNorm
 from megalab.nn.regularization import DropPath, drop_path_rates
 from megalab.nn.state import register_state
@@ -233,37 +234,28 @@ class MegalodonAttention(nn.Module):
         return x + H, MegalodonLayerState(norm_state, cema_state, kv)
 
 
-class NormalizedFeedForward(nn.Module):
+class NormalizedFeedForward(NormalizedFFN):
     """The FFN sub-layer (the code's `NormalizedFeedForwardNetwork`): LayerNorm (plus-1) ->
-    SwiGLU or SiLU MLP (no biases) -> + the residual the block passes (its input X)."""
+    SwiGLU or SiLU MLP (no biases) -> + the residual the block passes (its input X):
+    `forward(y, residual=x)` gives X + FFN(LayerNorm(Ŷ)), the two-hop residual."""
 
     def __init__(self, cfg: MegalodonConfig, drop_path: float = 0.0) -> None:
-        super().__init__()
-        D, F_ = cfg.d_model, cfg.ffn_dim
-        self.norm = PlusOneLayerNorm(D, eps=cfg.norm_eps)
-        self.fc1 = nn.Linear(D, F_, bias=False)
-        self.fc2 = nn.Linear(F_, D, bias=False)
-        self.fc3 = nn.Linear(D, F_, bias=False) if cfg.swiglu else None
-        self.dropout = nn.Dropout(cfg.dropout)
-        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.drop_path = DropPath(drop_path) if drop_path > 0 else None
-        self.reset_parameters()
+        super().__init__(
+            cfg.d_model,
+            cfg.ffn_dim,
+            dropout=cfg.dropout,
+            hidden_dropout=cfg.hidden_dropout,
+            activation="silu",
+            norm=PlusOneLayerNorm(cfg.d_model, eps=cfg.norm_eps),
+            gated=cfg.swiglu,
+            bias=False,
+            drop_path=drop_path,
+        )
 
     def reset_parameters(self) -> None:
-        for lin in (self.fc1, self.fc2, self.fc3):
-            if lin is not None:
-                _he_init(lin)
-
-    def forward(self, y: Tensor, residual: Tensor) -> Tensor:
-        """residual + FFN(LayerNorm(y)): y is Ŷ, residual the block input X (two-hop)."""
-        u = self.norm(y)
-        h = F.silu(self.fc1(u))
-        if self.fc3 is not None:
-            h = h * self.fc3(u)
-        out = self.dropout(self.fc2(self.hidden_dropout(h)))
-        if self.drop_path is not None:
-            out = self.drop_path(out)
-        return residual + out
+        """The code's init: kaiming-normal (a = √5) linears."""
+        for lin in self.linears():
+            _he_init(lin)
 
 
 class MegalodonBlock(nn.Module):

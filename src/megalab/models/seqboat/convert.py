@@ -47,6 +47,7 @@ from megalab.models.convert import (
     _sub,
     _unknown,
     load_fairseq_checkpoint,
+    lra_io_entry,
     mask_from_padding_mask,
     to_batch_first,
 )
@@ -135,22 +136,14 @@ def convert_lra_model(
     for name, t in sd.items():
         if name.startswith(enc + "layers."):
             continue
-        if name == enc + "embed_tokens.embed.weight":
-            out[encoder_prefix + "embedding.weight"] = t
-        elif name == enc + "embed_tokens.weight":
-            out[encoder_prefix + "proj.weight"] = t.reshape(-1, 1)
-        elif name == enc + "embed_tokens.bias":
-            out[encoder_prefix + "proj.bias"] = t
+        if (entry := lra_io_entry(name, t, enc, encoder_prefix, head_prefix)) is not None:
+            out[entry[0]] = entry[1]
         elif name == enc + "pos_emb.scale":
             out[backbone_prefix + "pos_scale"] = t.reshape(1)
         elif name == enc + "pos_emb.inv_freq":
             _check_inv_freq(t)
         elif name.startswith(enc + "final_norm.norm."):
             out[backbone_prefix + name[len(enc) :]] = t
-        elif name.startswith("classifier.0.0."):
-            out[head_prefix + "fc1." + name[len("classifier.0.0.") :]] = t
-        elif name == "sentence_projection_layer.weight":
-            out[head_prefix + "fc2.weight"] = t
         elif name.startswith("classifier."):
             raise KeyError(f"{name!r}: only the slag archs' one-layer classifier is supported")
         else:

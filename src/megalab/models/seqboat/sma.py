@@ -67,7 +67,8 @@ from megalab.models.seqboat.sma_routing import build_router as build_router
 from megalab.models.seqboat.sma_routing import pack as pack
 from megalab.models.seqboat.sma_routing import plan_packing as plan_packing
 from megalab.models.seqboat.sma_routing import unpack as unpack
-from megalab.nn.attention import laplace
+from megalab.nn.attention import RelativeBiasTable, laplace
+from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.rope import apply_rope, rope_inv_freq
 from megalab.nn.state import register_state
 
@@ -86,18 +87,14 @@ def trunc_normal_(t: Tensor, std: float) -> Tensor:
 
 
 # ---------------------------------------------------------------------- positional information
-class RelativePositionBias(nn.Module):
+class RelativePositionBias(RelativeBiasTable):
     """b(i, j) = w[(P − 1) + δ] for a relative offset δ, with w ∈ R^{2P−1} (init TN(0, 0.02)).
 
     Offsets past ±(P − 1) read the edge entries, as the code's table does when L > P.
     """
 
-    def __init__(self, max_positions: int) -> None:
-        super().__init__()
-        if max_positions <= 0:
-            raise ValueError(f"max_positions must be positive, got {max_positions}")
-        self.max_positions = max_positions
-        self.weight = nn.Parameter(torch.empty(2 * max_positions - 1))
+    def reset_parameters(self) -> None:
+        """w ~ TN(0, 0.02), the code's truncated normal."""
         trunc_normal_(self.weight, 0.02)
 
     def forward(self, offset: Tensor) -> Tensor:
@@ -111,17 +108,12 @@ def sinusoidal_positions(length: int, d_model: int, like: Tensor, offset: int = 
 
     The code's `SinusoidalPositionalEmbedding` of `--add-apos` (before its learned scale).
     """
-    half = d_model // 2
     dtype = torch.promote_types(like.dtype, torch.float32)
-    inv_freq = 1.0 / (
-        10000 ** (torch.arange(0, d_model, 2, device=like.device, dtype=torch.float64) / d_model)
-    ).to(dtype)
+    inv_freq = sinusoid_frequencies(
+        d_model // 2, d_model / 2, dtype=dtype, device=like.device, power_dtype=torch.float64
+    )
     t = torch.arange(offset, offset + length, device=like.device, dtype=dtype)
-    angle = t.unsqueeze(1) * inv_freq[:half].unsqueeze(0)
-    emb = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
-    if d_model % 2:
-        emb = F.pad(emb, (0, 1))
-    return emb
+    return sinusoid_table(t, inv_freq, width=d_model)
 
 
 # ------------------------------------------------------------------ attention on packed tokens

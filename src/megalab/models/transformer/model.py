@@ -11,8 +11,6 @@ front of post-norm layers), and `init="bert"` its `apply_bert_init`.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -20,6 +18,7 @@ from torch import Tensor, nn
 from megalab.models.base import Backbone, BackboneOutput
 from megalab.nn.activation_checkpoint import checkpoint_block
 from megalab.nn.embedding import INITS, init_bert_params
+from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.regularization import DropPath, drop_path_rates
 
 POSITIONS = ("sinusoidal", "learned", "none")
@@ -31,15 +30,13 @@ def sinusoidal_positions(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """The fixed sin/cos table of Vaswani et al.: (L, D), sin on even and cos on odd channels."""
-    position = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
-    inv_freq = torch.exp(
-        torch.arange(0, d_model, 2, device=device, dtype=torch.float32)
-        * (-math.log(10000.0) / d_model)
-    )
-    table = torch.zeros(length, d_model, device=device, dtype=torch.float32)
-    table[:, 0::2] = torch.sin(position * inv_freq)
-    table[:, 1::2] = torch.cos(position * inv_freq)[:, : d_model // 2]
+    """The fixed sin/cos table of Vaswani et al.: (L, D), sin on even and cos on odd channels.
+
+    ω_k = exp(−2k ln(10000)/D), in float32 as tensor2tensor computes it.
+    """
+    position = torch.arange(length, device=device, dtype=torch.float32)
+    inv_freq = sinusoid_frequencies((d_model + 1) // 2, d_model / 2, form="exp", device=device)
+    table = sinusoid_table(position, inv_freq, interleave=True, width=d_model)
     return table.to(dtype) if dtype is not None else table
 
 

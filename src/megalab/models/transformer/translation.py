@@ -40,6 +40,7 @@ from megalab.models.mega.translation import mt_embedding
 from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import get_activation
+from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.state import register_state
 
 
@@ -50,13 +51,8 @@ def fairseq_sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
     appended for odd d. Computed in float32 like fairseq's table.
     """
     half = d_model // 2
-    scale = math.log(10000.0) / (half - 1)
-    freq = torch.exp(torch.arange(half, device=positions.device, dtype=torch.float32) * -scale)
-    angle = positions.to(torch.float32).unsqueeze(-1) * freq
-    table = torch.cat([torch.sin(angle), torch.cos(angle)], dim=-1)
-    if d_model % 2:
-        table = F.pad(table, (0, 1))
-    return table
+    freq = sinusoid_frequencies(half, half - 1, form="exp", device=positions.device)
+    return sinusoid_table(positions.to(torch.float32), freq, width=d_model)
 
 
 class MultiheadAttention(nn.Module):
@@ -137,23 +133,36 @@ class _Sublayer(nn.Module):
         return x if self.prenorm else self.norm(x)
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What every encoder and decoder layer is built from: widths, dropouts, norm placement."""
+
+    d_model: int
+    num_heads: int
+    ffn_dim: int
+    dropout: float
+    attention_dropout: float
+    activation_dropout: float
+    activation: str
+    prenorm: bool
+
+    def attention(self) -> MultiheadAttention:
+        return MultiheadAttention(self.d_model, self.num_heads, self.attention_dropout)
+
+    def sublayer(self) -> _Sublayer:
+        return _Sublayer(self.d_model, self.dropout, self.prenorm)
+
+    def ffn(self) -> _FFN:
+        return _FFN(self.d_model, self.ffn_dim, self.activation, self.activation_dropout)
+
+
 class TransformerEncoderLayer(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        ffn_dim: int,
-        dropout: float,
-        attention_dropout: float,
-        activation_dropout: float,
-        activation: str,
-        prenorm: bool,
-    ) -> None:
+    def __init__(self, spec: LayerSpec) -> None:
         super().__init__()
-        self.self_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
-        self.attn_block = _Sublayer(d_model, dropout, prenorm)
-        self.ffn = _FFN(d_model, ffn_dim, activation, activation_dropout)
-        self.ffn_block = _Sublayer(d_model, dropout, prenorm)
+        self.self_attn = spec.attention()
+        self.attn_block = spec.sublayer()
+        self.ffn = spec.ffn()
+        self.ffn_block = spec.sublayer()
 
     def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         h = self.attn_block.pre(x)
@@ -163,24 +172,14 @@ class TransformerEncoderLayer(nn.Module):
 
 
 class TransformerDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        ffn_dim: int,
-        dropout: float,
-        attention_dropout: float,
-        activation_dropout: float,
-        activation: str,
-        prenorm: bool,
-    ) -> None:
+    def __init__(self, spec: LayerSpec) -> None:
         super().__init__()
-        self.self_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
-        self.self_attn_block = _Sublayer(d_model, dropout, prenorm)
-        self.encoder_attn = MultiheadAttention(d_model, num_heads, attention_dropout)
-        self.encoder_attn_block = _Sublayer(d_model, dropout, prenorm)
-        self.ffn = _FFN(d_model, ffn_dim, activation, activation_dropout)
-        self.ffn_block = _Sublayer(d_model, dropout, prenorm)
+        self.self_attn = spec.attention()
+        self.self_attn_block = spec.sublayer()
+        self.encoder_attn = spec.attention()
+        self.encoder_attn_block = spec.sublayer()
+        self.ffn = spec.ffn()
+        self.ffn_block = spec.sublayer()
 
     def forward(
         self, x: Tensor, cross: KVCache, cache: KVCache | None = None
@@ -242,13 +241,9 @@ class TransformerEncoderDecoder(EncoderDecoder):
         max_target_positions: int = 1024,
         share_all_embeddings: bool = True,
     ) -> None:
-        config = constructor_arguments(locals())
-        super().__init__()
-        self.config = config  # the arguments, which checkpoints store to rebuild the model
-        self.vocab_size, self.pad_id, self.d_model = vocab_size, pad_id, d_model
-        self.max_source_len, self.max_target_len = max_source_positions, max_target_positions
-        args = (d_model, num_heads, ffn_dim, dropout, attention_dropout, activation_dropout,
-                activation, prenorm)  # fmt: skip
+        super().__init__(constructor_arguments(locals()))
+        spec = LayerSpec(d_model, num_heads, ffn_dim, dropout, attention_dropout,
+                         activation_dropout, activation, prenorm)  # fmt: skip
         self.embed_src = mt_embedding(vocab_size, d_model, pad_id, dropout=0.0)
         self.embed_tgt = (
             self.embed_src
@@ -257,10 +252,10 @@ class TransformerEncoderDecoder(EncoderDecoder):
         )
         self.dropout = nn.Dropout(dropout)
         self.encoder_layers = nn.ModuleList(
-            TransformerEncoderLayer(*args) for _ in range(encoder_layers)
+            TransformerEncoderLayer(spec) for _ in range(encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
-            TransformerDecoderLayer(*args) for _ in range(decoder_layers)
+            TransformerDecoderLayer(spec) for _ in range(decoder_layers)
         )
         self.encoder_norm = nn.LayerNorm(d_model) if prenorm else None
         self.decoder_norm = nn.LayerNorm(d_model) if prenorm else None
