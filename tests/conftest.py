@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 # One OpenMP thread for the test process and every process it starts (runs, spawned ranks): the
-# suite is many small ops, and `make test` runs it in one worker per core (pytest-xdist), where a
+# suite is many small ops, and `make test` runs it in two worker processes (pytest-xdist), where a
 # second thread per process only oversubscribes the cores. Set before torch is imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
