@@ -7,6 +7,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+# One OpenMP thread for the test process and every process it starts (runs, spawned ranks): the
+# suite is many small ops, and `make test` runs it in two worker processes (pytest-xdist), where a
+# second thread per process only oversubscribes the cores. Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
@@ -37,8 +43,7 @@ os.environ.setdefault("MEGALAB_MALLOC_TUNING", "0")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# One intra-op thread: the suite is many small ops, where a second OpenMP thread costs more
-# than it gains (and oversubscribes a 2-core runner).
+# One intra-op thread even where OMP_NUM_THREADS was set otherwise (see above).
 torch.set_num_threads(1)
 
 # Overrides that make any configuration run in seconds on a CPU (the smoke runs' trainer).
@@ -115,7 +120,9 @@ def run_cli(
 # With MEGALAB_TEST_MEMORY=<file.json>, each test's peak resident set is measured (VmHWM, reset to
 # the current RSS before the test through /proc/self/clear_refs) together with the largest child
 # process waited for so far (runs started with run_cli, spawned ranks), and written to that file,
-# largest first. MEGALAB_TEST_MEMORY_LIMIT_GB (default 6) fails the session past it.
+# largest first. MEGALAB_TEST_MEMORY_LIMIT_GB (default 6) fails the session past it. Under
+# pytest-xdist (`-n`) each worker measures its own tests in its own process and hands them to the
+# controller when it finishes, which writes the one report.
 _MEMORY_REPORT = os.environ.get("MEGALAB_TEST_MEMORY")
 _memory: dict[str, dict[str, float]] = {}
 
@@ -144,8 +151,20 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     }
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist controller: collect a finished worker's peaks."""
+    _memory.update(getattr(node, "workeroutput", {}).get("megalab_memory", {}))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if not _MEMORY_REPORT or not _memory:
+    if not _MEMORY_REPORT:
+        return
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker: the controller writes the report
+        workeroutput["megalab_memory"] = _memory
+        return
+    if not _memory:
         return
     import json
 
