@@ -305,7 +305,8 @@ class Llama(Backbone):
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: LlamaState | None = None
     ) -> BackboneOutput:
-        """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment."""
+        """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment; the
+        blocks and the final RMSNorm run in the shared stack (`megalab.models.stack`)."""
         if state is not None and not self.causal:
             self.initial_state(x.shape[0], x)  # raises the bidirectional-stream error
         self.check_length(x.shape[1], state)

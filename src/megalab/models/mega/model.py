@@ -448,7 +448,9 @@ class Mega(Backbone):
 
         Returns y (B, L, D) with zeros at padded positions and the state to pass with the next
         segment. A stream starts from `initial_state`; without a state the pass is stateless
-        and returns none, which spares the state reduction in stateless training.
+        and returns none, which spares the state reduction in stateless training. After the
+        input step (positions, `embed_norm`) the blocks run in the shared stack
+        (`megalab.models.stack`).
         """
         if state is not None:
             self._check_causal()

@@ -398,7 +398,8 @@ class Megalodon(Backbone):
         """x (B, L, D), mask (B, L) bool True at real tokens, state from the previous segment.
 
         Returns y (B, L, D) with zeros at padded positions and, when a state was passed, the
-        state to pass with the next segment.
+        state to pass with the next segment. The blocks and the final norm run in the shared
+        stack (`megalab.models.stack`).
         """
         if state is not None and not self.causal:
             raise ValueError("a bidirectional Megalodon cannot be streamed: pass no state")

@@ -231,7 +231,8 @@ class S4DBackbone(Backbone):
         """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment.
 
         Returns y (B, L, D), zero at padded positions, and (when a state is passed) the state
-        to pass with the next segment.
+        to pass with the next segment. The blocks and the final norm run in the shared stack
+        (`megalab.models.stack`).
         """
         if state is not None:
             self._check_causal()

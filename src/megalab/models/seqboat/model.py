@@ -591,7 +591,9 @@ class SeqBoat(Backbone):
         details: bool = False,
     ) -> tuple[BackboneOutput, list[LayerReport]]:
         """`forward`, plus each layer's `LayerReport` (with `details`: the routing decisions,
-        confidences and packed attention outputs, for analysis such as the paper's Fig. 4)."""
+        confidences and packed attention outputs, for analysis such as the paper's Fig. 4).
+        After the absolute positions the blocks run in the shared stack (`megalab.models.stack`),
+        each returning its report beside its state."""
         if state is not None:
             self._check_causal()
         offset = 0 if state is None else int(state.offset)
