@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache, chunked_attention
 from megalab.nn.ffn import GatedFFN
 from megalab.nn.norms import RMSNorm
@@ -304,23 +305,20 @@ class Llama(Backbone):
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: LlamaState | None = None
     ) -> BackboneOutput:
-        """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment."""
+        """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment; the
+        blocks and the final RMSNorm run in the shared stack (`megalab.models.stack`)."""
         if state is not None and not self.causal:
             self.initial_state(x.shape[0], x)  # raises the bidirectional-stream error
         self.check_length(x.shape[1], state)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
-        new_layers: list[KVCache] = []
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(
-                x, mask, None if state is None else state.layers[i], return_state=state is not None
-            )
-            if cache is not None:
-                new_layers.append(cache)
-        x = self.final_norm(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
-        return BackboneOutput(x, LlamaState(new_layers) if state is not None else None)
+        out = run_stack(
+            self.layers,
+            x,
+            mask,
+            None if state is None else state.layers,
+            final=self.final_norm,
+            return_state=state is not None,
+        )
+        return BackboneOutput(out.y, None if out.states is None else LlamaState(out.states))
 
 
 def count_parameters(cfg: LlamaConfig, vocab_size: int, tie_embeddings: bool = False) -> int:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
-from megalab.nn.activation_checkpoint import checkpoint_block
+from megalab.models.stack import run_stack
 from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
@@ -448,7 +448,9 @@ class Mega(Backbone):
 
         Returns y (B, L, D) with zeros at padded positions and the state to pass with the next
         segment. A stream starts from `initial_state`; without a state the pass is stateless
-        and returns none, which spares the state reduction in stateless training.
+        and returns none, which spares the state reduction in stateless training. After the
+        input step (positions, `embed_norm`) the blocks run in the shared stack
+        (`megalab.models.stack`).
         """
         if state is not None:
             self._check_causal()
@@ -463,26 +465,22 @@ class Mega(Backbone):
         if self.embed_norm is not None:
             # The code's normalize_embedding: Norm(embedding), then its embedding dropout.
             x = self.embed_norm(x)
-            if self.embed_dropout is not None:
-                x = self.embed_dropout(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
-        new_layers: list[MAGAState] = []
-        for i, layer in enumerate(self.layers):
-            x, layer_state = checkpoint_block(
-                layer,
-                x,
-                mask,
-                None if state is None else state.layers[i],
-                return_state=state is not None,
-                enabled=self.config.checkpoint_activations,
-            )
-            if layer_state is not None:
-                new_layers.append(layer_state)
+        out = run_stack(
+            self.layers,
+            x,
+            mask,
+            None if state is None else state.layers,
+            input_dropout=self.embed_dropout,
+            final=self._output,
+            checkpoint=self.config.checkpoint_activations,
+            return_state=state is not None,
+        )
+        return BackboneOutput(out.y, None if out.states is None else MegaState(out.states))
+
+    def _output(self, x: Tensor) -> Tensor:
+        """After the last block: the final norm (pre-norm) and mega-image's output projection."""
         if self.final_norm is not None:
             x = self.final_norm(x)
         if self.out_proj is not None:
             x = F.silu(self.out_proj(x))
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
-        return BackboneOutput(x, MegaState(new_layers) if state is not None else None)
+        return x

@@ -23,6 +23,10 @@ self-attention keys/values of each decoder layer (`MAGAState`, dropped at chunk 
 chunked) and the encoder's cross-attention keys/values, computed once (`CrossAttentionCache`);
 the number of target tokens decoded so far positions the cross-attention bias. Every state
 tensor holds the batch in dim 0, so beam search reorders it with `select_state`.
+
+The encoder is a `Mega` backbone (the shared stack, `megalab.models.stack`); the decoder keeps
+its own loops: each layer also takes its cross-attention keys/values of the encoder output and
+the target position, and teacher forcing and `step` thread different things through it.
 """
 
 from __future__ import annotations

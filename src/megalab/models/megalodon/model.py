@@ -63,6 +63,7 @@ from megalab.models.megalodon.timestep_norm import (
     TimestepNorm,
     TimestepNormState,
 )
+from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import PlusOneLayerNorm, PlusOneRMSNorm
@@ -397,18 +398,14 @@ class Megalodon(Backbone):
         """x (B, L, D), mask (B, L) bool True at real tokens, state from the previous segment.
 
         Returns y (B, L, D) with zeros at padded positions and, when a state was passed, the
-        state to pass with the next segment.
+        state to pass with the next segment. The blocks and the final norm run in the shared
+        stack (`megalab.models.stack`).
         """
         if state is not None and not self.causal:
             raise ValueError("a bidirectional Megalodon cannot be streamed: pass no state")
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
-        new_layers: list[MegalodonLayerState] = []
-        for i, layer in enumerate(self.layers):
-            x, layer_state = layer(x, mask, None if state is None else state.layers[i])
-            if layer_state is not None:
-                new_layers.append(layer_state)
-        y, final_state = self.final_norm(x, mask, None if state is None else state.final_norm)
-        if state is None:
-            return BackboneOutput(y)
-        return BackboneOutput(y, MegalodonState(new_layers, final_state))
+        # The final norm carries statistics of its own: it runs as the last carried module.
+        states = None if state is None else [*state.layers, state.final_norm]
+        out = run_stack([*self.layers, self.final_norm], x, mask, states)
+        if out.states is None:
+            return BackboneOutput(out.y)
+        return BackboneOutput(out.y, MegalodonState(out.states[:-1], out.states[-1]))

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.stack import run_stack
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
 from megalab.nn.state import register_state
@@ -230,21 +231,12 @@ class S4DBackbone(Backbone):
         """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment.
 
         Returns y (B, L, D), zero at padded positions, and (when a state is passed) the state
-        to pass with the next segment.
+        to pass with the next segment. The blocks and the final norm run in the shared stack
+        (`megalab.models.stack`).
         """
         if state is not None:
             self._check_causal()
-        keep = None if mask is None else mask.unsqueeze(-1).to(x.dtype)
-        if keep is not None:
-            x = x * keep
-        new_layers: list[Tensor] = []
-        # The S4DBlocks, or wrappers of them (FSDP, activation checkpointing).
-        for i, blk in enumerate(self.layers):
-            x, layer_state = blk(x, mask, None if state is None else state.layers[i])
-            if layer_state is not None:
-                new_layers.append(layer_state)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        if keep is not None:
-            x = x * keep
-        return BackboneOutput(x, S4DState(new_layers) if state is not None else None)
+        out = run_stack(
+            self.layers, x, mask, None if state is None else state.layers, final=self.final_norm
+        )
+        return BackboneOutput(out.y, None if out.states is None else S4DState(out.states))

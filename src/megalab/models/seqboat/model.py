@@ -68,6 +68,7 @@ from megalab.models.seqboat.sma import (
     trunc_normal_,
     unpack,
 )
+from megalab.models.stack import run_stack
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import SequenceNorm
@@ -590,30 +591,28 @@ class SeqBoat(Backbone):
         details: bool = False,
     ) -> tuple[BackboneOutput, list[LayerReport]]:
         """`forward`, plus each layer's `LayerReport` (with `details`: the routing decisions,
-        confidences and packed attention outputs, for analysis such as the paper's Fig. 4)."""
+        confidences and packed attention outputs, for analysis such as the paper's Fig. 4).
+        After the absolute positions the blocks run in the shared stack (`megalab.models.stack`),
+        each returning its report beside its state."""
         if state is not None:
             self._check_causal()
         offset = 0 if state is None else int(state.offset)
         if self.pos_scale is not None:
             pe = sinusoidal_positions(x.shape[1], self.d_model, x, offset)
             x = x + (self.pos_scale * pe).to(x.dtype)
-        x = self.input_dropout(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
-        new_layers: list[SeqBoatLayerState] = []
-        reports: list[LayerReport] = []
-        for i, block in enumerate(self.layers):
-            layer_state = None if state is None else state.layers[i]
-            x, layer_state, report = block(
-                x, mask, layer_state, state is not None, offset, details
-            )  # fmt: skip
-            reports.append(report)
-            if layer_state is not None:
-                new_layers.append(layer_state)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+        out = run_stack(
+            self.layers,
+            x,
+            mask,
+            None if state is None else state.layers,
+            input_dropout=self.input_dropout,
+            final=self.final_norm,
+            return_state=state is not None,
+            offset=offset,
+            details=details,
+        )
+        x = out.y
+        reports = [cast(LayerReport, extra[0]) for extra in out.extras]
         aux: dict[str, Tensor] = {
             "activation": torch.stack([r.activation for r in reports]),
             "attention_span": torch.stack([r.span for r in reports]),
@@ -622,5 +621,5 @@ class SeqBoat(Backbone):
             aux["tau"] = torch.stack([cast(Tensor, r.tau).to(torch.float32) for r in reports])
         if reports[0].ffn_activation is not None:
             aux["ffn_activation"] = torch.stack([cast(Tensor, r.ffn_activation) for r in reports])
-        new_state = SeqBoatState(new_layers, offset + x.shape[1]) if state is not None else None
+        new_state = None if out.states is None else SeqBoatState(out.states, offset + x.shape[1])
         return BackboneOutput(x, new_state, aux), reports

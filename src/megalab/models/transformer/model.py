@@ -7,6 +7,11 @@ or no absolute positions. It follows the backbone contract (`megalab.models.base
 Two options reproduce the Mega authors' fairseq LRA Transformer (`TransformerLRAEncoder`):
 `embed_norm=True` is its `encoder_normalize_before` (a LayerNorm on the input embeddings, in
 front of post-norm layers), and `init="bert"` its `apply_bert_init`.
+
+It keeps its own layer loop instead of the shared stack (`megalab.models.stack`): its layers
+take one attention mask, built once for all of them from the padding and causality, not the
+token mask, and carry no state; its input step adds absolute positions, so a segment could not
+be continued by a later one anyway.
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ projection (`--share-all-embeddings`). Attention runs on `scaled_dot_product_att
 
 Incremental decoding caches each decoder layer's self-attention keys/values (B, H, T, d/H) and
 the encoder's cross-attention keys/values, computed once; every tensor holds the batch in dim 0.
+Both stacks keep their own loops instead of the shared stack (`megalab.models.stack`): an
+encoder layer returns features only (no state, fairseq's layer), and a decoder layer takes the
+encoder's keys/values in place of the token mask and, in `step`, its cache after them.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ exactly that. Shared here:
   memory length in use (`eval_mem_len` in evaluation), the set-up of a segment (input checks,
   causal mask, distance table) and its output;
 - the checks of a carried memory stream (padding only at the end of a row, no tokens after it).
+
+Their layers do not run in the shared stack (`megalab.models.stack`): what they carry is not a
+state each layer updates by itself. Transformer-XL's memory is every layer's input (the layer
+below's output) of the last `mem_len` positions, cut after the pass with `ext_len`; LaMemo's
+layer ℓ + 1 takes the memory that layer ℓ refreshed, handed down the stack within the pass.
+Each model's loop says exactly that.
 """
 
 from __future__ import annotations
