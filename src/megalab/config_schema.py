@@ -3,9 +3,12 @@
 Hydra passes an override's value on as it was typed, so `trainer.max_steps=abc` or
 `data.batch_size=abc` used to fail minutes later inside Lightning or a DataLoader with a type
 error about neither. `validate` checks the composed config against the rules below (the top
-level, `trainer`, `data`, `optim`, `scheduler`, the model's sizes and the checkpoint schedule)
+level, `trainer`, `data`, `optim`, `scheduler`, the model and the checkpoint schedule)
 and raises one `ConfigError` listing every bad key, what it expects, and what it got. A key that
 is absent is not required here (configs differ); a present one must have the right type.
+The rules of `model.backbone.*` are not written here: they are derived from the fields of the
+config dataclass of the backbone the config targets, where each option is declared once with its
+type, range and meaning (`megalab.utils.options`).
 
 It also checks that the task fits the data: a classification task needs classes, language
 modelling needs a language-model dataset.
@@ -13,102 +16,30 @@ modelling needs a language-model dataset.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megalab.utils.errors import UserError
+from megalab.utils.options import (
+    Rule,
+    boolean,
+    choice,
+    config_class_of,
+    either,
+    integer,
+    is_int,
+    is_number,
+    number,
+    option_rules,
+    text,
+)
+from megalab.utils.safe_config import megalab_object
 
 
 class ConfigError(UserError, ValueError):
     """Settings with the wrong type or range; the message names each key."""
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a key accepts: `check(value) -> bool` and how to say it."""
-
-    check: Callable[[Any], bool]
-    expects: str
-
-
-def integer(
-    lo: int | None = None, hi: int | None = None, null: bool = False, note: str = ""
-) -> Rule:
-    def check(v: Any) -> bool:
-        if v is None:
-            return null
-        return _is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
-
-    bounds = f" >= {lo}" if lo is not None and hi is None else ""
-    if lo is not None and hi is not None:
-        bounds = f" in [{lo}, {hi}]"
-    return Rule(check, f"an integer{bounds}" + (" or null" if null else "") + note)
-
-
-def number(
-    lo: float | None = None,
-    hi: float | None = None,
-    lo_open: bool = False,
-    hi_open: bool = False,
-    null: bool = False,
-    note: str = "",
-) -> Rule:
-    def check(v: Any) -> bool:
-        if v is None:
-            return null
-        if not _is_number(v):
-            return False
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            return False
-        return not (hi is not None and (v >= hi if hi_open else v > hi))
-
-    if lo is not None and hi is not None:
-        bounds = f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-    elif lo is not None:
-        bounds = f" {'>' if lo_open else '>='} {lo:g}"
-    else:
-        bounds = ""
-    return Rule(check, f"a number{bounds}" + (" or null" if null else "") + note)
-
-
-def boolean(null: bool = False, also: tuple[Any, ...] = ()) -> Rule:
-    def check(v: Any) -> bool:
-        return isinstance(v, bool) or (v is None and null) or (v in also and not _is_number(v))
-
-    extra = "".join(f" or {a!r}" for a in also)
-    return Rule(check, "true or false" + extra + (" or null" if null else ""))
-
-
-def choice(*options: Any, null: bool = False) -> Rule:
-    def check(v: Any) -> bool:
-        return (v is None and null) or (isinstance(v, str | int) and v in options)
-
-    listed = ", ".join(str(o) for o in options)
-    return Rule(check, f"one of {listed}" + (" or null" if null else ""))
-
-
-def text(null: bool = False) -> Rule:
-    return Rule(
-        lambda v: isinstance(v, str) or (v is None and null),
-        "a string" + (" or null" if null else ""),
-    )
-
-
-def either(*rules: Rule) -> Rule:
-    return Rule(lambda v: any(r.check(v) for r in rules), " or ".join(r.expects for r in rules))
 
 
 def _str_list(v: Any) -> bool:
@@ -158,7 +89,7 @@ RULES: dict[str, Rule] = {
         integer(-1, note=" (-1: all)"),
         text(),
         Rule(
-            lambda v: isinstance(v, list | tuple) and all(_is_int(x) for x in v),
+            lambda v: isinstance(v, list | tuple) and all(is_int(x) for x in v),
             "a list of device ids",
         ),
     ),
@@ -189,7 +120,7 @@ RULES: dict[str, Rule] = {
         lambda v: (
             isinstance(v, list | tuple)
             and len(v) == 2
-            and all(_is_number(b) and 0.0 <= b < 1.0 for b in v)
+            and all(is_number(b) and 0.0 <= b < 1.0 for b in v)
         ),
         "two numbers in [0, 1), e.g. [0.9, 0.98]",
     ),
@@ -199,24 +130,29 @@ RULES: dict[str, Rule] = {
     "scheduler.min_lr_ratio": number(0.0, 1.0),
     "scheduler.warmup_power": number(0.0, lo_open=True),
     "scheduler.decay_steps": integer(1, null=True),
-    # model sizes
+    # the model's width (the backbone's options: `backbone_rules`)
     "model.d_model": integer(1),
-    "model.backbone.num_layers": integer(1),
-    "model.backbone.num_heads": integer(1),
-    # <= 0 removes the FFN (Mega's and SeqBoat's configs without one).
-    "model.backbone.ffn_dim": integer(null=True, note=" (<= 0: no FFN; null: Llama's 8d/3 rule)"),
-    "model.backbone.z_dim": integer(1),
-    "model.backbone.v_dim": integer(1),
-    "model.backbone.ema_dim": integer(0, note=" (0 removes the EMA: the h = 0 ablation)"),
-    "model.backbone.chunk_size": Rule(
-        lambda v: _is_int(v) and (v == -1 or v >= 1), "an integer >= 1, or -1 (no chunking)"
-    ),
     # checkpoints
     "callbacks.last_checkpoint.every_n_train_steps": integer(1, null=True),
     "callbacks.last_checkpoint.every_n_minutes": number(0.0, lo_open=True, null=True),
 }
-# Dropout rates anywhere in the model: probabilities.
+# Dropout rates anywhere else in the model (encoder, head): probabilities.
 _DROPOUT = number(0.0, 1.0, hi_open=True)
+
+
+def backbone_rules(cfg: DictConfig) -> dict[str, Rule]:
+    """`model.backbone.<field>` -> rule, for every field of the config dataclass of the backbone
+    that `model.backbone._target_` names (`megalab.utils.options`); none for a target that is
+    not one of megalab's backbones built from a config dataclass."""
+    try:
+        target = OmegaConf.select(cfg, "model.backbone._target_")
+    except OmegaConfBaseException:
+        return {}
+    backbone = megalab_object(target) if isinstance(target, str) else None
+    config_class = config_class_of(backbone) if isinstance(backbone, type) else None
+    if config_class is None:
+        return {}
+    return {f"model.backbone.{k}": rule for k, rule in option_rules(config_class).items()}
 
 
 def _value(cfg: DictConfig, key: str) -> tuple[bool, Any]:
@@ -253,7 +189,9 @@ def _dropouts(cfg: DictConfig) -> list[str]:
 def problems(cfg: DictConfig) -> list[str]:
     """One line per key whose value does not fit its rule."""
     out = []
-    checks = [*RULES.items(), *((k, _DROPOUT) for k in _dropouts(cfg))]
+    derived = backbone_rules(cfg)
+    dropouts = ((k, _DROPOUT) for k in _dropouts(cfg) if k not in derived)
+    checks = [*RULES.items(), *derived.items(), *dropouts]
     for key, rule in checks:
         try:
             present, value = _value(cfg, key)

@@ -76,13 +76,8 @@ class UnsafeConfigError(UserError, ValueError):
 def _allowed(target: str) -> bool:
     if target in LIBRARY_TARGETS:
         return True
-    if not _NAME.match(target):
-        return False
-    from hydra.utils import get_object
-
-    try:
-        obj = get_object(target)  # imports megalab modules only (checked above)
-    except Exception:
+    obj = megalab_object(target)
+    if obj is None:
         return False
     if inspect.isclass(obj):
         return obj.__module__.startswith("megalab.") or obj.__module__ == "megalab"
@@ -90,6 +85,19 @@ def _allowed(target: str) -> bool:
         where = obj.__module__
         return where in FUNCTION_MODULES or f"{where}.{obj.__qualname__}" in FUNCTIONS
     return False
+
+
+def megalab_object(target: str) -> Any:
+    """The megalab class or function a `_target_` names, or None for any other name (nothing
+    outside megalab is imported)."""
+    if not _NAME.match(target):
+        return None
+    from hydra.utils import get_object
+
+    try:
+        return get_object(target)
+    except Exception:
+        return None
 
 
 def _targets(node: Any, path: str = "") -> list[tuple[str, Any]]:

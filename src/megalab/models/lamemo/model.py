@@ -64,6 +64,7 @@ from megalab.nn.relative_attention import (
     update_memory,
 )
 from megalab.nn.state import register_state
+from megalab.utils.options import option
 
 RPES = ("disentangled", "xl")
 
@@ -87,19 +88,22 @@ class LaMemoState:
 
 @dataclass(frozen=True)
 class LaMemoConfig(RelativeMemoryConfig):
-    """Every option of `LaMemo` (its keyword arguments; see its docstring)."""
+    """Every option of `LaMemo` (its keyword arguments), each with its range and meaning: those
+    of `RelativeMemoryConfig` (as Transformer-XL's; LaMemo has no `ext_len`, its code ignores
+    it in the memory) and the four below."""
 
     model_name = "LaMemo"
 
-    look_ahead: bool = True
-    interpolation: bool = True
-    rpe: str = "disentangled"
-    eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.rpe not in RPES:
-            raise ValueError(f"unknown rpe {self.rpe!r}; choose one of {RPES}")
+    look_ahead: bool = option(
+        True, doc="refresh the memory by look-ahead attention (False: only C_old; Table 3)"
+    )
+    interpolation: bool = option(
+        True, doc="merge the carried context with weight α (False: α = 0; Table 3)"
+    )
+    # "disentangled": |i − j| with v₋ for look-ahead keys; "xl": XL's R_{i−j} at negative
+    # distances with v (Table 3's diverging ablation).
+    rpe: str = option("disentangled", choices=RPES, doc="relative positions of look-ahead keys")
+    eps: float = option(1e-6, doc="ε of the interpolation weight (the code's 1e-6)")
 
 
 def interpolation_weight(log_s_old: Tensor, log_s_new: Tensor, eps: float) -> Tensor:
@@ -200,20 +204,9 @@ class LaMemoLayer(nn.Module):
 class LaMemo(RelativeMemoryBackbone):
     """The LaMemo backbone (see the module docstring), (B, L, D) -> (B, L, D).
 
-    Args:
-        d_model, num_layers, num_heads, head_dim, ffn_dim, dropout, attention_dropout,
-        pre_lnorm, mem_len, eval_mem_len, same_length, clamp_len, init_std: as
-            `megalab.models.transformer_xl.TransformerXL` (LaMemo has no `ext_len`: its code
-            ignores it in the memory).
-        look_ahead: refresh the memory by look-ahead attention (False: only C_old; Table 3).
-        interpolation: merge the carried context with weight α (False: α = 0; Table 3).
-        rpe: "disentangled" (|i − j| with v₋ for look-ahead keys) or "xl" (XL's R_{i−j} at
-            negative distances with v; Table 3's diverging ablation).
-        eps: ε of the interpolation weight (the code's 1e-6).
-
     The arguments are the fields of `LaMemoConfig`, flat and in its order (the shared ones of
-    `RelativeMemoryConfig` first); they are validated once into that frozen config
-    (`self.config`).
+    `RelativeMemoryConfig` first), each documented there with its range; they are validated
+    once into that frozen config (`self.config`).
     """
 
     config: LaMemoConfig

@@ -44,6 +44,7 @@ from megalab.nn.ffn import GatedFFN
 from megalab.nn.norms import RMSNorm
 from megalab.nn.rope import RotaryEmbedding
 from megalab.nn.state import register_state
+from megalab.utils.options import check_options, option, rate
 
 
 @register_state
@@ -65,27 +66,40 @@ def llama_ffn_dim(d_model: int, multiple_of: int = 256, multiplier: float | None
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Every option of a Llama backbone (`Llama`'s keyword arguments; see its docstring)."""
+    """Every option of a Llama backbone (`Llama`'s keyword arguments), each with its range and
+    meaning."""
 
-    d_model: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int | None = None
-    ffn_dim: int | None = None
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    rope_base: float = 10000.0
-    norm_eps: float = 1e-5
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    init_std: float = 0.02
-    max_len: int | None = None
-    causal: bool = True
+    d_model: int = option(256, ge=1, doc="d, the feature width")
+    num_layers: int = option(4, ge=1, doc="number of blocks")
+    num_heads: int = option(4, ge=1, doc="query heads H")
+    num_kv_heads: int | None = option(
+        None, doc="key/value heads (None: H, plain multi-head attention)"
+    )
+    ffn_dim: int | None = option(
+        None,
+        doc="SwiGLU hidden width (None: Meta's rule from multiple_of and ffn_dim_multiplier)",
+        note=" (null: Meta's 8d/3 rule)",
+    )
+    multiple_of: int = option(256, doc="Meta's rule rounds the hidden width up to a multiple")
+    ffn_dim_multiplier: float | None = option(None, doc="Meta's rule's factor on 8d/3")
+    rope_base: float = option(
+        10000.0, doc="RoPE base θ (10,000 in Llama-2; Megalodon-7B used 100,000)"
+    )
+    norm_eps: float = option(1e-5, doc="RMSNorm epsilon (1e-5 in Llama-2, 1e-6 in Llama-1)")
+    dropout: float = rate(0.0, doc="on each residual branch (Llama-2: 0)")
+    attention_dropout: float = rate(0.0, doc="on the attention weights")
+    init_std: float = option(0.02, doc="std of every linear weight (HF's initializer_range)")
+    # RoPE itself has no limit, but a model does not extrapolate far beyond its training context.
+    max_len: int | None = option(
+        None, ge=1, doc="longest stream (None: unbounded)", note=" (null: unbounded)"
+    )
+    causal: bool = option(
+        True, doc="decoder (True) or a bidirectional encoder without state (False)"
+    )
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.num_heads < 1 or self.d_model % self.num_heads:
+        check_options(self)
+        if self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model} must be a positive multiple of num_heads={self.num_heads}"
             )
@@ -100,8 +114,6 @@ class LlamaConfig:
                 f"num_kv_heads={kv} must divide num_heads={self.num_heads} (grouped-query "
                 "attention shares each key/value head among num_heads/num_kv_heads query heads)"
             )
-        if self.max_len is not None and self.max_len < 1:
-            raise ValueError(f"max_len must be positive or null (unbounded), got {self.max_len}")
 
     @property
     def kv_heads(self) -> int:
@@ -214,21 +226,8 @@ class LlamaBlock(nn.Module):
 class Llama(Backbone):
     """The Llama-2 backbone: `num_layers` `LlamaBlock`s and a final RMSNorm, (B, L, D) -> (B, L, D).
 
-    Args:
-        d_model: d.  num_layers: number of blocks.  num_heads: query heads H.
-        num_kv_heads: key/value heads (None: H, plain multi-head attention).
-        ffn_dim: SwiGLU hidden width (None: Meta's rule from `multiple_of` and
-            `ffn_dim_multiplier`).
-        rope_base: RoPE base θ (10,000 in Llama-2; Megalodon-7B used 100,000).
-        norm_eps: RMSNorm epsilon (1e-5 in Llama-2, 1e-6 in Llama-1).
-        dropout: on each residual branch (Llama-2: 0).  attention_dropout: on the weights.
-        init_std: std of every linear weight (HF's initializer_range, 0.02).
-        max_len: longest stream (None: unbounded; RoPE itself has no limit, but a model does
-            not extrapolate far beyond its training context).
-        causal: decoder (True) or a bidirectional encoder without state (False).
-
-    The arguments are the fields of `LlamaConfig`, flat and in its order; they are validated
-    into that frozen config (`self.config`).
+    The arguments are the fields of `LlamaConfig`, flat and in its order, each documented there
+    with its range; they are validated into that frozen config (`self.config`).
     """
 
     block_class = LlamaBlock

@@ -52,6 +52,7 @@ from megalab.nn.ffn import NormalizedFFN, get_activation
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.regularization import DropPath, drop_path_rates
 from megalab.nn.state import register_state
+from megalab.utils.options import check_options, option, rate
 
 POSITIONS = ("none", "learned")
 
@@ -80,46 +81,83 @@ class MegaState:
 class MegaConfig:
     """Every option of a Mega backbone, built once by `Mega` and handed to its blocks.
 
-    Fields are `Mega`'s keyword arguments (see its docstring); `drop_path` is the rate of the
-    last block, and each block receives its own rate beside this config.
+    Fields are `Mega`'s keyword arguments, each declared here once with its range and meaning;
+    `drop_path` is the rate of the last block, and each block receives its own rate beside this
+    config.
     """
 
-    d_model: int = 128
-    num_layers: int = 4
-    z_dim: int = 64
-    v_dim: int = 256
-    ffn_dim: int = 256
-    ema_dim: int = 16
-    chunk_size: int = -1
-    truncation: int | None = None
-    attention_activation: str = "softmax"
-    rel_pos_bias: str = "simple"
-    max_positions: int = 1024
-    norm_type: str = "layernorm"
-    prenorm: bool = True
-    final_norm_affine: bool = True
-    norm_affine: bool = True
-    embed_norm: bool = False
-    embed_dropout: float = 0.0
-    causal: bool = False
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    activation_dropout: float = 0.0
-    activation: str = "silu"
-    ema_shift: bool = False
-    drop_path: float = 0.0
-    positions: str = "none"
-    max_len: int | None = None
-    output_proj: bool = False
-    checkpoint_activations: bool = False
-    attention_recompute: bool | None = None
+    d_model: int = option(128, ge=1, doc="d, the feature width")
+    num_layers: int = option(4, ge=1, doc="number of blocks")
+    z_dim: int = option(64, ge=1, doc="z, the shared Q/K width")
+    v_dim: int = option(256, ge=1, doc="v, the value width")
+    ffn_dim: int = option(256, doc="d_FFN (<= 0: no FFN)", note=" (<= 0: no FFN)")
+    ema_dim: int = option(
+        16, ge=0, doc="h, the EMA expansion", note=" (0 removes the EMA: the h = 0 ablation)"
+    )
+    chunk_size: int = option(
+        -1, ge=1, also={-1: "no chunking"}, doc="attention chunk c (-1: full attention)"
+    )
+    truncation: int | None = option(None, doc="EMA kernel length (None: no truncation)")
+    attention_activation: str = option("softmax", doc="softmax | laplace | relu2")
+    rel_pos_bias: str = option("simple", doc="simple | rotary")
+    max_positions: int = option(
+        1024, doc="size of the 'simple' bias when chunk_size = -1 (the longest input)"
+    )
+    norm_type: str = option(
+        "layernorm", doc="layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm"
+    )
+    prenorm: bool = option(
+        True, doc="pre-norm blocks plus a final norm (True) or post-norm blocks (False)"
+    )
+    final_norm_affine: bool = option(True, doc="whether the final (pre-norm) norm is affine")
+    norm_affine: bool = option(
+        True, doc="whether the norms of the blocks (MAGA and FFN) are affine (the code's)"
+    )
+    # One difference remains with batch norm in training on padded text: the code's batch
+    # statistics include the pad token's embedding, ours the encoder's zeroed pads.
+    embed_norm: bool = option(
+        False,
+        doc="a `norm_type` norm on the input embeddings (the code's normalize_embedding); "
+        "post-norm only",
+    )
+    # The authors' encoders apply their embedding dropout after that norm: for the same order
+    # set this to the encoder's rate and the encoder's `dropout` to 0 (mega_kwargs_from_fairseq).
+    embed_dropout: float = rate(0.0, doc="dropout after `embed_norm`")
+    causal: bool = option(False, doc="decoder (True) or encoder (False)")
+    dropout: float = rate(0.0, doc="on X', Ĥ and the FFN output")
+    attention_dropout: float = rate(0.0, doc="on the attention weights")
+    hidden_dropout: float = rate(0.0, doc="on V")
+    activation_dropout: float = rate(0.0, doc="on the FFN hidden layer")
+    activation: str = option("silu", doc="for V, Ĥ and the FFN: silu | gelu | gelu_accurate | relu")
+    ema_shift: bool = option(
+        False, doc="bidirectional EMAs whose backward kernel starts at x_{t+1} (mega-image)"
+    )
+    drop_path: float = option(
+        0.0,
+        doc="stochastic depth of the last block; block i of n gets drop_path · i / (n − 1) "
+        "(mega-image)",
+    )
+    positions: str = option(
+        "none",
+        choices=POSITIONS,
+        doc="'learned': a trunc-normal (max_len, D) table added to the input (mega-image)",
+    )
+    max_len: int | None = option(None, doc="rows of the learned position table (the input length)")
+    output_proj: bool = option(
+        False, doc="SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`)"
+    )
+    checkpoint_activations: bool = option(
+        False,
+        doc="recompute each block in the backward: one (B, L, D) tensor per layer, ~1/3 more "
+        "compute, same results",
+    )
+    attention_recompute: bool | None = option(
+        None,
+        doc="recompute the attention weights in the backward (None: for spans over 512 keys)",
+    )
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.positions not in POSITIONS:
-            raise ValueError(f"unknown positions {self.positions!r}; choose one of {POSITIONS}")
+        check_options(self)
         if self.positions == "learned" and not self.max_len:
             raise ValueError("learned positions need `max_len` (the input length)")
         if self.embed_norm and self.prenorm:
@@ -281,51 +319,10 @@ class Mega(Backbone):
     `ema_shift=True, drop_path=0.2, positions="learned", max_len=196, output_proj=True`
     between a patch `FeatureEmbedding` and mean pooling + a Linear head.
 
-    Args:
-        d_model: d.  num_layers: number of blocks.
-        z_dim: z (shared Q/K width).  v_dim: v (value width).  ffn_dim: d_FFN (≤ 0: no FFN).
-        ema_dim: h, the EMA expansion (0 removes the EMA).
-        chunk_size: attention chunk c (-1: full attention).
-        truncation: EMA kernel length (None: no truncation).
-        attention_activation: softmax | laplace | relu2.
-        rel_pos_bias: simple | rotary.
-        max_positions: size of the 'simple' bias when chunk_size = -1 (the longest input).
-        norm_type: layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm.
-        prenorm: pre-norm blocks plus a final norm (True) or post-norm blocks (False).
-        final_norm_affine: whether the final (pre-norm) norm has learned parameters.
-        norm_affine: whether the norms of the blocks (MAGA and FFN) have learned parameters
-            (the code's `norm_affine`; False: layer/scale/rms/batch norms without gain and
-            bias).
-        embed_norm: normalise the input embeddings with a `norm_type` norm (affine, as the
-            code's `normalize_embedding`) before the first block; post-norm models only. One
-            difference remains with batch norm in training on padded text: the code's batch
-            statistics include the pad token's embedding, ours the encoder's zeroed pads.
-        embed_dropout: dropout after `embed_norm`. The authors' encoders apply their embedding
-            dropout after that norm: for the same order set it to the encoder's dropout rate
-            and the encoder's `dropout` to 0 (`mega_kwargs_from_fairseq` documents this).
-        causal: decoder (True) or encoder (False).
-        dropout: on X', Ĥ and the FFN output.  attention_dropout: on attention weights.
-        hidden_dropout: on V.  activation_dropout: on the FFN hidden layer.
-        activation: for V, Ĥ and the FFN (silu in every Mega config).
-        ema_shift: bidirectional EMAs whose backward kernel starts at x_{t+1} (mega-image).
-        drop_path: stochastic-depth rate of the last block; block i of n gets
-            drop_path · i / (n − 1), on both sub-layers (mega-image's linear rule).
-        positions: "none" (every Mega but ImageNet) or "learned": a (max_len, D) table added
-            to the input, trunc-normal with std D^-1/2 (mega-image `pos_embed`).
-        max_len: rows of the learned position table (the input length, 196 for ImageNet).
-        output_proj: SiLU(Linear(D, D)) after the final norm (mega-image `out_proj`; weight
-            N(0, 0.02), bias 0), so pooling and the head read projected features.
-        checkpoint_activations: keep only each block's input for the backward and recompute
-            the block (`megalab.nn.activation_checkpoint`): activation memory of one (B, L, D)
-            tensor per layer, for about a third more compute. Results are unchanged.
-        attention_recompute: how the fused attention kernel treats the attention weights in
-            the backward: True recomputes them (memory linear in the span), False keeps them
-            (faster), None keeps them for spans of at most 512 keys (chunks) and recomputes
-            longer ones (`megalab.nn.attention.ChunkedAttention`).
-
     The arguments are the fields of `MegaConfig`, flat and in its order (so
-    `model.backbone.chunk_size=128` overrides one, and type checkers see each); they are
-    validated once into that frozen config (`self.config`), which the blocks read.
+    `model.backbone.chunk_size=128` overrides one, and type checkers see each), each documented
+    there with its range; they are validated once into that frozen config (`self.config`),
+    which the blocks read.
     """
 
     block_class = MegaBlock

@@ -69,6 +69,7 @@ from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import PlusOneLayerNorm, PlusOneRMSNorm
 from megalab.nn.regularization import DropPath, drop_path_rates
 from megalab.nn.state import register_state
+from megalab.utils.options import check_options, option, rate
 
 NORM_TYPES = ("timestep", "group")
 
@@ -96,36 +97,41 @@ class MegalodonState:
 
 @dataclass(frozen=True)
 class MegalodonConfig:
-    """Every option of a Megalodon backbone (the arguments of `Megalodon`, see there)."""
+    """Every option of a Megalodon backbone (the arguments of `Megalodon`), each with its range
+    and meaning."""
 
-    d_model: int = 1024
-    num_layers: int = 8
-    z_dim: int = 256
-    v_dim: int = 2048
-    num_heads: int = 1
-    ffn_dim: int = 2048
-    swiglu: bool = False
-    cema_dim: int = 16
-    chunk_size: int = 2048
-    norm_groups: int = 32
-    norm_eps: float = 1e-5
-    norm_prior_count: int = 0
-    norm_type: str | None = None
-    rope_base: float = 10000.0
-    causal: bool = True
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    drop_path: float = 0.0
+    d_model: int = option(1024, ge=1, doc="D, the feature width")
+    num_layers: int = option(8, ge=1, doc="number of blocks")
+    z_dim: int = option(256, ge=1, doc="S, the shared Q/K width")
+    v_dim: int = option(2048, ge=1, doc="E, the value width")
+    num_heads: int = option(1, ge=1, doc="H (S/H and E/H per head)")
+    ffn_dim: int = option(2048, ge=1, doc="F, the FFN hidden width")
+    swiglu: bool = option(False, doc="SwiGLU FFN (fc1, fc3, fc2) instead of SiLU(fc1) -> fc2")
+    cema_dim: int = option(16, doc="N, CEMA state dimensions per channel")
+    chunk_size: int = option(
+        2048, ge=1, also={-1: "no chunking"}, doc="attention chunk c (-1: full attention)"
+    )
+    norm_groups: int = option(32, doc="G of the timestep/group norms")
+    norm_eps: float = option(1e-5, doc="ε of every norm")
+    # A learned mean and log-variance worth c₀ steps (`megalab.models.megalodon.timestep_norm`).
+    norm_prior_count: int = option(
+        0, doc="c₀ > 0: the timestep norms' learnable prior (the code's); 0 (every preset): none"
+    )
+    norm_type: str | None = option(
+        None, choices=NORM_TYPES, doc="timestep | group (None: timestep if causal, else group)"
+    )
+    rope_base: float = option(10000.0, doc="RoPE base (1e4; the paper's 7B: 1e5)")
+    causal: bool = option(True, doc="decoder (True) or encoder (False)")
+    dropout: float = rate(0.0, doc="on both branch outputs")
+    attention_dropout: float = rate(0.0, doc="the DropKey rate")
+    hidden_dropout: float = rate(0.0, doc="on X'', on Γ ⊙ O and on the FFN hidden layer")
+    drop_path: float = option(
+        0.0, doc="stochastic depth of the last block (block i of n: drop_path · i / (n − 1))"
+    )
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.ffn_dim < 1:
-            raise ValueError(f"ffn_dim must be >= 1, got {self.ffn_dim}")
+        check_options(self)
         norm = self.resolved_norm_type
-        if norm not in NORM_TYPES:
-            raise ValueError(f"unknown norm_type {norm!r}; choose one of {NORM_TYPES}")
         if self.causal and norm == "group":
             raise ValueError(
                 "norm_type='group' takes its statistics over the whole sequence, so a causal "
@@ -281,26 +287,9 @@ class Megalodon(Backbone):
     state) or classifier encoder (`causal=False`: group norm over the sequence, bidirectional
     CEMA, unmasked attention). The code's presets are configs: `model=megalodon/mega7.3B` etc.
 
-    Args:
-        d_model: D.  num_layers: blocks.
-        z_dim: S, the shared Q/K width.  v_dim: E, the value width.  num_heads: H (S/H per head).
-        ffn_dim: F.  swiglu: SwiGLU FFN (fc1, fc3, fc2) instead of SiLU(fc1) -> fc2.
-        cema_dim: N, CEMA state dimensions per channel (16).
-        chunk_size: attention chunk c (-1: full attention).
-        norm_groups: G of the timestep/group norms.  norm_eps: ε of every norm.
-        norm_prior_count: c₀ > 0 gives every timestep norm the code's learnable prior (a
-            learned mean and log-variance worth c₀ steps,
-            `megalab.models.megalodon.timestep_norm`); 0 (every preset): none.
-        norm_type: "timestep" or "group" (None: timestep if causal, else group).
-        rope_base: RoPE base (1e4; the paper's 7B: 1e5).
-        causal: decoder (True) or encoder (False).
-        dropout: on both branch outputs.  attention_dropout: DropKey rate.
-        hidden_dropout: on X'', on Γ ⊙ O and on the FFN hidden layer.
-        drop_path: stochastic depth of the last block (block i of n: drop_path · i / (n − 1)).
-
     The arguments are the fields of `MegalodonConfig`, flat and in its order (so
-    `model.backbone.chunk_size=128` overrides one) and validated once into that frozen config
-    (`self.config`).
+    `model.backbone.chunk_size=128` overrides one), each documented there with its range, and
+    validated once into that frozen config (`self.config`).
     """
 
     block_class = MegalodonBlock

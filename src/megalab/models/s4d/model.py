@@ -50,6 +50,7 @@ from megalab.models.stack import run_stack
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
 from megalab.nn.state import register_state
+from megalab.utils.options import check_options, option, rate
 
 NORM_TYPES = ("batchnorm", "layernorm")
 
@@ -64,36 +65,40 @@ class S4DState:
 
 @dataclass(frozen=True)
 class S4DConfig:
-    """Every option of an S4D backbone (see `S4DBackbone` for each), built once and handed to
-    the blocks."""
+    """Every option of an S4D backbone (`S4DBackbone`'s arguments), each with its range and
+    meaning; built once and handed to the blocks."""
 
-    d_model: int = 256
-    num_layers: int = 6
-    state_dim: int = 64
-    bidirectional: bool = True
-    norm_type: str = "batchnorm"
-    prenorm: bool = True
-    dropout: float = 0.0
-    dropout_tied: bool = False
-    dt_min: float = 1e-3
-    dt_max: float = 1e-1
+    d_model: int = option(256, ge=1, doc="D, the feature width (the repository's d_model, H)")
+    num_layers: int = option(6, ge=1, doc="number of blocks")
+    state_dim: int = option(
+        64, doc="N, the real SSM state size per channel (N/2 complex modes; d_state)"
+    )
+    bidirectional: bool = option(
+        True, doc="a backward kernel as well (encoders); False: causal, and streams"
+    )
+    norm_type: str = option("batchnorm", choices=NORM_TYPES, doc="batchnorm | layernorm")
+    prenorm: bool = option(
+        True,
+        doc="normalise each block's input and add a final norm (True), or each block's output",
+    )
+    dropout: float = rate(
+        0.0, doc="after the GELU and on the block output (the repository's model dropout)"
+    )
+    dropout_tied: bool = option(
+        False, doc="one dropout mask per sequence and channel, shared over time"
+    )
+    dt_min: float = option(1e-3, gt=0.0, doc="smallest initial step size Δ (log-uniform)")
+    dt_max: float = option(1e-1, gt=0.0, doc="largest initial step size Δ (log-uniform)")
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.norm_type not in NORM_TYPES:
-            raise ValueError(
-                f"unknown norm_type {self.norm_type!r}; the S4 block takes one of {NORM_TYPES}"
-            )
+        check_options(self)
         if self.state_dim < 2 or self.state_dim % 2:
             raise ValueError(
                 f"state_dim is N, the real state size of N/2 conjugate pairs: set an even "
                 f"state_dim >= 2, got {self.state_dim}"
             )
-        if not 0.0 < self.dt_min <= self.dt_max:
+        if not self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
 class TiedDropout(nn.Dropout):
@@ -163,20 +168,9 @@ class S4DBlock(nn.Module):
 class S4DBackbone(Backbone):
     """A stack of `S4DBlock`s, (B, L, D) -> (B, L, D); pre-norm stacks end with a final norm.
 
-    Args:
-        d_model: D, the feature width (the repository's d_model, H).
-        num_layers: number of blocks.
-        state_dim: N, the real SSM state size per channel (N/2 complex modes; d_state).
-        bidirectional: a backward kernel as well (encoders); False: causal, and streams.
-        norm_type: batchnorm | layernorm.
-        prenorm: normalise each block's input and add a final norm (True), or normalise each
-            block's output (False).
-        dropout: after the GELU and on the block output (the repository's model dropout).
-        dropout_tied: one dropout mask per sequence and channel, shared over time.
-        dt_min, dt_max: range of the initial step sizes Δ (log-uniform).
-
-    The arguments are the fields of `S4DConfig`, flat and in its order; they are validated once
-    into that frozen config (`self.config`), which the blocks read.
+    The arguments are the fields of `S4DConfig`, flat and in its order, each documented there
+    with its range; they are validated once into that frozen config (`self.config`), which the
+    blocks read.
     """
 
     block_class = S4DBlock

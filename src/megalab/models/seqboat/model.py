@@ -74,6 +74,7 @@ from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
 from megalab.nn.state import register_state
+from megalab.utils.options import check_options, option, rate
 
 SSMS = ("ema", "s4d")
 POSITIONS = ("none", "sinusoidal")
@@ -102,54 +103,96 @@ class SeqBoatState:
 
 @dataclass(frozen=True)
 class SeqBoatConfig:
-    """Every option of a SeqBoat backbone (see `SeqBoat` for their meaning)."""
+    """Every option of a SeqBoat backbone (`SeqBoat`'s arguments), each with its range and
+    meaning."""
 
-    d_model: int = 128
-    num_layers: int = 4
-    z_dim: int = 64
-    v_dim: int = 256
-    ema_dim: int = 16
-    ssm: str = "ema"
-    truncation: int | None = None
-    attention: str = "local"
-    chunk_size: int = 128
-    attention_activation: str = "softmax"
-    rel_pos_bias: str = "simple"
-    local_pos: bool = False
-    max_positions: int = 1024
-    positions: str = "none"
-    norm_type: str = "layernorm"
-    norm_affine: bool = True
-    prenorm: bool = False
-    final_norm_affine: bool = True
-    causal: bool = False
-    router: str = "softmax"
-    init_temp_scale: float = 1.0
-    act_bias: float = 0.0
-    gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995)
-    gumbel_hard: bool = False
-    always_compress: bool | None = None
-    ffn_dim: int = 0
-    ffn_mode: str = "after"
-    dropout: float = 0.0
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    activation_dropout: float = 0.0
-    input_dropout: float = 0.0
+    d_model: int = option(128, ge=1, doc="d_m, the feature width")
+    num_layers: int = option(4, ge=1, doc="N, the number of layers")
+    z_dim: int = option(64, ge=1, doc="d_z, the Q/K width")
+    v_dim: int = option(256, ge=1, doc="d_v, the value/gate width")
+    ema_dim: int = option(
+        16,
+        ge=0,
+        doc="h, the EMA dimension (N of S4D)",
+        note=" (0 removes the EMA: the h = 0 ablation)",
+    )
+    ssm: str = option("ema", choices=SSMS, doc="'ema' (MD-EMA) | 's4d' (Table 7's SSM with S4D)")
+    truncation: int | None = option(None, doc="EMA kernel length (None: the whole sequence)")
+    attention: str = option(
+        "local", doc="'local' (working memory; SeqBoat) | 'full' (SeqBoat-full) | 'chunk'"
+    )
+    # The paper's working memory is w = 2W bidirectional, W causal.
+    chunk_size: int = option(
+        128,
+        ge=1,
+        also={-1: "no chunking"},
+        doc="W, the one-sided window in packed tokens (the code's --chunk-size), or the chunk",
+    )
+    # Local laplace cannot stream: its masked look-around slots depend on block alignment.
+    attention_activation: str = option("softmax", doc="softmax | relu2 | laplace")
+    rel_pos_bias: str = option(
+        "simple", doc="simple | rotary (RoPE on Q, K at original positions) | none"
+    )
+    local_pos: bool = option(
+        False, doc="the 'simple' bias on offsets in the compressed sequence (Text, SC)"
+    )
+    max_positions: int = option(
+        1024, doc="P of the 'simple' bias on original positions (edges replicated beyond)"
+    )
+    positions: str = option(
+        "none",
+        choices=POSITIONS,
+        doc="'sinusoidal': the code's --add-apos, [sin | cos] times a learned scalar (d^-1/2)",
+    )
+    norm_type: str = option(
+        "layernorm", doc="layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm"
+    )
+    norm_affine: bool = option(True, doc="whether each layer's norm is affine (the unit's)")
+    prenorm: bool = option(False, doc="pre-norm layers plus a final norm, or post-norm")
+    final_norm_affine: bool = option(True, doc="whether the final (pre-norm) norm is affine")
+    causal: bool = option(False, doc="decoder (True) or encoder (False)")
+    # 'none': the GAU runs on every token (Always Activated, -local, -chunk); as the code's
+    # --always-act, its output is added at padded positions too.
+    router: str = option("softmax", doc="softmax (tempered) | gumbel | sigmoid | xmoe | none")
+    init_temp_scale: float = option(1.0, doc="α, τ₀ = α√d")
+    act_bias: float = option(
+        0.0, doc="added to the skip logit (the code's --act-bias; > 0 favours sparsity)"
+    )
+    gumbel_tau: tuple[float, float, float] = option(
+        (2.0, 0.5, 0.999995),
+        doc="(τ'₀, τ'_min, decay per step) of the Gumbel router (paper: 2, 0.5, 0.999995)",
+    )
+    gumbel_hard: bool = option(
+        False, doc="the Gumbel router's straight-through mode (the code's hard=True)"
+    )
+    # The code skips packing for the whole batch when one row activates all its L tokens (its
+    # local window then counts original positions for the other rows), and in full mode when
+    # one row activates 90% of them (only causal relu²/laplace, which divide by the query's
+    # index + 1, see the difference). False follows the code; True always packs (rows
+    # independent of their batch; a single-row batch is identical either way); None: False
+    # for encoders, True for decoders, whose stream must equal one pass (the code's LM runs one
+    # sequence per GPU, where both are the same).
+    always_compress: bool | None = option(
+        None, doc="pack even a fully activated row (None: for decoders only)"
+    )
+    ffn_dim: int = option(
+        0, doc="> 0 adds an FFN (SeqBoat-FFN / {GAU,FFN})", note=" (<= 0: no FFN)"
+    )
+    ffn_mode: str = option(
+        "after",
+        choices=FFN_MODES,
+        doc="'after' (Mega's normalized FFN after each layer) | 'parallel' (beside the GAU)",
+    )
+    dropout: float = rate(0.0, doc="on H, the GAU or layer branch and the FFN output")
+    attention_dropout: float = rate(0.0, doc="on the attention weights")
+    hidden_dropout: float = rate(0.0, doc="on V")
+    activation_dropout: float = rate(0.0, doc="on the FFN hidden layer")
+    input_dropout: float = rate(
+        0.0, doc="on the input after the absolute positions (the code's embedding dropout)"
+    )
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
-        if self.ssm not in SSMS:
-            raise ValueError(f"unknown ssm {self.ssm!r}; allowed values: {', '.join(SSMS)}")
-        if self.positions not in POSITIONS:
-            raise ValueError(
-                f"unknown positions {self.positions!r}; allowed values: {', '.join(POSITIONS)}"
-            )
-        if self.ffn_mode not in FFN_MODES:
-            raise ValueError(
-                f"unknown ffn_mode {self.ffn_mode!r}; allowed values: {', '.join(FFN_MODES)}"
-            )
+        check_options(self)
         if self.ffn_mode == "parallel" and self.ffn_dim <= 0:
             raise ValueError("ffn_mode='parallel' (SeqBoat-{GAU,FFN}) needs ffn_dim > 0")
         if self.ffn_mode == "parallel" and self.router == "none":
@@ -454,52 +497,9 @@ class SeqBoat(Backbone):
     distance in original positions from a query to the other keys it attends, over activated
     queries: the paper's Fig. 6 measure) and, for SeqBoat-{GAU,FFN}, `ffn_activation`.
 
-    Args:
-        d_model: d_m.  num_layers: N.  z_dim: d_z (Q/K width).  v_dim: d_v (value/gate width).
-        ema_dim: h, the EMA dimension (N of S4D).
-        ssm: "ema" (MD-EMA) | "s4d" (Table 7's "SSM with S4D").
-        truncation: EMA kernel length (None: the whole sequence).
-        attention: "local" (working memory; SeqBoat) | "full" (SeqBoat-full) | "chunk".
-        chunk_size: W, the one-sided window in packed tokens (the code's `--chunk-size`; the
-            paper's working memory w = 2W bidirectional, W causal), or the chunk length.
-        attention_activation: softmax | relu2 | laplace (local laplace cannot stream: its
-            masked look-around slots depend on block alignment).
-        rel_pos_bias: simple | rotary (RoPE on Q, K at original positions) | none.
-        local_pos: the 'simple' bias on offsets in the compressed sequence (Text, SC).
-        max_positions: P of the 'simple' bias on original positions (edges replicated beyond).
-        positions: "none" | "sinusoidal": the code's `--add-apos` (pixels, audio): a
-            [sin | cos] embedding times a learned scalar (init d^-1/2) added to the input.
-        norm_type: layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm.
-        norm_affine: whether each layer's norm has learned parameters (the unit's
-            `norm_affine`).
-        prenorm: pre-norm layers plus a final norm, or post-norm.
-        final_norm_affine: whether the final (pre-norm) norm has learned parameters.
-        causal: decoder (True) or encoder (False).
-        router: "softmax" (tempered softmax) | "gumbel" | "sigmoid" | "xmoe" | "none" (the GAU
-            runs on every token: Always Activated, -local, -chunk; as the code's
-            `--always-act`, its output is added at padded positions too).
-        init_temp_scale: α, τ₀ = α√d.
-        act_bias: added to the skip logit (the code's `--act-bias`; > 0 favours sparsity).
-        gumbel_tau: (τ'₀, τ'_min, decay per step) of the Gumbel router (paper: 2, 0.5,
-            0.999995).
-        gumbel_hard: the Gumbel router's straight-through mode (hard one-hot forward, the
-            soft probabilities' gradient; the code's `gumbel_softmax(hard=True)`).
-        always_compress: the code skips packing for the whole batch when one row activates all
-            its L tokens (its local window then counts original positions for the other rows),
-            and in full mode when one row activates 90% of them (only causal relu²/laplace,
-            which divide by the query's index + 1, see the difference).
-            False follows the code, True always packs (rows independent of their batch; a
-            single-row batch is identical either way). None (default): False for encoders,
-            True for decoders, whose stream must equal one pass (the code's LM runs one
-            sequence per GPU, where both are the same).
-        ffn_dim: > 0 adds an FFN (SeqBoat-FFN / {GAU,FFN}); ffn_mode: "after" (Mega's normalized
-            FFN after each layer) | "parallel" (beside the GAU, gated by its own configurator).
-        dropout: on H, the GAU or layer branch, the FFN output.  attention_dropout: attention
-            weights.  hidden_dropout: V.  activation_dropout: FFN hidden layer.
-        input_dropout: on the input after the absolute positions (the code's embedding dropout).
-
-    The arguments are the fields of `SeqBoatConfig`, flat and in its order; they are validated
-    once into that frozen config (`self.config`), which the layers read.
+    The arguments are the fields of `SeqBoatConfig`, flat and in its order, each documented
+    there with its range; they are validated once into that frozen config (`self.config`),
+    which the layers read.
     """
 
     block_class = SeqBoatBlock

@@ -3,6 +3,7 @@
 from megalab.models.transformer.model import (
     MultiHeadSelfAttention,
     Transformer,
+    TransformerConfig,
     TransformerLayer,
     sinusoidal_positions,
 )
@@ -10,6 +11,7 @@ from megalab.models.transformer.model import (
 __all__ = [
     "MultiHeadSelfAttention",
     "Transformer",
+    "TransformerConfig",
     "TransformerLayer",
     "sinusoidal_positions",
 ]

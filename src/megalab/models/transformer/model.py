@@ -16,17 +16,63 @@ be continued by a later one anyway.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.nn.activation_checkpoint import checkpoint_block
 from megalab.nn.embedding import INITS, init_bert_params
 from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.regularization import DropPath, drop_path_rates
+from megalab.utils.options import check_options, option, rate
 
 POSITIONS = ("sinusoidal", "learned", "none")
+ACTIVATIONS = ("gelu", "relu", "silu")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Every option of a `Transformer` (its keyword arguments), each with its range and meaning."""
+
+    d_model: int = option(256, ge=1, doc="D, the feature width")
+    num_layers: int = option(4, ge=1, doc="number of layers")
+    num_heads: int = option(4, ge=1, doc="H, the attention heads (D / H per head)")
+    ffn_dim: int = option(1024, doc="the FFN hidden width")
+    dropout: float = rate(0.1, doc="on the embeddings, each branch output (attention and FFN)")
+    attention_dropout: float = rate(0.0, doc="on the attention weights")
+    activation_dropout: float = rate(0.0, doc="on the FFN hidden layer")
+    activation: str = option("gelu", choices=ACTIVATIONS, doc="of the FFN")
+    prenorm: bool = option(True, doc="pre-norm layers plus a final LayerNorm, or post-norm")
+    positions: str = option(
+        "sinusoidal", choices=POSITIONS, doc="absolute positions added to the input"
+    )
+    max_len: int | None = option(None, doc="rows of the learned position table")
+    causal: bool = option(False, doc="decoder-only language model (True) or encoder (False)")
+    share_layers: bool = option(
+        False, doc="one layer's weights at every depth (the LRA ListOps baseline's tied layers)"
+    )
+    drop_path: float = option(
+        0.0, doc="stochastic depth of the last layer, linear over depth (DeiT)"
+    )
+    embed_norm: bool = option(
+        False, doc="a LayerNorm on the embeddings after the positions (encoder_normalize_before)"
+    )
+    init: str = option(
+        "default", choices=INITS, doc="'bert': fairseq's init_bert_params on every Linear"
+    )
+    checkpoint_activations: bool = option(
+        False, doc="recompute each layer in the backward: less memory, ~1/3 more compute"
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
+        if self.positions == "learned" and not self.max_len:
+            raise ValueError("learned positions need `max_len` (the longest input length)")
+        if self.share_layers and self.drop_path > 0:
+            raise ValueError("drop_path needs one module per layer: set share_layers=false")
 
 
 def sinusoidal_positions(
@@ -124,6 +170,9 @@ class Transformer(Backbone):
     `checkpoint_activations` keeps only each layer's input for the backward and recomputes the
     layer (`megalab.nn.activation_checkpoint`): less memory, about a third more compute, same
     results.
+
+    The arguments are the fields of `TransformerConfig`, flat and in its order, each documented
+    there with its range; they are validated once into that frozen config (`self.config`).
     """
 
     block_class = TransformerLayer
@@ -149,14 +198,7 @@ class Transformer(Backbone):
         checkpoint_activations: bool = False,
     ) -> None:
         super().__init__()
-        if init not in INITS:
-            raise ValueError(f"unknown init {init!r}; choose one of {INITS}")
-        if positions not in POSITIONS:
-            raise ValueError(f"unknown positions {positions!r}; choose one of {POSITIONS}")
-        if positions == "learned" and not max_len:
-            raise ValueError("learned positions need `max_len` (the longest input length)")
-        if activation not in ("gelu", "relu", "silu"):
-            raise ValueError(f"unknown activation {activation!r}; choose gelu, relu or silu")
+        self.config = config_from_arguments(TransformerConfig, locals())
         self.d_model = d_model
         self.causal = causal
         self.positions = positions
@@ -167,8 +209,6 @@ class Transformer(Backbone):
         )
         if self.pos_embedding is not None:
             nn.init.normal_(self.pos_embedding.weight, std=0.02)
-        if share_layers and drop_path > 0:
-            raise ValueError("drop_path needs one module per layer: set share_layers=false")
 
         def make(rate: float) -> TransformerLayer:
             return TransformerLayer(
@@ -196,6 +236,11 @@ class Transformer(Backbone):
         if init == "bert":
             # After every submodule exists, as fairseq applies it once the model is built.
             self.apply(init_bert_params)
+
+    @classmethod
+    def from_config(cls, cfg: TransformerConfig) -> Transformer:
+        """A backbone from a `TransformerConfig`."""
+        return cls(**asdict(cfg))
 
     @property
     def max_len(self) -> int | None:

@@ -24,7 +24,7 @@ Each model's loop says exactly that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -39,39 +39,41 @@ from megalab.nn.relative_attention import (
     causal_mask,
     relative_distances,
 )
+from megalab.utils.options import check_options, option, rate
 
 
 @dataclass(frozen=True)
 class RelativeMemoryConfig:
-    """The options Transformer-XL and LaMemo share (see `TransformerXL` for each)."""
+    """The options Transformer-XL and LaMemo share, each with its range and meaning."""
 
     model_name: ClassVar[str] = "this model"
 
-    d_model: int = 410
-    num_layers: int = 16
-    num_heads: int = 10
-    head_dim: int | None = None
-    ffn_dim: int = 2100
-    dropout: float = 0.1
-    attention_dropout: float = 0.0
-    pre_lnorm: bool = False
-    mem_len: int = 150
-    eval_mem_len: int | None = None
-    same_length: bool = False
-    clamp_len: int = -1
-    init_std: float = 0.02
-    causal: bool = field(default=True)
+    d_model: int = option(410, ge=1, doc="D, the feature width")
+    num_layers: int = option(16, ge=1, doc="number of layers")
+    num_heads: int = option(10, ge=1, doc="H, the attention heads")
+    head_dim: int | None = option(None, doc="d_head (None: D / H)")
+    ffn_dim: int = option(2100, doc="d_inner, the FFN hidden width")
+    dropout: float = rate(
+        0.1, doc="on the positions table, after W_o, inside the FFN and on the output"
+    )
+    attention_dropout: float = rate(0.0, doc="on the attention probabilities (dropatt)")
+    pre_lnorm: bool = option(
+        False, doc="pre-LN layers (the code's option; off in every paper configuration)"
+    )
+    mem_len: int = option(150, ge=0, doc="memory length in training (0: no memory)")
+    eval_mem_len: int | None = option(None, ge=0, doc="memory length in evaluation (None: mem_len)")
+    same_length: bool = option(False, doc="every query sees the same number (mem_len) of keys")
+    clamp_len: int = option(-1, doc="cap on relative distances (<= 0: none)")
+    init_std: float = option(0.02, doc="scale of the initialisation")
+    causal: bool = option(True, doc="always true (a language model)")
 
     def __post_init__(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        check_options(self)
         if self.head_dim is None and self.d_model % self.num_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}: set "
                 "head_dim explicitly"
             )
-        if self.mem_len < 0 or (self.eval_mem_len is not None and self.eval_mem_len < 0):
-            raise ValueError("mem_len and eval_mem_len must be >= 0")
         if self.same_length and min(self.mem_len, self.eval_mem_len or self.mem_len) < 1:
             raise ValueError(
                 "same_length limits every query to mem_len keys: it needs mem_len >= 1"

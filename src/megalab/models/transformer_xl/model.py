@@ -52,6 +52,7 @@ from megalab.models.transformer_xl.memory import (
 )
 from megalab.nn.relative_attention import update_memory
 from megalab.nn.state import register_state
+from megalab.utils.options import option
 
 
 @register_state
@@ -69,16 +70,12 @@ class XLMemory:
 
 @dataclass(frozen=True)
 class TransformerXLConfig(RelativeMemoryConfig):
-    """Every option of `TransformerXL` (its keyword arguments; see its docstring)."""
+    """Every option of `TransformerXL` (its keyword arguments), each with its range and meaning:
+    those of `RelativeMemoryConfig` and `ext_len`."""
 
     model_name = "Transformer-XL"
 
-    ext_len: int = 0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.ext_len < 0:
-            raise ValueError(f"ext_len must be >= 0, got {self.ext_len}")
+    ext_len: int = option(0, ge=0, doc="positions per segment kept out of the memory")
 
 
 class XLLayer(nn.Module):
@@ -115,21 +112,9 @@ class XLLayer(nn.Module):
 class TransformerXL(RelativeMemoryBackbone):
     """The Transformer-XL backbone (see the module docstring), (B, L, D) -> (B, L, D).
 
-    Args:
-        d_model: D.  num_layers: number of layers.  num_heads: H.
-        head_dim: d_head (None: D / H).  ffn_dim: d_inner.
-        dropout: on the embedding's positions table, after W_o, inside the FFN and on the
-            output.  attention_dropout: on the attention probabilities (dropatt).
-        pre_lnorm: pre-LN layers (the code's option; off in every paper configuration).
-        mem_len: memory length in training (0: no memory).  eval_mem_len: in evaluation
-            (None: mem_len).  ext_len: positions per segment kept out of the memory.
-        same_length: every query sees the same number (mem_len) of keys.
-        clamp_len: cap on relative distances (≤ 0: none).
-        init_std: scale of the initialisation.  causal: always true (a language model).
-
     The arguments are the fields of `TransformerXLConfig`, flat and in its order (the shared
-    ones of `RelativeMemoryConfig` first); they are validated once into that frozen config
-    (`self.config`).
+    ones of `RelativeMemoryConfig` first), each documented there with its range; they are
+    validated once into that frozen config (`self.config`).
     """
 
     config: TransformerXLConfig
