@@ -95,9 +95,10 @@ def _model_packages() -> dict[str, str]:
         init = Path(getattr(info.module_finder, "path", "")) / info.name / "__init__.py"
         for name in _declared_names(init):
             if name in where or name in _OWN_NAMES:
+                owner = f"megalab.models.{where[name]}" if name in where else "megalab.models"
                 raise ImportError(
-                    f"megalab.models.{info.name} and megalab.models.{where.get(name, '')} both "
-                    f"export {name!r}: rename one (megalab.models holds every model's names)"
+                    f"megalab.models.{info.name} and {owner} both export {name!r}: rename one "
+                    "(megalab.models holds every model's names)"
                 )
             where[name] = info.name
     return where
