@@ -2,13 +2,17 @@
 
 New files under `configs/experiment/` are picked up automatically. Fixture datasets are tiny,
 so a few data-dependent sizes are overridden per data config (`FIXTURE_OVERRIDES`); model
-and optimisation settings stay exactly as the experiment defines them.
+and optimisation settings stay exactly as the experiment defines them. An experiment that sets
+`requires_cuda: true` trains here on a CUDA machine only (`GPU_ONLY`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import hydra
 import pytest
+import yaml
 from hydra.core.hydra_config import HydraConfig
 
 from conftest import CONFIG_DIR
@@ -18,6 +22,21 @@ EXPERIMENTS = sorted(
     p.relative_to(CONFIG_DIR / "experiment").with_suffix("").as_posix()
     for p in (CONFIG_DIR / "experiment").rglob("*.yaml")
 )
+
+
+def declared(name: str, key: str) -> Any:
+    """Top-level `key` of experiment `name` as composing it gives it (None when unset), read from
+    its file and the experiments it extends (`- /experiment/...` in its defaults) without
+    composing: collection stays fast. The tests below check it against the composed config."""
+    spec = yaml.safe_load((CONFIG_DIR / "experiment" / f"{name}.yaml").read_text()) or {}
+    if key in spec:
+        return spec[key]
+    for entry in reversed(spec.get("defaults", [])):
+        if isinstance(entry, str) and entry.startswith("/experiment/"):
+            value = declared(entry.removeprefix("/experiment/"), key)
+            if value is not None:
+                return value
+    return None
 
 
 def _has_timm() -> bool:
@@ -76,12 +95,12 @@ FIXTURE_OVERRIDES["lra_text"] = ["data.max_len=512"]
 FIXTURE_OVERRIDES["lra_retrieval"] = ["data.max_len=512"]
 # Path-X: attention over 16,384 pixels materialises (B, heads, 16K, 16K) scores on a CPU (4096²
 # per chunk for Mega-chunk: 80 s and ~5 GB per example for one step)
-# (a Transformer fixture step at batch 4 went past 20 GB and was killed): these train in the
-# slow suite on a CUDA machine only (`GPU_ONLY`), and are instantiated everywhere.
-GPU_ONLY: set[str] = {"transformer/lra_pathx", "mega/lra_pathx", "mega_chunk/lra_pathx"}
-# SeqBoat on Path-X: 6 layers over 16,384 pixels (look-around blocks of 3 x 256 keys, or full
-# attention over the activated half for SeqBoat-full) do not fit a CPU fixture step either.
-GPU_ONLY |= {"seqboat/lra_pathx", "seqboat_full/lra_pathx"}
+# (a Transformer fixture step at batch 4 went past 20 GB and was killed), and SeqBoat's 6 layers
+# (look-around blocks of 3 x 256 keys, or full attention over the activated half for
+# SeqBoat-full) do not fit a CPU fixture step either. Such an experiment declares
+# `requires_cuda: true` (every Path-X run does): it trains in the slow suite on a CUDA machine
+# only, and is instantiated everywhere.
+GPU_ONLY: set[str] = {n for n in EXPERIMENTS if declared(n, "requires_cuda")}
 HEAVY |= GPU_ONLY
 # The 30 SeqBoat ablations (Tables 7-8) change one to three backbone keys of seqboat/lra_image,
 # lra_listops and lra_pathfinder, which train in the default suite; each variant's code path
@@ -133,10 +152,6 @@ HEAVY |= {
 # their presets' parameter counts are checked on the meta device
 # (tests/models/megalodon/test_megalodon.py).
 HEAVY |= {"megalodon/imagenet", "megalodon/wikitext103"}
-GPU_ONLY |= {"megalodon/lra_pathx", "megalodon_chunk/lra_pathx"}
-# The S4D baseline on Path-X (6 x 256 over 16,384 pixels) trains there like the other Path-X runs.
-GPU_ONLY |= {"s4d/lra_pathx"}
-HEAVY |= GPU_ONLY
 _MEGALODON_TINY = [
     "model.d_model=64",
     "model.backbone.num_layers=2",
@@ -180,6 +195,7 @@ EXPERIMENT_OVERRIDES |= {
 
 def test_experiments_exist() -> None:
     assert "quickstart" in EXPERIMENTS
+    assert {"mega/lra_pathx", "mega_chunk/lra_pathx"} <= GPU_ONLY  # set, and inherited
 
 
 def fixture_overrides(compose_cfg, name: str) -> list[str]:
@@ -234,6 +250,7 @@ def test_experiment_trains_two_steps(compose_cfg, name: str) -> None:
     # Path-X trains on one GPU with the paper's data parallelism (DDP over NCCL, one process).
     gpu = ["trainer=ddp", "trainer.devices=1"] if name in GPU_ONLY else []
     cfg = compose_cfg(f"experiment={name}", *fixture_overrides(compose_cfg, name), *gpu)
+    assert bool(cfg.get("requires_cuda")) == (name in GPU_ONLY)  # what `declared` read
     record = train(cfg)
     assert record["global_step"] == 2
     assert record["experiment"] == name
@@ -243,5 +260,6 @@ def test_experiment_trains_two_steps(compose_cfg, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(HEAVY))
 def test_heavy_experiment_instantiates(compose_cfg, name: str) -> None:
     cfg = compose_cfg(f"experiment={name}", *fixture_overrides(compose_cfg, name))
+    assert bool(cfg.get("requires_cuda")) == (name in GPU_ONLY)  # what `declared` read
     task = hydra.utils.instantiate(cfg.task)
     assert sum(p.numel() for p in task.parameters()) > 0

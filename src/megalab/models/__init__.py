@@ -5,74 +5,50 @@
     model = Megalodon.from_config(MegalodonConfig(d_model=128, num_layers=2, causal=True))
     model = from_preset("megalodon/mega200M", num_layers=2)   # a shipped preset, resized
 
-The names load on first use (each model folder imports its layers and `megalab.nn`):
-`import megalab.models` itself imports nothing heavy.
+Every model is a package `megalab/models/<model>/` whose `__init__.py` lists its public names in
+a literal `__all__`: those names are this module's too, found by reading the packages' `__all__`
+(nothing is listed here by hand), and load on first use (each model folder imports its layers
+and `megalab.nn`): `import megalab.models` itself imports nothing heavy.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import pkgutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from megalab.models.base import Backbone, BackboneOutput
-    from megalab.models.lamemo.model import LaMemo
-    from megalab.models.llama.model import Llama, LlamaBlock, LlamaConfig
-    from megalab.models.mega.model import Mega, MegaBlock, MegaConfig
-    from megalab.models.megalodon.model import Megalodon, MegalodonBlock, MegalodonConfig
-    from megalab.models.s4d import S4DBackbone, S4DBlock, S4DConfig
-    from megalab.models.seqboat.model import SeqBoat, SeqBoatBlock, SeqBoatConfig
-    from megalab.models.transformer.model import Transformer
-    from megalab.models.transformer_xl.model import TransformerXL
+if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line here
+    from megalab.models.base import Backbone as Backbone
+    from megalab.models.base import BackboneOutput as BackboneOutput
+    from megalab.models.lamemo import LaMemo as LaMemo
+    from megalab.models.lamemo import LaMemoConfig as LaMemoConfig
+    from megalab.models.llama import Llama as Llama
+    from megalab.models.llama import LlamaBlock as LlamaBlock
+    from megalab.models.llama import LlamaConfig as LlamaConfig
+    from megalab.models.mega import Mega as Mega
+    from megalab.models.mega import MegaBlock as MegaBlock
+    from megalab.models.mega import MegaConfig as MegaConfig
+    from megalab.models.megalodon import Megalodon as Megalodon
+    from megalab.models.megalodon import MegalodonBlock as MegalodonBlock
+    from megalab.models.megalodon import MegalodonConfig as MegalodonConfig
+    from megalab.models.s4d import S4DBackbone as S4DBackbone
+    from megalab.models.s4d import S4DBlock as S4DBlock
+    from megalab.models.s4d import S4DConfig as S4DConfig
+    from megalab.models.seqboat import SeqBoat as SeqBoat
+    from megalab.models.seqboat import SeqBoatBlock as SeqBoatBlock
+    from megalab.models.seqboat import SeqBoatConfig as SeqBoatConfig
+    from megalab.models.transformer import Transformer as Transformer
+    from megalab.models.transformer_xl import TransformerXL as TransformerXL
+    from megalab.models.transformer_xl import TransformerXLConfig as TransformerXLConfig
 
-_WHERE = {
-    "Backbone": "base",
-    "BackboneOutput": "base",
-    "LaMemo": "lamemo",
-    "Llama": "llama",
-    "LlamaBlock": "llama",
-    "LlamaConfig": "llama",
-    "Mega": "mega",
-    "MegaBlock": "mega",
-    "MegaConfig": "mega",
-    "Megalodon": "megalodon",
-    "MegalodonBlock": "megalodon",
-    "MegalodonConfig": "megalodon",
-    "S4DBackbone": "s4d",
-    "S4DBlock": "s4d",
-    "S4DConfig": "s4d",
-    "SeqBoat": "seqboat",
-    "SeqBoatBlock": "seqboat",
-    "SeqBoatConfig": "seqboat",
-    "Transformer": "transformer",
-    "TransformerXL": "transformer_xl",
-}
-
-__all__ = [
-    "Backbone",
-    "BackboneOutput",
-    "LaMemo",
-    "Llama",
-    "LlamaBlock",
-    "LlamaConfig",
-    "Mega",
-    "MegaBlock",
-    "MegaConfig",
-    "Megalodon",
-    "MegalodonBlock",
-    "MegalodonConfig",
-    "S4DBackbone",
-    "S4DBlock",
-    "S4DConfig",
-    "SeqBoat",
-    "SeqBoatBlock",
-    "SeqBoatConfig",
-    "Transformer",
-    "TransformerXL",
-    "block_classes",
-    "from_preset",
-]
+# The contract every backbone implements, from `megalab.models.base` (a module, not a model).
+_BASE_NAMES = ("Backbone", "BackboneOutput")
+# Defined in this file.
+_OWN_NAMES = ("block_classes", "from_preset")
 
 # What a model config interpolates from the data (`${data.*}`) when built outside a run.
 _DATA_SPEC = {
@@ -84,10 +60,61 @@ _DATA_SPEC = {
 }
 
 
+def _declared_names(init: Path) -> list[str]:
+    """The literal `__all__` of a model package's `__init__.py`, read without importing it."""
+    for node in ast.parse(init.read_text(encoding="utf-8"), str(init)).body:
+        if isinstance(node, ast.Assign):
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "__all__":
+            try:
+                names = ast.literal_eval(value)
+            except ValueError:
+                break
+            if isinstance(names, list | tuple) and all(isinstance(n, str) for n in names):
+                return list(names)
+    raise ImportError(
+        f"{init}: a model package lists its public names in a literal "
+        "`__all__ = [...]` of strings (megalab.models exports them)"
+    )
+
+
+@functools.cache
+def _model_packages() -> dict[str, str]:
+    """Public name -> the model package (`megalab.models.<package>`) that exports it.
+
+    The packages are the sub-packages of `megalab.models` on its `__path__`: only megalab's own
+    folders, never names from configs or data."""
+    where = {name: "base" for name in _BASE_NAMES}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
+        if not info.ispkg or not info.name.isidentifier():
+            continue
+        init = Path(getattr(info.module_finder, "path", "")) / info.name / "__init__.py"
+        for name in _declared_names(init):
+            if name in where or name in _OWN_NAMES:
+                owner = f"megalab.models.{where[name]}" if name in where else "megalab.models"
+                raise ImportError(
+                    f"megalab.models.{info.name} and {owner} both export {name!r}: rename one "
+                    "(megalab.models holds every model's names)"
+                )
+            where[name] = info.name
+    return where
+
+
 def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"megalab.models.{_WHERE[name]}"), name)
-    raise AttributeError(f"module 'megalab.models' has no attribute {name!r}")
+    if name == "__all__":
+        return sorted([*_model_packages(), *_OWN_NAMES])
+    package = _model_packages().get(name)
+    if package is None:
+        raise AttributeError(f"module 'megalab.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"megalab.models.{package}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_model_packages(), "__all__"})
 
 
 def block_classes() -> set[type]:
@@ -96,7 +123,7 @@ def block_classes() -> set[type]:
     `auto_wrap_policy` / `activation_checkpointing_policy` take a set of classes)."""
     from megalab.models.base import Backbone
 
-    exported = [__getattr__(name) for name in _WHERE]
+    exported = [__getattr__(name) for name in _model_packages()]
     backbones = [c for c in exported if isinstance(c, type) and issubclass(c, Backbone)]
     return {c.block_class for c in backbones if c.block_class is not None}
 
