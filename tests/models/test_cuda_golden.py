@@ -22,9 +22,9 @@ import test_mega_golden as mega
 import test_megalodon_golden as megalodon
 import test_seqboat_golden as seqboat
 import torch
-import xl_golden
 
 import golden
+import xl_golden
 from golden import prefixed, rel_err
 
 DEVICES = [pytest.param("cpu"), pytest.param("cuda", marks=pytest.mark.gpu)]
