@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from megalab.models import Mega
-from megalab.models.stack import run_stack, zero_pads
+from megalab.models.stack import run_stack
+from megalab.nn.masking import zero_pads
 
 
 class RunningSum(nn.Module):

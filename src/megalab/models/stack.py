@@ -43,6 +43,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from megalab.nn.activation_checkpoint import checkpoint_block
+from megalab.nn.masking import zero_pads
 
 
 @dataclass
@@ -56,11 +57,6 @@ class StackOutput:
     y: Tensor
     states: list[Any] | None
     extras: list[tuple[Any, ...]] = field(default_factory=list)
-
-
-def zero_pads(x: Tensor, mask: Tensor | None) -> Tensor:
-    """`x` (B, L, D) with the positions where `mask` (B, L) is False set to zero."""
-    return x if mask is None else x * mask.unsqueeze(-1).to(x.dtype)
 
 
 def run_stack(

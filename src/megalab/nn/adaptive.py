@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.masking import zero_pads
+
 
 def _bands(vocab_size: int, cutoffs: Sequence[int]) -> list[int]:
     """Band boundaries [c_0, c_1, ..., V], validated."""
@@ -119,8 +121,7 @@ class AdaptiveInput(nn.Module):
                 out = out.index_put((sel,), proj(emb(tokens[sel] - prev)).to(out.dtype))
             prev = cut
         out = self.dropout(out * self.embed_scale)
-        if mask is not None:
-            out = out * mask.unsqueeze(-1).to(out.dtype)
+        out = zero_pads(out, mask)
         return out
 
 

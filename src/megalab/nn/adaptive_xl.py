@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.masking import zero_pads
 from megalab.nn.relative_attention import at_least_float32
 
 
@@ -150,8 +151,7 @@ class AdaptiveEmbedding(nn.Module):
                 lo = hi
             embed = embed.view(*tokens.shape, self.d_model)
         out = self.dropout(embed * self.emb_scale)
-        if mask is not None:
-            out = out * mask.unsqueeze(-1).to(out.dtype)
+        out = zero_pads(out, mask)
         return out
 
 

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from megalab.nn.masking import zero_pads
+
 INITS = ("default", "bert")
 BERT_STD = 0.02
 
@@ -89,8 +91,7 @@ class TokenEmbedding(nn.Module):
             )
         x = self.embedding(tokens) * self.embed_scale
         x = self.dropout(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+        x = zero_pads(x, mask)
         return x
 
 
@@ -138,8 +139,7 @@ class FeatureEmbedding(nn.Module):
         if features.dim() == 2:
             features = features.unsqueeze(-1)
         x = self.dropout(self.proj(features.to(self.proj.weight.dtype)) * self.embed_scale)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+        x = zero_pads(x, mask)
         return x
 
 

@@ -35,6 +35,7 @@ from megalab.nn.ema_kernel import (
     state_readout,
 )
 from megalab.nn.fft_conv import fold_directions
+from megalab.nn.masking import zero_pads
 
 
 class S4D(nn.Module):
@@ -125,7 +126,7 @@ class S4D(nn.Module):
         L, D = x.shape[1:]
         cdt = torch.promote_types(x.dtype, torch.float32)
         residual = x.to(cdt) * self.omega
-        x_tilde = x if mask is None else x * mask.unsqueeze(-1).to(x.dtype)
+        x_tilde = zero_pads(x, mask)
         want_state = state is not None or return_state
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x_tilde.to(cdt).transpose(1, 2)

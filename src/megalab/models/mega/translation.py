@@ -48,6 +48,7 @@ from megalab.models.mega.model import (
 )
 from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.nn.embedding import TokenEmbedding
+from megalab.nn.masking import zero_pads
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.state import register_state
 
@@ -226,8 +227,7 @@ class MegaEncoderDecoder(EncoderDecoder):
     def _decoder_out(self, x: Tensor, mask: Tensor | None) -> Tensor:
         if self.decoder_final_norm is not None:
             x = self.decoder_final_norm(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+        x = zero_pads(x, mask)
         return self.output_layer(x)
 
     @property

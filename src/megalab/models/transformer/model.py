@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
 from megalab.nn.activation_checkpoint import checkpoint_block
 from megalab.nn.embedding import INITS, init_bert_params
+from megalab.nn.masking import zero_pads
 from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.regularization import DropPath, drop_path_rates
 from megalab.utils.options import check_options, option, rate
@@ -278,6 +279,5 @@ class Transformer(Backbone):
             )
         if self.final_norm is not None:
             x = self.final_norm(x)
-        if mask is not None:
-            x = x * mask.unsqueeze(-1).to(x.dtype)
+        x = zero_pads(x, mask)
         return BackboneOutput(x)

@@ -43,6 +43,7 @@ from megalab.models.mega.translation import mt_embedding
 from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import get_activation
+from megalab.nn.masking import zero_pads
 from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.state import register_state
 
@@ -278,8 +279,7 @@ class TransformerEncoderDecoder(EncoderDecoder):
             x = layer(x, src_mask)
         if self.encoder_norm is not None:
             x = self.encoder_norm(x)
-        if src_mask is not None:
-            x = x * src_mask.unsqueeze(-1).to(x.dtype)
+        x = zero_pads(x, src_mask)
         return EncoderOut(x, src_mask)
 
     @property
