@@ -18,10 +18,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from seqboat_case import BASE, DT, make_layer
 
 import golden
 from megalab.models.seqboat.convert import mask_from_padding_mask, to_batch_first
-from megalab.models.seqboat.model import SeqBoat, SeqBoatConfig, SeqBoatLayer
+from megalab.models.seqboat.model import SeqBoat, SeqBoatLayer
 from megalab.models.seqboat.sma import (
     GumbelSoftmaxRouter,
     SigmoidRouter,
@@ -31,20 +32,6 @@ from megalab.models.seqboat.sma import (
     unpack,
 )
 from megalab.nn.rope import apply_rope, rope_inv_freq
-
-DT = torch.float64
-BASE = {"d_model": 16, "num_layers": 1, "z_dim": 8, "v_dim": 24, "ema_dim": 4, "dropout": 0.0,
-        "input_dropout": 0.0, "chunk_size": 3}  # fmt: skip
-
-
-def make_layer(seed: int = 0, **kw) -> SeqBoatLayer:
-    torch.manual_seed(seed)
-    layer = SeqBoatLayer(SeqBoatConfig(**{**BASE, **kw}))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return layer.to(DT).eval()
 
 
 def data(B: int = 3, L: int = 23, lengths=(23, 17, 9), seed: int = 3):

@@ -20,8 +20,10 @@ import math
 import re
 
 import pytest
+import seqboat_case
 import torch
 import torch.nn.functional as F
+from seqboat_case import DT
 
 import golden
 from golden import prefixed
@@ -35,9 +37,7 @@ from megalab.models.seqboat.convert import (
 from megalab.models.seqboat.model import SeqBoat, SeqBoatConfig, SeqBoatLayer
 from megalab.models.seqboat.sma import CompressedAttention, GumbelSoftmaxRouter
 
-DT = torch.float64
-BASE = {"d_model": 16, "num_layers": 1, "z_dim": 8, "v_dim": 24, "ema_dim": 4, "dropout": 0.0,
-        "input_dropout": 0.0, "chunk_size": 3, "max_positions": 12}  # fmt: skip
+BASE = {**seqboat_case.BASE, "max_positions": 12}
 
 
 def ref_laplace(x: torch.Tensor) -> torch.Tensor:
@@ -201,13 +201,7 @@ def ref_unit(layer: SeqBoatLayer, x: torch.Tensor, pad: torch.Tensor) -> torch.T
 
 
 def make_layer(seed: int = 0, **kw) -> SeqBoatLayer:
-    torch.manual_seed(seed)
-    layer = SeqBoatLayer(SeqBoatConfig(**{**BASE, **kw}))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return layer.to(DT).eval()
+    return seqboat_case.make_layer(seed, base=BASE, **kw)
 
 
 def data(B: int = 3, L: int = 23, lengths=(23, 17, 5), seed: int = 3):
