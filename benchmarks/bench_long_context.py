@@ -114,7 +114,7 @@ def build(name: str, d: int, layers: int, chunk: int, device: str) -> Backbone:
         if k in cfg.model.backbone:
             cfg.model.backbone[k] = v
     torch.manual_seed(0)
-    return hydra.utils.instantiate(cfg.model.backbone).to(device)
+    return hydra.utils.instantiate(cfg.model.backbone).build().to(device)
 
 
 def case_name(model: str, chunk: int) -> str:

@@ -36,7 +36,7 @@ def build_backbone(name: str, variant: str, dtype: torch.dtype = torch.float64, 
         key, value = override.split("=", 1)
         OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)
     torch.manual_seed(seed)
-    backbone = hydra.utils.instantiate(cfg.model.backbone)
+    backbone = hydra.utils.instantiate(cfg.model.backbone).build()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in backbone.parameters():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megalab.data.lm.stream import EvalBatches, StreamBatches, TokenStream
-from megalab.models.lamemo.model import LaMemo
+from megalab.models.lamemo.model import LaMemoConfig
 from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from megalab.tasks.language_modeling import LanguageModelingTask
 
@@ -42,9 +42,15 @@ def test_loss_scale_halves_the_optimised_loss_not_the_logged_one() -> None:
         torch.manual_seed(0)
         return LanguageModelingTask(
             AdaptiveEmbedding(20, 16),
-            LaMemo(
-                d_model=16, num_layers=1, num_heads=2, head_dim=8, ffn_dim=8, mem_len=4, dropout=0.0
-            ),
+            LaMemoConfig(
+                d_model=16,
+                num_layers=1,
+                num_heads=2,
+                head_dim=8,
+                ffn_dim=8,
+                mem_len=4,
+                dropout=0.0,
+            ).build(),
             ProjectedAdaptiveLogSoftmax(16, 20),
             tie_weights=True,
             carry_state=True,
@@ -64,10 +70,10 @@ def test_loss_scale_halves_the_optimised_loss_not_the_logged_one() -> None:
 
 def xl_task(ext_len: int, mem_len: int, backbone_ext_len: int | None = None):
     """A tiny float64 Transformer-XL language model (no dropout) that carries its memory."""
-    from megalab.models.transformer_xl.model import TransformerXL
+    from megalab.models.transformer_xl.model import TransformerXLConfig
 
     torch.manual_seed(0)
-    backbone = TransformerXL(
+    backbone = TransformerXLConfig(
         d_model=16,
         num_layers=2,
         num_heads=2,
@@ -76,7 +82,7 @@ def xl_task(ext_len: int, mem_len: int, backbone_ext_len: int | None = None):
         dropout=0.0,
         mem_len=mem_len,
         ext_len=ext_len if backbone_ext_len is None else backbone_ext_len,
-    )
+    ).build()
     task = LanguageModelingTask(
         AdaptiveEmbedding(VOCAB, 16),
         backbone,
@@ -199,13 +205,14 @@ def test_ext_len_is_seen_by_the_model_and_only_targets_are_scored() -> None:
 def test_ext_len_must_match_between_data_and_model() -> None:
     from types import SimpleNamespace
 
-    from megalab.models.lamemo.model import LaMemo
     from megalab.tasks.language_modeling import check_ext_len
 
     check_ext_len(xl_task(2, 4).backbone, SimpleNamespace(ext_len=2))
     with pytest.raises(ValueError, match=r"set model\.backbone\.ext_len to data\.ext_len"):
         check_ext_len(xl_task(0, 4).backbone, SimpleNamespace(ext_len=2))
-    lamemo = LaMemo(d_model=16, num_layers=1, num_heads=2, head_dim=8, ffn_dim=8, mem_len=4)
+    lamemo = LaMemoConfig(
+        d_model=16, num_layers=1, num_heads=2, head_dim=8, ffn_dim=8, mem_len=4
+    ).build()
     check_ext_len(lamemo, SimpleNamespace(ext_len=0))
     with pytest.raises(ValueError, match="only Transformer-XL supports"):
         check_ext_len(lamemo, SimpleNamespace(ext_len=2))

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from megalab.data.lm.stream import EvalBatches, Layout, LMStreamDataModule, TokenStream
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.models.mega.model import Mega
-from megalab.models.transformer.model import Transformer
+from megalab.models.mega.model import MegaConfig
+from megalab.models.transformer.model import TransformerConfig
 from megalab.nn.adaptive import AdaptiveInput, AdaptiveSoftmax
 from megalab.nn.embedding import SequenceEncoder
 from megalab.nn.state import UnsafeStateError, pack_state, unpack_state
@@ -121,16 +121,28 @@ def test_nan_at_unscored_positions_does_not_leak_but_nan_loss_fails() -> None:
 
 def test_bidirectional_backbones_fail_early() -> None:
     with pytest.raises(ValueError, match=r"needs a causal backbone.*model.backbone.causal=true"):
-        make_task(Transformer(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=False))
+        make_task(
+            TransformerConfig(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=False).build()
+        )
     with pytest.raises(ValueError, match="needs a causal backbone"):
-        make_task(Mega(d_model=4, num_layers=1, z_dim=4, v_dim=4, ffn_dim=4, causal=False))
-    make_task(Transformer(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True))
+        make_task(
+            MegaConfig(d_model=4, num_layers=1, z_dim=4, v_dim=4, ffn_dim=4, causal=False).build()
+        )
+    make_task(
+        TransformerConfig(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True).build()
+    )
 
 
 def test_segment_longer_than_the_model_fails_loudly() -> None:
-    backbone = Transformer(
-        d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True, positions="learned", max_len=8
-    )
+    backbone = TransformerConfig(
+        d_model=4,
+        num_layers=1,
+        num_heads=1,
+        ffn_dim=8,
+        causal=True,
+        positions="learned",
+        max_len=8,
+    ).build()
     with pytest.raises(ValueError, match=r"exceeds the model's limit of 8.*data.max_len"):
         make_task(backbone)._step(batch(torch.zeros(1, 16, dtype=torch.long)), "val")
 
@@ -161,7 +173,7 @@ def test_state_is_carried_per_group_and_reset() -> None:
 
 def test_streamed_evaluation_equals_one_pass_for_mega() -> None:
     torch.manual_seed(0)
-    mega = Mega(
+    mega = MegaConfig(
         d_model=8,
         num_layers=2,
         z_dim=4,
@@ -172,7 +184,7 @@ def test_streamed_evaluation_equals_one_pass_for_mega() -> None:
         prenorm=True,
         final_norm_affine=False,
         causal=True,
-    )
+    ).build()
     encoder, head = SequenceEncoder(8, vocab_size=11), LinearLMHead(8, 11)
     stream = TokenStream(np.random.default_rng(0).integers(0, 11, 83), name="val")
 
@@ -191,7 +203,7 @@ def test_streamed_evaluation_equals_one_pass_for_mega() -> None:
 
 
 def test_carried_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
-    mega = Mega(
+    mega = MegaConfig(
         d_model=8,
         num_layers=2,
         z_dim=4,
@@ -200,7 +212,7 @@ def test_carried_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
         chunk_size=4,
         rel_pos_bias="rotary",
         causal=True,
-    )
+    ).build()
     x = torch.randn(2, 6, 8)
     state = mega(x, state=mega.initial_state(2, x)).state
     torch.save({"s": pack_state({0: state, 1: (torch.ones(2), None)})}, tmp_path / "c.pt")
@@ -330,7 +342,7 @@ def test_mega_wikitext103_experiment_has_252m_parameters(compose_cfg) -> None:
 
     cfg = compose_cfg("experiment=mega/wikitext103", "model.backbone.num_layers=1")
     assert cfg.data.vocab_size == 267_735 and cfg.model.backbone.v_dim == 2048
-    backbone = hydra.utils.instantiate(cfg.task.backbone)
+    backbone = hydra.utils.instantiate(cfg.task.backbone).build()
     with torch.device("meta"):  # 45M embedding parameters: count them without allocating
         encoder = hydra.utils.instantiate(cfg.task.encoder)
         head = hydra.utils.instantiate(cfg.task.head)

@@ -18,7 +18,7 @@ from megalab.cli.eval import evaluate
 from megalab.cli.train import train
 from megalab.long_context import bucket_edges, plot_buckets, score_stream, state_bytes
 from megalab.models.base import Backbone, BackboneOutput
-from megalab.models.mega.model import Mega
+from megalab.models.mega.model import MegaConfig
 from megalab.nn.embedding import SequenceEncoder
 from megalab.nn.state import register_state
 from megalab.tasks.language_modeling import LanguageModelingTask, LinearLMHead
@@ -50,9 +50,9 @@ def test_one_million_tokens_in_bounded_memory(tmp_path: Path) -> None:
     """A 1M-token document through a causal Mega-chunk: the carried state does not grow, the
     process's peak memory stays that of one segment, and the bucket plot is written."""
     torch.manual_seed(0)
-    backbone = Mega(d_model=16, num_layers=2, z_dim=8, v_dim=16, ffn_dim=16, ema_dim=4,
+    backbone = MegaConfig(d_model=16, num_layers=2, z_dim=8, v_dim=16, ffn_dim=16, ema_dim=4,
                     chunk_size=256, rel_pos_bias="rotary", prenorm=True, causal=True,
-                    dropout=0.0)  # fmt: skip
+                    dropout=0.0).build()  # fmt: skip
     task = LanguageModelingTask(SequenceEncoder(16, vocab_size=VOCAB), backbone,
                                 LinearLMHead(16, VOCAB)).eval()  # fmt: skip
     tokens = np.random.default_rng(1).integers(0, VOCAB, 1_000_001).astype(np.uint8)

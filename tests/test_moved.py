@@ -1,5 +1,6 @@
 """Modules that moved into the model folders keep their old names, with a deprecation warning
-(`megalab.utils.moved`): imports, config targets, `python -m` and saved carried state."""
+(`megalab.utils.moved`): imports, config targets, `python -m` and saved carried state; and
+runs that name a backbone class with its options beside it build from its config class."""
 
 from __future__ import annotations
 
@@ -69,3 +70,55 @@ def test_python_dash_m_under_an_old_name_runs_and_says_the_new_one() -> None:
     assert done.returncode == 0, done.stderr
     assert "from-hf" in done.stdout
     assert "megalab.convert.llama moved to megalab.models.llama.convert" in done.stderr
+
+
+OLD_BACKBONES = {
+    "megalab.models.mega.Mega": ("megalab.models.mega.MegaConfig", {"chunk_size": 4}),
+    "megalab.models.llama.Llama": ("megalab.models.llama.LlamaConfig", {"num_heads": 2}),
+    "megalab.models.transformer_xl.model.TransformerXL": (
+        "megalab.models.transformer_xl.model.TransformerXLConfig",
+        {"mem_len": 3, "num_heads": 2},
+    ),
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_BACKBONES))
+def test_a_run_that_names_the_backbone_class_with_flat_options_still_loads(
+    old: str, tmp_path: Path
+) -> None:
+    """A run saved before backbones took their config object names the backbone class with
+    its options beside it; it is read as the config class, with a warning that names it."""
+    import hydra
+    import yaml
+
+    from megalab.models.base import built
+    from megalab.utils.safe_config import check_targets, load_run_config
+
+    new, options = OLD_BACKBONES[old]
+    saved = {
+        "model": {"d_model": 16, "backbone": {"_target_": old, "d_model": 16, "num_layers": 1}},
+        "task": {"backbone": "${model.backbone}"},
+    }
+    saved["model"]["backbone"].update(options)  # type: ignore[index]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {new}`"):
+        cfg = load_run_config(path)
+    assert cfg.model.backbone._target_ == new and cfg.task.backbone._target_ == new
+    check_targets(cfg.task, str(path))
+    backbone = built(hydra.utils.instantiate(cfg.task.backbone))
+    assert type(backbone).__name__ == old.rsplit(".", 1)[1]
+    assert backbone.config.num_layers == 1
+    assert all(getattr(backbone.config, k) == v for k, v in options.items())
+
+
+def test_a_current_config_is_left_as_it_is() -> None:
+    from omegaconf import OmegaConf
+
+    from megalab.utils.safe_config import upgrade_backbone_targets
+
+    cfg = OmegaConf.create({"backbone": {"_target_": "megalab.models.mega.MegaConfig"}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        upgrade_backbone_targets(cfg)
+    assert cfg.backbone._target_ == "megalab.models.mega.MegaConfig"

@@ -157,7 +157,7 @@ def test_ablation_points_build_and_run(hydra_compose, path: Path) -> None:
     for point in sw.expand(s):
         overrides = s.fixed + [f"{k}={sw.format_value(v)}" for k, v in point.items()]
         cfg = hydra_compose(overrides)
-        backbone = hydra.utils.instantiate(cfg.model.backbone)
+        backbone = hydra.utils.instantiate(cfg.model.backbone).build()
         backbone.eval()
         x = torch.randn(2, 40, cfg.model.d_model)
         mask = torch.ones(2, 40, dtype=torch.bool)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from megalab.models.transformer.model import Transformer
+from megalab.models.transformer.model import TransformerConfig
 from megalab.nn.embedding import FeatureEmbedding, SequenceEncoder, init_bert_params
 from megalab.nn.heads import ClassificationHead, masked_mean, pool
 from megalab.tasks import ClassificationTask, RetrievalTask
@@ -45,7 +45,9 @@ def test_classification_head_is_the_authors_classifier() -> None:
 
 def _parts(vocab: int = 12, d: int = 8):
     encoder = SequenceEncoder(d, vocab_size=vocab, pad_id=0)
-    backbone = Transformer(d_model=d, num_layers=1, num_heads=2, ffn_dim=16, dropout=0.0)
+    backbone = TransformerConfig(
+        d_model=d, num_layers=1, num_heads=2, ffn_dim=16, dropout=0.0
+    ).build()
     head = functools.partial(ClassificationHead, d_hidden=16, num_classes=3)
     return encoder, backbone, head
 
@@ -104,9 +106,9 @@ def test_nan_loss_fails_loudly() -> None:
 
 def test_too_long_input_fails_before_the_model() -> None:
     encoder, _, head = _parts()
-    backbone = Transformer(
+    backbone = TransformerConfig(
         d_model=8, num_layers=1, num_heads=2, ffn_dim=16, positions="learned", max_len=4
-    )
+    ).build()
     task = ClassificationTask(encoder, backbone, head, num_classes=3)
     with pytest.raises(ValueError, match="exceeds the model's limit of 4"):
         task(torch.randint(1, 12, (1, 6)), None)

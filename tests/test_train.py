@@ -259,9 +259,9 @@ def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) ->
     run_cfg = compose_cfg(*mega)
     (tmp_path / "run" / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(run_cfg))
     eval_cfg = compose_cfg(f"ckpt_path={ckpt}", config="eval")
-    assert eval_cfg.model.backbone._target_.endswith("Transformer")
+    assert eval_cfg.model.backbone._target_.endswith("TransformerConfig")
     merged = merge_run_config(eval_cfg, ["model.backbone.chunk_size=8", f"ckpt_path={ckpt}"])
-    assert merged.task.backbone._target_ == "megalab.models.mega.Mega"
+    assert merged.task.backbone._target_ == "megalab.models.mega.MegaConfig"
     assert merged.task.backbone.chunk_size == 8  # the override reaches the interpolated task
     record = evaluate(merged)
     assert set(record["metrics"]) == {"test/acc", "test/loss"}

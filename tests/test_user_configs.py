@@ -43,4 +43,4 @@ def test_user_config_folder_adds_experiments_and_local_defaults(
     assert "local" not in cfg
     if config == "train":
         assert cfg.seed == 1234
-        assert cfg.model.backbone._target_ == "megalab.models.mega.Mega"
+        assert cfg.model.backbone._target_ == "megalab.models.mega.MegaConfig"

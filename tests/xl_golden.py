@@ -18,8 +18,8 @@ from torch import Tensor
 import golden
 from golden import prefixed
 from megalab.models.lamemo.convert import convert_lm, task_kwargs_from_reference
-from megalab.models.lamemo.model import LaMemo
-from megalab.models.transformer_xl.model import TransformerXL
+from megalab.models.lamemo.model import LaMemo, LaMemoConfig
+from megalab.models.transformer_xl.model import TransformerXLConfig
 from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from megalab.nn.relative_attention import relative_distances
 from megalab.tasks.language_modeling import LanguageModelingTask
@@ -40,10 +40,10 @@ def build(d: dict[str, Any], **overrides: Any) -> LanguageModelingTask:
     """Our encoder, backbone and head for a case, with its converted weights, in eval mode."""
     cfg = json.loads(d["config"])
     kw = task_kwargs_from_reference(cfg)
-    backbone_cls = LaMemo if cfg["attn_type"] in (3, 31) else TransformerXL
+    config_cls = LaMemoConfig if cfg["attn_type"] in (3, 31) else TransformerXLConfig
     task = LanguageModelingTask(
         AdaptiveEmbedding(**kw["encoder"]),
-        backbone_cls(**{**kw["backbone"], **overrides}),
+        config_cls(**{**kw["backbone"], **overrides}).build(),
         ProjectedAdaptiveLogSoftmax(**kw["head"]),
         tie_weights=True,
     )

@@ -152,10 +152,11 @@ def build_task(task_cfg: Mapping[str, Any], source: str = "config.json") -> nn.M
     """The task module an export describes, built from allow-listed megalab classes only."""
     import hydra
 
-    from megalab.utils.safe_config import check_targets
+    from megalab.utils.safe_config import check_targets, upgrade_backbone_targets
 
     _check_plain(task_cfg, f"{source} task")
     cfg = OmegaConf.create(dict(task_cfg))
+    upgrade_backbone_targets(cfg, source)  # an export from before backbones took their config
     check_targets(cfg, f"{source} (task)")
     return hydra.utils.instantiate(cfg)
 

@@ -9,7 +9,7 @@ import torch
 
 from megalab.data.base import ShardedSampler
 from megalab.data.lra.listops import ListOpsDataModule
-from megalab.models.transformer.model import Transformer
+from megalab.models.transformer.model import TransformerConfig
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
@@ -66,7 +66,9 @@ def test_evaluation_is_sorted_by_length_and_predictions_do_not_change(tmp_path: 
     model = torch.nn.ModuleDict(
         {
             "embed": torch.nn.Embedding(sorted_dm.vocab_size, 16),
-            "backbone": Transformer(d_model=16, num_layers=2, num_heads=2, ffn_dim=32),
+            "backbone": TransformerConfig(
+                d_model=16, num_layers=2, num_heads=2, ffn_dim=32
+            ).build(),
         }
     ).eval()
 

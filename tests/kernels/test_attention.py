@@ -15,10 +15,11 @@ from torch import Tensor, nn
 
 from megalab import kernels
 from megalab.kernels import attention as gpu
-from megalab.models.mega.model import Mega
-from megalab.models.megalodon.model import Megalodon
+from megalab.models.mega.model import MegaConfig
 from megalab.models.megalodon.normalized_attention import NormalizedAttention
 from megalab.nn.attention import ChunkedAttention, KVCache
+
+from .tiny_models import tiny_megalodon
 
 pytestmark = pytest.mark.skipif(
     not (kernels.triton_available() and kernels.interpreting()),
@@ -281,8 +282,17 @@ def test_tiny_mega_equals_reference_with_the_kernel(
     fn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
-    model = Mega(d_model=16, num_layers=2, z_dim=Z, v_dim=40, ffn_dim=20, ema_dim=4,
-                 chunk_size=16, causal=True, attention_activation=fn)  # fmt: skip
+    model = MegaConfig(
+        d_model=16,
+        num_layers=2,
+        z_dim=Z,
+        v_dim=40,
+        ffn_dim=20,
+        ema_dim=4,
+        chunk_size=16,
+        causal=True,
+        attention_activation=fn,
+    ).build()
     _perturbed(model, std=0.2).eval()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 21, 16, generator=g)
@@ -298,8 +308,7 @@ def test_tiny_megalodon_equals_reference_with_the_kernel(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    model = Megalodon(d_model=16, num_layers=2, z_dim=32, v_dim=64, num_heads=2, ffn_dim=20,
-                      swiglu=True, cema_dim=4, chunk_size=16, norm_groups=4)  # fmt: skip
+    model = tiny_megalodon(z_dim=32, v_dim=64, chunk_size=16)
     _perturbed(model, std=0.2).eval()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 21, 16, generator=g)

@@ -19,6 +19,8 @@ from megalab.models.megalodon.cema import CEMAState, ComplexEMA
 from megalab.nn import ema_kernel
 from megalab.nn.ema import DampedEMA
 
+from .tiny_models import tiny_megalodon
+
 pytestmark = [
     pytest.mark.skipif(
         not (kernels.triton_available() and (kernels.interpreting() or torch.cuda.is_available())),
@@ -223,16 +225,16 @@ def test_bad_inputs_are_refused() -> None:
 
 
 def test_tiny_mega_and_megalodon_forward_backward() -> None:
-    from megalab.models.mega.model import Mega
-    from megalab.models.megalodon.model import Megalodon
+    from megalab.models.mega.model import MegaConfig
 
     torch.manual_seed(0)
-    mega = perturbed(Mega(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4,
-                          max_positions=64))  # fmt: skip
+    mega = perturbed(
+        MegaConfig(
+            d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, max_positions=64
+        ).build()
+    )
     torch.manual_seed(0)
-    megalodon = perturbed(Megalodon(d_model=16, num_layers=2, z_dim=8, v_dim=12, num_heads=2,
-                                    ffn_dim=20, swiglu=True, cema_dim=4, chunk_size=8,
-                                    norm_groups=4))  # fmt: skip
+    megalodon = perturbed(tiny_megalodon(z_dim=8, v_dim=12, chunk_size=8))
     x = torch.randn(2, 24, 16)
     for model in (mega.train(), megalodon.train()):
         for module in model.modules():

@@ -16,8 +16,9 @@ from golden import prefixed, rel_err
 from megalab import kernels
 from megalab.kernels import timestep_norm as tsk
 from megalab.models.megalodon.convert import convert_timestep_norm
-from megalab.models.megalodon.model import Megalodon
 from megalab.models.megalodon.timestep_norm import TimestepNorm, TimestepNormState
+
+from .tiny_models import tiny_megalodon
 
 pytestmark = [
     pytest.mark.skipif(
@@ -299,8 +300,7 @@ def test_the_authors_golden_case_with_the_kernel() -> None:
 
 def test_megalodon_backbone_with_the_kernel_equals_without() -> None:
     torch.manual_seed(0)
-    model = Megalodon(d_model=16, num_layers=2, z_dim=8, v_dim=12, num_heads=2, ffn_dim=20,
-                      swiglu=True, cema_dim=4, chunk_size=4, norm_groups=4)  # fmt: skip
+    model = tiny_megalodon(z_dim=8, v_dim=12, chunk_size=4)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))

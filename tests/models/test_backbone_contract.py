@@ -17,9 +17,9 @@ from one pass; `ext_len` positions re-read by the next segment give the one-pass
 `refresh_norm_state` with a state's own statistics changes nothing (and refuses where a model
 carries none).
 
-The constructor of every backbone class these configs build names and types each option: no
-`*args`/`**kwargs`, and a backbone built from a config dataclass (`from_config`) takes exactly
-that dataclass's fields, in order, with the same types and defaults, and hands each one on.
+Every model config's `model.backbone` targets a config dataclass (`BackboneConfig`), and the
+backbone class it builds takes exactly that config object: options typed and documented once, on
+the dataclass fields.
 
 A new model is tested by adding its config; variants that reach its other code paths (causal,
 chunked, other attention functions) go into `contract_variants/<model>.yaml`.
@@ -31,7 +31,6 @@ import copy
 import dataclasses
 import inspect
 import io
-import sys
 import typing
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from megalab.models import block_classes
-from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput, BackboneProtocol
 from megalab.nn.state import map_state, pack_state, select_state, unpack_state
 from megalab.utils.paths import CONFIG_DIR, group_config
 
@@ -79,7 +78,9 @@ def build(
         key, value = override.split("=", 1)
         OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=False)
     torch.manual_seed(seed)
-    backbone = hydra.utils.instantiate(cfg.model.backbone)
+    config = hydra.utils.instantiate(cfg.model.backbone)
+    assert isinstance(config, BackboneConfig), f"{name}: model.backbone targets no config class"
+    backbone = config.build()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for p in backbone.parameters():
@@ -114,16 +115,6 @@ BACKBONE_TYPES = sorted({type(m) for m in _BUILT.values()}, key=lambda cls: cls.
 TYPE_IDS = [cls.__name__ for cls in BACKBONE_TYPES]
 
 
-def config_type(cls: type) -> Any:
-    """The config dataclass a backbone is built from (`from_config`'s argument), or None."""
-    if "from_config" not in vars(cls):
-        return None
-    return typing.get_type_hints(cls.from_config)["cfg"]
-
-
-CONFIGURED = [cls for cls in BACKBONE_TYPES if config_type(cls) is not None]
-
-
 def stream(model: Any, x: torch.Tensor, mask: torch.Tensor | None, segments: list[int]):
     """Run x segment by segment from the initial state; return (outputs, final state)."""
     state = model.initial_state(x.shape[0], x)
@@ -142,51 +133,20 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> None:
 
 
 @pytest.mark.parametrize("cls", BACKBONE_TYPES, ids=TYPE_IDS)
-def test_constructor_names_and_types_every_option(cls: type) -> None:
-    """Type checkers and IDEs see the options: explicit, annotated parameters, and for a model
-    with a config dataclass exactly its fields (names, order, types as written, defaults)."""
+def test_constructor_takes_its_config_object(cls: type) -> None:
+    """`__init__(self, config: XConfig | None = None)`: the options are the config's fields,
+    typed and documented there once (None: the defaults); the backbone keeps the object it was
+    given, and the config's `build()` makes this class."""
     params = list(inspect.signature(cls.__init__).parameters.values())[1:]
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    assert [p.name for p in params if p.kind in variadic] == []
-    assert [p.name for p in params if p.annotation is inspect.Parameter.empty] == []
-    config = config_type(cls)
-    if config is None:  # its arguments are its only record of the options (Transformer)
-        return
-    fields = [f for f in dataclasses.fields(config) if f.init]
-    assert [(p.name, p.annotation, p.default) for p in params] == [
-        (f.name, f.type, f.default) for f in fields
-    ]
-
-
-@pytest.mark.parametrize("cls", CONFIGURED, ids=[cls.__name__ for cls in CONFIGURED])
-def test_constructor_hands_every_option_to_the_config(cls: type, monkeypatch) -> None:
-    """Each argument, by name or by position, reaches the config dataclass unchanged (a
-    stand-in subclass of the dataclass records what the constructor passes, then stops it)."""
-    config = config_type(cls)
-    names = [f.name for f in dataclasses.fields(config) if f.init]
-
-    class RecordedError(Exception):
-        pass
-
-    received: dict[str, Any] = {}
-
-    class Recorder(config):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            assert args == (), "the config is built from keyword arguments"
-            received.update(kwargs)
-            raise RecordedError
-
-    monkeypatch.setattr(sys.modules[cls.__module__], config.__name__, Recorder)
-    values = {name: object() for name in names}
-    for call in (lambda: cls(**values), lambda: cls(*values.values())):
-        received.clear()
-        with pytest.raises(RecordedError):
-            call()
-        assert received.keys() == values.keys()
-        assert all(received[n] is values[n] for n in names)
-    monkeypatch.undo()
+    assert [p.name for p in params] == ["config"]
+    assert params[0].default is None
+    hint = typing.get_type_hints(cls.__init__)["config"]
+    (config_class,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    assert dataclasses.is_dataclass(config_class) and issubclass(config_class, BackboneConfig)
     tiny = next(m for m in _BUILT.values() if type(m) is cls)
-    assert cls.from_config(tiny.config).config == tiny.config
+    assert type(tiny.config) is config_class
+    assert cls(tiny.config).config is tiny.config
+    assert type(tiny.config.build()) is cls
 
 
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)

@@ -17,10 +17,10 @@ import yaml
 from omegaconf import OmegaConf
 
 from megalab.config_schema import ConfigError, backbone_rules, problems, validate
-from megalab.models.mega import Mega, MegaConfig
+from megalab.models.mega import MegaConfig
 from megalab.models.megalodon import MegalodonConfig
 from megalab.models.s4d import S4DConfig
-from megalab.models.transformer import Transformer
+from megalab.models.transformer import TransformerConfig
 from megalab.models.transformer_xl import TransformerXLConfig
 from megalab.utils.options import config_class_of, declared, option, option_rules
 from megalab.utils.paths import CONFIG_DIR, group_config
@@ -45,7 +45,7 @@ def run_config(name: str, *overrides: str) -> Any:
 def config_class(name: str) -> type:
     target = group_config("model", name).backbone._target_
     found = config_class_of(megalab_object(target))
-    assert found is not None, f"{target} is built from no config dataclass (`from_config`)"
+    assert found is not None, f"{target} names no config dataclass"
     return found
 
 
@@ -164,9 +164,12 @@ def test_a_target_without_a_config_dataclass_gets_no_backbone_rules() -> None:
     ("make", "message"),
     [
         (lambda: MegaConfig(num_layers=0), "num_layers must be >= 1, got 0"),
-        (lambda: Mega(chunk_size=0), r"chunk_size must be >= 1, or -1 \(no chunking\), got 0"),
         (
-            lambda: Mega(positions="rotary"),
+            lambda: MegaConfig(chunk_size=0).build(),
+            r"chunk_size must be >= 1, or -1 \(no chunking\), got 0",
+        ),
+        (
+            lambda: MegaConfig(positions="rotary").build(),
             "unknown positions 'rotary'; choose one of none, learned",
         ),
         (lambda: MegalodonConfig(ffn_dim=0), "ffn_dim must be >= 1, got 0"),
@@ -174,7 +177,7 @@ def test_a_target_without_a_config_dataclass_gets_no_backbone_rules() -> None:
         (lambda: S4DConfig(dropout=1.0), r"dropout must be in \[0, 1\), got 1.0"),
         (lambda: TransformerXLConfig(ext_len=-1), "ext_len must be >= 0, got -1"),
         (lambda: TransformerXLConfig(eval_mem_len=-2), "eval_mem_len must be >= 0, got -2"),
-        (lambda: Transformer(init="xavier"), "unknown init 'xavier'"),
+        (lambda: TransformerConfig(init="xavier").build(), "unknown init 'xavier'"),
     ],
 )
 def test_the_dataclasses_refuse_values_out_of_the_declared_range(make: Any, message: str) -> None:

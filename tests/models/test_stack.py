@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from megalab.models import Mega
+from megalab.models import MegaConfig
 from megalab.models.stack import run_stack
 from megalab.nn.masking import zero_pads
 
@@ -175,7 +175,7 @@ def test_a_model_on_the_stack_streams_with_wrapped_blocks() -> None:
     are)."""
     torch.manual_seed(0)
     kw = dict(d_model=16, num_layers=2, z_dim=8, v_dim=16, ffn_dim=16, ema_dim=4, chunk_size=4)
-    model = Mega(causal=True, **kw).double()  # type: ignore[arg-type]
+    model = MegaConfig(causal=True, **kw).build().double()  # type: ignore[arg-type]
     x = torch.randn(2, 10, 16, dtype=torch.float64)
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[0, -3:] = False

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.models.mega.model import Mega
-from megalab.models.transformer.model import Transformer
+from megalab.models.mega.model import MegaConfig
+from megalab.models.transformer.model import TransformerConfig
 from megalab.nn.activation_checkpoint import checkpoint_block
 
 MEGA = dict(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, chunk_size=8,
@@ -16,9 +16,17 @@ MEGA = dict(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, 
 def _build(kind: str, checkpoint: bool, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "transformer":
-        return Transformer(d_model=16, num_layers=2, num_heads=2, ffn_dim=32, dropout=0.2,
-                           max_len=64, checkpoint_activations=checkpoint, **extra)  # fmt: skip
-    return Mega(**{**MEGA, **extra}, checkpoint_activations=checkpoint).double()
+        return TransformerConfig(
+            d_model=16,
+            num_layers=2,
+            num_heads=2,
+            ffn_dim=32,
+            dropout=0.2,
+            max_len=64,
+            checkpoint_activations=checkpoint,
+            **extra,
+        ).build()
+    return MegaConfig(**{**MEGA, **extra}, checkpoint_activations=checkpoint).build().double()
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor):

@@ -318,7 +318,7 @@ def test_llama_to_hf_refuses_a_torch_load_sibling_of_the_backbone(
     config = {
         "task": {
             "_target_": "megalab.tasks.LanguageModelingTask",
-            "backbone": {"_target_": "megalab.models.llama.Llama"},
+            "backbone": {"_target_": "megalab.models.llama.LlamaConfig"},
             "evil": evil,
         },
         "data": {"vocab_size": 10},

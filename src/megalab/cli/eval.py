@@ -52,6 +52,7 @@ from megalab.utils.paths import CONFIG_DIR  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
     find_run_config as find_run_config,
 )
+from megalab.utils.safe_config import upgrade_backbone_targets  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
 def _evaluate(cfg: DictConfig) -> dict[str, Any]:
     if not Path(cfg.ckpt_path).exists():
         raise FileNotFoundError(f"checkpoint not found: {cfg.ckpt_path}")
+    upgrade_backbone_targets(cfg)  # a config from before backbones took their config
     validate_config(cfg)
     # Nothing written outside the output folder: prepared data the data folder lacks goes there.
     with caches_written_under(cfg.paths.output_dir):

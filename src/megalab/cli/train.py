@@ -38,6 +38,7 @@ from megalab.utils.run_folder import (  # noqa: E402
     schedule_record,
     start_run,
 )
+from megalab.utils.safe_config import upgrade_backbone_targets  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
+    upgrade_backbone_targets(cfg)  # a config from before backbones took their config
     validate_config(cfg)
     ckpt_path = start_run(cfg, output_dir)  # lock the folder, what to resume, the W&B run
     run_utils.save_config(cfg, output_dir / "config.yaml")

@@ -2,7 +2,7 @@
 
     from megalab.models import Megalodon, MegalodonConfig, MegalodonBlock, from_preset
 
-    model = Megalodon.from_config(MegalodonConfig(d_model=128, num_layers=2, causal=True))
+    model = Megalodon(MegalodonConfig(d_model=128, num_layers=2, causal=True))
     model = from_preset("megalodon/mega200M", num_layers=2)   # a shipped preset, resized
 
 Every model is a package `megalab/models/<model>/` whose `__init__.py` lists its public names in
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line here
     from megalab.models.base import Backbone as Backbone
+    from megalab.models.base import BackboneConfig as BackboneConfig
     from megalab.models.base import BackboneOutput as BackboneOutput
     from megalab.models.lamemo import LaMemo as LaMemo
     from megalab.models.lamemo import LaMemoConfig as LaMemoConfig
@@ -42,11 +43,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line 
     from megalab.models.seqboat import SeqBoatBlock as SeqBoatBlock
     from megalab.models.seqboat import SeqBoatConfig as SeqBoatConfig
     from megalab.models.transformer import Transformer as Transformer
+    from megalab.models.transformer import TransformerConfig as TransformerConfig
     from megalab.models.transformer_xl import TransformerXL as TransformerXL
     from megalab.models.transformer_xl import TransformerXLConfig as TransformerXLConfig
 
 # The contract every backbone implements, from `megalab.models.base` (a module, not a model).
-_BASE_NAMES = ("Backbone", "BackboneOutput")
+_BASE_NAMES = ("Backbone", "BackboneConfig", "BackboneOutput")
 # Defined in this file.
 _OWN_NAMES = ("block_classes", "from_preset")
 
@@ -157,5 +159,8 @@ def from_preset(name: str, data: Mapping[str, Any] | None = None, **options: Any
         else:
             options_known = sorted(k for k in cfg.model.backbone if k != "_target_")
             raise ValueError(f"{name}: no option {key!r}; its options are {options_known}")
-    backbone: Backbone = hydra.utils.instantiate(cfg.model.backbone)
+    from megalab.models.base import Backbone, built
+
+    backbone = built(hydra.utils.instantiate(cfg.model.backbone))
+    assert isinstance(backbone, Backbone)
     return backbone

@@ -42,9 +42,8 @@ contract as a structural type, for code that only calls a backbone.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -168,18 +167,25 @@ class Backbone(nn.Module):
         raise NotImplementedError
 
 
-C = TypeVar("C")
+class BackboneConfig:
+    """Base of the backbones' config dataclasses: every option of one model, declared once on
+    its fields with `megalab.utils.options.option` (type, range, meaning).
 
-
-def config_from_arguments(config_class: type[C], arguments: Mapping[str, Any]) -> C:
-    """The config dataclass a backbone's constructor describes, from its `locals()` on entry.
-
-    A constructor names every field of its config as a typed parameter (so type checkers and
-    IDEs see the options); this hands each one to the dataclass by name, once, instead of a
-    second list of `name=name` lines. The contract suite checks signature and fields agree.
+    A backbone takes its config object (`Mega(MegaConfig(chunk_size=128))`, or `build()`), and
+    Hydra builds the config from YAML: `model.backbone._target_` names the config class and the
+    other keys are its fields, so `model.backbone.chunk_size=128` overrides one. A task given a
+    config builds the backbone from it (`megalab.tasks.base.SequenceTask`).
     """
-    names = [f.name for f in fields(config_class) if f.init]  # type: ignore[arg-type]
-    return config_class(**{name: arguments[name] for name in names})
+
+    def build(self) -> Backbone:
+        """The backbone this config describes."""
+        raise NotImplementedError(f"{type(self).__name__} does not say which backbone it builds")
+
+
+def built(backbone: nn.Module | BackboneConfig) -> nn.Module:
+    """`backbone`, or the backbone it describes when it is a config (what Hydra builds from a
+    `model.backbone` that targets a config class)."""
+    return backbone.build() if isinstance(backbone, BackboneConfig) else backbone
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput, BackboneProtocol, built
 from megalab.optim import build_optimizer, describe_groups
 from megalab.utils.distributed import gather_from_ranks
 from megalab.utils.errors import UserError
@@ -213,7 +213,11 @@ class TaskBase(L.LightningModule):
 
 
 class SequenceTask(TaskBase):
-    """Base of the tasks on a backbone: encoder -> backbone (optimisation as `TaskBase`)."""
+    """Base of the tasks on a backbone: encoder -> backbone (optimisation as `TaskBase`).
+
+    `backbone` is a module, or a backbone's config (what Hydra builds from `model.backbone`),
+    which is built here (`megalab.models.base.BackboneConfig`).
+    """
 
     # Any module that meets `BackboneProtocol` (checked in __init__), typed as the base class
     # that spells the contract out (initial_state, max_len, causal and nn.Module's methods).
@@ -222,13 +226,14 @@ class SequenceTask(TaskBase):
     def __init__(
         self,
         encoder: nn.Module,
-        backbone: nn.Module,
+        backbone: nn.Module | BackboneConfig,
         optim: Mapping[str, Any] | None = None,
         scheduler: Callable[..., Any] | None = None,
         check_finite: bool = True,
         compile: bool = False,
     ) -> None:
         super().__init__(optim, scheduler, check_finite)
+        backbone = built(backbone)
         if not isinstance(backbone, BackboneProtocol):
             raise TypeError(
                 f"{type(backbone).__name__} is not a megalab backbone: it needs d_model, causal, "

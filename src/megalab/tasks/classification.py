@@ -12,7 +12,7 @@ from torchmetrics import MaxMetric, MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from megalab.batch import Batch
-from megalab.models.base import BackboneOutput
+from megalab.models.base import BackboneConfig, BackboneOutput
 from megalab.nn.heads import POOLING_MODES, combine_pair, pair_width, pool
 from megalab.tasks.base import SequenceTask
 
@@ -30,7 +30,7 @@ class ClassificationTask(SequenceTask):
     def __init__(
         self,
         encoder: nn.Module,
-        backbone: nn.Module,
+        backbone: nn.Module | BackboneConfig,
         head: nn.Module | Callable[..., nn.Module],
         num_classes: int,
         pooling: str = "mean",

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torchmetrics import SumMetric
 
 from megalab.batch import Batch
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.nn.state import detach_state, pack_state, state_to, unpack_state
 from megalab.tasks.base import NonFiniteLossError, SequenceTask
@@ -126,7 +126,7 @@ class LanguageModelingTask(SequenceTask):
     def __init__(
         self,
         encoder: nn.Module,
-        backbone: nn.Module,
+        backbone: nn.Module | BackboneConfig,
         head: nn.Module,
         tie_weights: bool = False,
         carry_state: bool = False,
@@ -137,7 +137,7 @@ class LanguageModelingTask(SequenceTask):
         loss_scale: float = 1.0,
     ) -> None:
         super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
-        check_causal(backbone)
+        check_causal(self.backbone)
         # The optimised loss is loss_scale x the mean NLL (the logged train/loss is not scaled).
         # 0.5 reproduces the LaMemo code's `(loss + mem_loss) / 2` with mem_loss = 0: half the
         # gradient, so its clip norm acts as twice that norm on the NLL's gradient.

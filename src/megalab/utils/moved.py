@@ -7,6 +7,8 @@ names keep working for now: `import megalab.nn.sma`, a config's
 megalab.convert.llama` and a checkpoint's carried state saved as `megalab.models.mega:MegaState`
 all reach the new module, and the first three warn once (`FutureWarning`) with the new name.
 The import hook is installed by `import megalab`; it imports only modules named in `MOVED`.
+(A config that names a backbone class with its options beside it, from before backbones took
+their config object, is read as the config class: `megalab.utils.safe_config`.)
 """
 
 from __future__ import annotations

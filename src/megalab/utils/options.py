@@ -281,10 +281,17 @@ def option_rules(config_class: type) -> dict[str, Rule]:
     return out
 
 
-def config_class_of(backbone: Any) -> type | None:
-    """The config dataclass a backbone class is built from (`from_config`'s argument), or None."""
-    make = getattr(backbone, "from_config", None)
-    if make is None:
+def config_class_of(target: Any) -> type | None:
+    """The config dataclass a `model.backbone._target_` stands for: the config class it names,
+    or the one the backbone class it names takes (its `__init__`'s `config`); else None."""
+    if isinstance(target, type) and dataclasses.is_dataclass(target):
+        return target
+    init = getattr(target, "__init__", None)
+    try:
+        hint = typing.get_type_hints(init).get("config") if init is not None else None
+    except (NameError, TypeError):
         return None
-    hint = typing.get_type_hints(make).get("cfg")
-    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+    for candidate in (hint, *typing.get_args(hint)):
+        if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+            return candidate
+    return None

@@ -29,12 +29,13 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from megalab.utils.errors import UserError
 
@@ -211,7 +212,8 @@ def _tag_message(path: Path, text: str, err: yaml.MarkedYAMLError) -> str:
 def load_run_config(path: str | os.PathLike[str]) -> DictConfig:
     """A run folder's saved config (`.hydra/config.yaml`): safe YAML, a mapping, and no
     resolver outside `SAFE_RESOLVERS`. Its targets are checked by the caller, on the groups it
-    builds (`check_targets`)."""
+    builds (`check_targets`); a backbone class named with its options beside it, as runs from
+    before backbones took their config object do, is read as its config class (with a warning)."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
@@ -223,7 +225,58 @@ def load_run_config(path: str | os.PathLike[str]) -> DictConfig:
     if not isinstance(cfg, DictConfig):
         raise UnsafeConfigError(f"{path}: not a run config (expected a mapping of groups)")
     check_resolvers(cfg, str(path))
+    upgrade_backbone_targets(cfg, str(path))
     return cfg
+
+
+def upgrade_backbone_targets(cfg: Any, source: str = "the config") -> None:
+    """Rewrite, in place, each `_target_` that names a backbone class with its options beside it
+    (`_target_: megalab.models.mega.Mega`, `chunk_size: 128`) to name the backbone's config
+    class (`megalab.models.mega.MegaConfig`), which the task builds the backbone from.
+
+    Backbones take their config object since megalab's model folders; configs and saved runs
+    written before keep working, with a FutureWarning that names the new target. The options
+    keep their names (`model.backbone.chunk_size`). Interpolated targets are left to their
+    source; only megalab's own classes are looked up (`megalab_object`).
+    """
+    from megalab.utils.options import config_class_of
+
+    def visit(node: Any) -> None:
+        if isinstance(node, DictConfig):
+            if "_target_" in node and not OmegaConf.is_interpolation(node, "_target_"):
+                _upgrade(node)
+            keys: list[Any] = list(node)
+        elif isinstance(node, ListConfig):
+            keys = list(range(len(node)))
+        else:
+            return
+        for key in keys:
+            if key != "hydra" and not (
+                OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key)
+            ):
+                visit(node[key])
+
+    def _upgrade(node: DictConfig) -> None:
+        target = node.get("_target_")
+        obj = megalab_object(target) if isinstance(target, str) else None
+        config_class = config_class_of(obj) if isinstance(obj, type) else None
+        if config_class is None or config_class is obj:
+            return
+        module, _, _ = str(target).rpartition(".")
+        new = f"{module}.{config_class.__name__}"
+        if megalab_object(new) is not config_class:
+            new = f"{config_class.__module__}.{config_class.__qualname__}"
+        warnings.warn(
+            f"{source}: `_target_: {target}` with the backbone's options beside it is "
+            f"deprecated; name its config class instead, `_target_: {new}` (the options keep "
+            "their names). It was read as that.",
+            FutureWarning,
+            stacklevel=3,
+        )
+        with open_dict(node):
+            node["_target_"] = new
+
+    visit(cfg)
 
 
 # -- overrides from files ---------------------------------------------------------------------

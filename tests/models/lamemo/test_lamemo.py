@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.models.lamemo.model import LaMemo, interpolation_weight
-from megalab.models.transformer_xl.model import TransformerXL
+from megalab.models.lamemo.model import LaMemo, LaMemoConfig, interpolation_weight
+from megalab.models.transformer_xl.model import TransformerXLConfig
 from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from megalab.tasks.language_modeling import LanguageModelingTask
 
@@ -19,7 +19,7 @@ TINY = dict(d_model=16, num_layers=2, num_heads=2, head_dim=8, ffn_dim=32)
 
 def tiny(**kw) -> LaMemo:
     torch.manual_seed(0)
-    model = LaMemo(**TINY, **kw)
+    model = LaMemoConfig(**TINY, **kw).build()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -41,7 +41,7 @@ def test_without_look_ahead_it_is_transformer_xl() -> None:
     is XL's cached hidden states, so with the same weights every output equals XL's, also with
     a memory shorter than the stream."""
     lamemo = tiny(mem_len=8, look_ahead=False)
-    xl = TransformerXL(**TINY, mem_len=8).to(DT).eval()
+    xl = TransformerXLConfig(**TINY, mem_len=8).build().to(DT).eval()
     state = {k: v for k, v in lamemo.state_dict().items() if k != "v_future"}
     xl.load_state_dict(state)
     x = torch.randn(2, 23, 16, dtype=DT)
@@ -124,12 +124,12 @@ def test_ablations() -> None:
         y, _ = stream(xl_rpe, x, [6, 6])
     assert torch.isfinite(y).all()
     with pytest.raises(ValueError, match="unknown rpe"):
-        LaMemo(**TINY, rpe="absolute")
+        LaMemoConfig(**TINY, rpe="absolute").build()
 
 
 def test_v_future_keeps_its_xavier_initialisation() -> None:
     torch.manual_seed(0)
-    model = LaMemo(d_model=410, num_layers=1, num_heads=10, head_dim=41, ffn_dim=8)
+    model = LaMemoConfig(d_model=410, num_layers=1, num_heads=10, head_dim=41, ffn_dim=8).build()
     bound = (6 / (10 + 41)) ** 0.5  # xavier_uniform on (H, d): ±0.343
     assert model.v_future.abs().max() <= bound and model.v_future.abs().max() > 0.3
     assert model.u.std() < 0.03 and model.v.std() < 0.03  # N(0, 0.02)
@@ -139,7 +139,7 @@ def count(vocab: int, **kw) -> int:
     with torch.device("meta"):
         task = LanguageModelingTask(
             AdaptiveEmbedding(vocab, kw["d_model"]),
-            LaMemo(**kw),
+            LaMemoConfig(**kw).build(),
             ProjectedAdaptiveLogSoftmax(kw["d_model"], vocab),
             tie_weights=True,
         )
@@ -157,7 +157,7 @@ def test_parameter_counts() -> None:
     assert round(count(27, **char) / 1e6, 2) == 40.97
     # v₋ is the only parameter LaMemo adds to Transformer-XL: 410 on WikiText-103.
     with torch.device("meta"):
-        extra = sum(p.numel() for p in LaMemo(**wt103).parameters()) - sum(
-            p.numel() for p in TransformerXL(**wt103).parameters()
+        extra = sum(p.numel() for p in LaMemoConfig(**wt103).build().parameters()) - sum(
+            p.numel() for p in TransformerXLConfig(**wt103).build().parameters()
         )
     assert extra == 410

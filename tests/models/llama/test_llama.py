@@ -88,7 +88,7 @@ def test_block_is_the_llama_equations() -> None:
     """One layer, written out: pre-norm RMSNorm, RoPE on halves, causal softmax, SwiGLU."""
     torch.manual_seed(0)
     cfg = LlamaConfig(d_model=16, num_layers=1, num_heads=4, num_kv_heads=2, ffn_dim=24)
-    model = Llama.from_config(cfg).to(DT)
+    model = Llama(cfg).to(DT)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -124,8 +124,12 @@ def test_block_is_the_llama_equations() -> None:
 def test_grouped_query_attention_equals_repeated_heads() -> None:
     """num_kv_heads=2 of 4 is multi-head attention whose K/V projections repeat per group."""
     torch.manual_seed(1)
-    gqa = Llama(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=24).to(DT)
-    mha = Llama(d_model=16, num_layers=2, num_heads=4, ffn_dim=24).to(DT)
+    gqa = (
+        LlamaConfig(d_model=16, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=24)
+        .build()
+        .to(DT)
+    )
+    mha = LlamaConfig(d_model=16, num_layers=2, num_heads=4, ffn_dim=24).build().to(DT)
     state = gqa.state_dict()
     for name in list(state):
         if name.endswith(("k_proj.weight", "v_proj.weight")):
@@ -139,8 +143,12 @@ def test_grouped_query_attention_equals_repeated_heads() -> None:
 
 def test_rope_base_changes_the_output() -> None:
     torch.manual_seed(2)
-    a = Llama(d_model=16, num_layers=1, num_heads=2, ffn_dim=24).to(DT)
-    b = Llama(d_model=16, num_layers=1, num_heads=2, ffn_dim=24, rope_base=100_000.0).to(DT)
+    a = LlamaConfig(d_model=16, num_layers=1, num_heads=2, ffn_dim=24).build().to(DT)
+    b = (
+        LlamaConfig(d_model=16, num_layers=1, num_heads=2, ffn_dim=24, rope_base=100_000.0)
+        .build()
+        .to(DT)
+    )
     b.load_state_dict(a.state_dict())
     x = torch.randn(1, 12, 16, dtype=DT)
     with torch.no_grad():
@@ -159,11 +167,11 @@ def test_rope_base_changes_the_output() -> None:
 )
 def test_bad_configurations_fail_early(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        Llama(**kwargs)
+        LlamaConfig(**kwargs).build()
 
 
 def test_an_encoder_refuses_to_stream() -> None:
-    model = Llama(d_model=16, num_layers=1, num_heads=2, causal=False)
+    model = LlamaConfig(d_model=16, num_layers=1, num_heads=2, causal=False).build()
     x = torch.randn(1, 3, 16)
     with pytest.raises(ValueError, match="causal=True to stream"):
         model.initial_state(1, x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.models.mega.model import Mega, MegaState
+from megalab.models.mega.model import Mega, MegaConfig, MegaState
 from megalab.nn.state import detach_state, select_state
 
 DT = torch.float64
@@ -18,7 +18,7 @@ def make(seed: int = 0, **kw) -> Mega:
     cfg = dict(d_model=D, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, max_positions=64)
     cfg.update(kw)
     torch.manual_seed(seed)
-    model = Mega(**cfg).to(DT)
+    model = MegaConfig(**cfg).build().to(DT)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -92,7 +92,9 @@ def test_state_helpers_and_bidirectional_errors() -> None:
 
 def test_authors_init() -> None:
     torch.manual_seed(0)
-    model = Mega(d_model=64, num_layers=1, z_dim=32, v_dim=128, ffn_dim=128, ema_dim=16)
+    model = MegaConfig(
+        d_model=64, num_layers=1, z_dim=32, v_dim=128, ffn_dim=128, ema_dim=16
+    ).build()
     maga = model.layers[0].maga
     for lin in (maga.v_proj, maga.mx_proj, maga.h_proj, model.layers[0].ffn.fc1):
         assert abs(lin.weight.std().item() - 0.02) < 2e-3 and lin.bias.abs().sum() == 0

@@ -33,7 +33,7 @@ from megalab.models.mega.convert import (
     mega_kwargs_from_fairseq,
     to_batch_first,
 )
-from megalab.models.mega.model import Mega, MegaBlock, MovingAverageGatedAttention
+from megalab.models.mega.model import MegaBlock, MegaConfig, MovingAverageGatedAttention
 from megalab.nn.ema import DampedEMA
 
 REF_TOL = 2e-5
@@ -197,7 +197,7 @@ def build_lra(d: dict, dtype: torch.dtype = torch.float64):
         dropout=args["dropout"], activation=args["classifier_activation_fn"],
     )  # fmt: skip
     task = ClassificationTask(
-        encoder, Mega(**mega_kwargs_from_fairseq(args)), head,
+        encoder, MegaConfig(**mega_kwargs_from_fairseq(args)).build(), head,
         num_classes=args["sentence_class_num"], pooling="mean",
     )  # fmt: skip
     task = task.to(dtype)

@@ -20,7 +20,7 @@ from megalab.models.mega.convert import (
     mega_kwargs_from_fairseq,
     mega_translation_kwargs_from_fairseq,
 )
-from megalab.models.mega.model import Mega, MegaBlock, MegaConfig
+from megalab.models.mega.model import MegaBlock, MegaConfig
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import ACTIVATIONS, gelu_accurate
 from megalab.nn.norms import SequenceNorm
@@ -205,8 +205,8 @@ def test_truncation_keeps_min_truncation_l_taps(truncation: int | None) -> None:
 def test_embed_norm_normalises_the_embedding_before_its_dropout() -> None:
     kw = dict(d_model=D, num_layers=2, z_dim=S, v_dim=E, ffn_dim=F_DIM, ema_dim=N,
               max_positions=16, prenorm=False)  # fmt: skip
-    model = perturbed(Mega(**kw, embed_norm=True))
-    plain = Mega(**kw).to(DT).eval()
+    model = perturbed(MegaConfig(**kw, embed_norm=True).build())
+    plain = MegaConfig(**kw).build().to(DT).eval()
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if "embed_norm" not in k})
     x = torch.randn(2, 7, D, dtype=DT)
     mask = torch.ones(2, 7, dtype=torch.bool)
@@ -216,7 +216,7 @@ def test_embed_norm_normalises_the_embedding_before_its_dropout() -> None:
         assert torch.allclose(model(x, mask).y, want, atol=TOL, rtol=0)
     # The dropout follows the norm: in training, zeroed entries of Norm(x) stay zero at the input
     # of the first block.
-    drop = Mega(**kw, embed_norm=True, embed_dropout=0.5).to(DT).train()
+    drop = MegaConfig(**kw, embed_norm=True, embed_dropout=0.5).build().to(DT).train()
     seen: list[Tensor] = []
     drop.layers[0].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     torch.manual_seed(0)
@@ -225,9 +225,9 @@ def test_embed_norm_normalises_the_embedding_before_its_dropout() -> None:
     want = F.dropout(drop.embed_norm(x), 0.5, training=True)
     assert torch.equal(seen[0], want)
     with pytest.raises(ValueError, match=r"normalize_embedding.*post-norm"):
-        Mega(**kw | {"prenorm": True}, embed_norm=True)
+        MegaConfig(**kw | {"prenorm": True}, embed_norm=True).build()
     with pytest.raises(ValueError, match="embed_dropout only"):
-        Mega(**kw, embed_dropout=0.1)
+        MegaConfig(**kw, embed_dropout=0.1).build()
 
 
 # -------------------------------------------------------------------------- fairseq arguments
@@ -259,7 +259,7 @@ def test_fairseq_args_map_the_options() -> None:
     assert kw["activation"] == "gelu_accurate"  # fairseq's deprecated alias
     assert kw["embed_norm"] is True and kw["embed_dropout"] == 0.1
     assert kw["truncation"] is None  # the code's kernel length L
-    Mega(**kw)  # builds
+    MegaConfig(**kw).build()  # builds
     assert mega_kwargs_from_fairseq(golden_args())["truncation"] == 16
 
 
@@ -311,7 +311,7 @@ def test_lra_checkpoint_with_normalize_embedding_loads_strictly() -> None:
 
     args = golden_args() | {"normalize_embedding": True, "dropout": 0.0}
     ours = ClassificationTask(
-        TokenEmbedding(30, D, pad_id=1), Mega(**mega_kwargs_from_fairseq(args)),
+        TokenEmbedding(30, D, pad_id=1), MegaConfig(**mega_kwargs_from_fairseq(args)).build(),
         ClassificationHead(D, 2 * D, 3), num_classes=3, pooling="mean",
     )  # fmt: skip
     sd = ours.state_dict()

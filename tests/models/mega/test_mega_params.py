@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from megalab.models.mega.model import Mega
+from megalab.models.mega.model import MegaConfig
 from megalab.nn.embedding import FeatureEmbedding
 from megalab.nn.heads import ClassificationHead
 
@@ -39,7 +39,7 @@ def formula(D, z, v, F, h, layers, M, norm="batchnorm", bidirectional=True, rota
 
 
 def sc_model(D: int):
-    backbone = Mega(
+    backbone = MegaConfig(
         D,
         6,
         D // 2,
@@ -51,7 +51,7 @@ def sc_model(D: int):
         attention_activation="laplace",
         norm_type="batchnorm",
         prenorm=True,
-    )
+    ).build()
     return backbone, FeatureEmbedding(1, D, init="mega"), ClassificationHead(D, 2 * D, 10)
 
 
@@ -66,7 +66,7 @@ def test_enwik8_backbone_count() -> None:
     """enwik8 (Table 9): 12 causal layers, d 512, z 128, v = F = 1024, rotary, non-affine final
     LayerNorm. The backbone has 39,031,296 parameters; the ~200-symbol tied byte embedding
     (≈0.1M) brings it to the reported 39M (39.1M)."""
-    backbone = Mega(
+    backbone = MegaConfig(
         512,
         12,
         128,
@@ -79,7 +79,7 @@ def test_enwik8_backbone_count() -> None:
         prenorm=True,
         final_norm_affine=False,
         causal=True,
-    )
+    ).build()
     n = count(backbone)
     assert n == formula(512, 128, 1024, 1024, 16, 12, 0, "layernorm", False, True)
     assert n == 39_031_296
@@ -98,7 +98,7 @@ LRA_PIXEL = {
 def test_lra_pixel_counts(task: str) -> None:
     """Full-attention Mega (chunk −1, 'simple' bias sized by max_positions), mega-paper.md §7."""
     layers, D, z, v, norm, classes, M, approx = LRA_PIXEL[task]
-    backbone = Mega(
+    backbone = MegaConfig(
         D,
         layers,
         z,
@@ -110,7 +110,7 @@ def test_lra_pixel_counts(task: str) -> None:
         attention_activation="laplace",
         norm_type=norm,
         prenorm=True,
-    )
+    ).build()
     total = count(
         backbone, FeatureEmbedding(1, D, init="mega"), ClassificationHead(D, 2 * D, classes)
     )
@@ -124,7 +124,7 @@ def test_lra_pixel_counts(task: str) -> None:
 )
 def test_lra_text_backbone_counts(layers, D, z, v, norm, M) -> None:
     """ListOps / Text backbones (post-norm, no final norm); the totals depend on the vocabulary."""
-    backbone = Mega(
+    backbone = MegaConfig(
         D, layers, z, v, v, 16, chunk_size=-1, max_positions=M, norm_type=norm, prenorm=False
-    )
+    ).build()
     assert count(backbone) == formula(D, z, v, v, 16, layers, M, norm)

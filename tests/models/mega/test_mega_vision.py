@@ -25,7 +25,7 @@ from megalab.models.mega.convert import (
     convert_vision_mega,
     linear_to_conv_patch_weight,
 )
-from megalab.models.mega.model import Mega, MegaBlock, MegaConfig, MovingAverageGatedAttention
+from megalab.models.mega.model import MegaBlock, MegaConfig, MovingAverageGatedAttention
 from megalab.nn.ema import DampedEMA
 from megalab.nn.embedding import FeatureEmbedding, SequenceEncoder
 from megalab.nn.heads import ClassificationHead
@@ -221,12 +221,12 @@ def test_drop_path_rates_are_linear_over_depth() -> None:
     assert rates[0] == 0.0 and rates[-1] == pytest.approx(0.2)
     for i, r in enumerate(rates):
         assert r == pytest.approx(0.2 * i / 11, abs=1e-7)
-    m = Mega(8, 4, 4, 8, 8, 2, drop_path=0.3, max_positions=6)
+    m = MegaConfig(8, 4, 4, 8, 8, 2, drop_path=0.3, max_positions=6).build()
     assert m.drop_path_rates == drop_path_rates(0.3, 4)
     assert m.layers[0].maga.drop_path is None and m.layers[0].ffn.drop_path is None
     for blk, r in zip(m.layers[1:], m.drop_path_rates[1:], strict=True):
         assert blk.maga.drop_path.p == r and blk.ffn.drop_path.p == r
-    plain = Mega(8, 4, 4, 8, 8, 2, max_positions=6)
+    plain = MegaConfig(8, 4, 4, 8, 8, 2, max_positions=6).build()
     assert all(b.maga.drop_path is None and b.ffn.drop_path is None for b in plain.layers)
 
 
@@ -298,7 +298,7 @@ def test_block_drop_path_in_train_matches_manual_per_sample_rule() -> None:
 # ---------------------------------------------------------------------------------------------
 def test_learned_positions_and_output_projection_shapes() -> None:
     torch.manual_seed(0)
-    m = Mega(
+    m = MegaConfig(
         16,
         2,
         8,
@@ -310,7 +310,7 @@ def test_learned_positions_and_output_projection_shapes() -> None:
         positions="learned",
         max_len=196,
         output_proj=True,
-    )
+    ).build()
     assert m.pos_embed.shape == (196, 16)
     assert m.out_proj.weight.shape == (16, 16) and bool((m.out_proj.bias == 0).all())
     assert abs(m.pos_embed.std().item() - 16**-0.5) < 0.02
@@ -321,17 +321,22 @@ def test_learned_positions_and_output_projection_shapes() -> None:
     with pytest.raises(ValueError, match="exceeds"):
         m(torch.randn(1, 197, 16))
     with pytest.raises(ValueError, match="max_len"):
-        Mega(16, 1, 8, 32, 32, positions="learned")
+        MegaConfig(16, 1, 8, 32, 32, positions="learned").build()
     with pytest.raises(ValueError, match="positions"):
-        Mega(16, 1, 8, 32, 32, positions="sinusoidal")
-    assert Mega(16, 1, 8, 32, 32).pos_embed is None and Mega(16, 1, 8, 32, 32).out_proj is None
+        MegaConfig(16, 1, 8, 32, 32, positions="sinusoidal").build()
+    assert (
+        MegaConfig(16, 1, 8, 32, 32).build().pos_embed is None
+        and MegaConfig(16, 1, 8, 32, 32).build().out_proj is None
+    )
 
 
 def test_positions_are_added_to_the_input_and_projection_follows_the_final_norm() -> None:
     torch.manual_seed(0)
     kw = dict(attention_activation="laplace", max_positions=12, ema_shift=True)
-    full = Mega(8, 2, 4, 12, 12, 3, positions="learned", max_len=12, output_proj=True, **kw)
-    base = Mega(8, 2, 4, 12, 12, 3, **kw)
+    full = MegaConfig(
+        8, 2, 4, 12, 12, 3, positions="learned", max_len=12, output_proj=True, **kw
+    ).build()
+    base = MegaConfig(8, 2, 4, 12, 12, 3, **kw).build()
     base.load_state_dict(
         {k: v for k, v in full.state_dict().items() if not k.startswith(("pos_embed", "out_proj"))}
     )
@@ -461,7 +466,7 @@ def random_vision_mega_state_dict(cfg: dict, layers: int, seed: int = 0) -> dict
 
 def vision_task(cfg: dict, layers: int, drop_path: float = 0.0) -> ClassificationTask:
     L = (cfg["img"] // cfg["patch"]) ** 2
-    backbone = Mega(
+    backbone = MegaConfig(
         cfg["d"],
         layers,
         cfg["z"],
@@ -477,7 +482,7 @@ def vision_task(cfg: dict, layers: int, drop_path: float = 0.0) -> Classificatio
         positions="learned",
         max_len=L,
         output_proj=True,
-    )
+    ).build()
     encoder = SequenceEncoder(cfg["d"], d_input=cfg["c"] * cfg["patch"] ** 2)
     head = ClassificationHead(cfg["d"], 0, cfg["classes"])
     return ClassificationTask(encoder, backbone, head, num_classes=cfg["classes"])

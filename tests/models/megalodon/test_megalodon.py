@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from megalab.models.megalodon.model import Megalodon
+from megalab.models.megalodon.model import Megalodon, MegalodonConfig
 from megalab.models.megalodon.normalized_attention import NormalizedAttention
 from megalab.utils.paths import CONFIG_DIR
 
@@ -60,7 +60,7 @@ def build_lm(preset: str):
     GlobalHydra.instance().clear()
     with torch.device("meta"):
         encoder = hydra.utils.instantiate(cfg.model.encoder)
-        backbone = hydra.utils.instantiate(cfg.model.backbone)
+        backbone = hydra.utils.instantiate(cfg.model.backbone).build()
         head = LinearLMHead(cfg.model.d_model, cfg.data.vocab_size)
     if PRESETS[preset][-1]:
         head.tie(encoder.embed.embedding)
@@ -89,7 +89,7 @@ def small(**kw) -> Megalodon:
                 swiglu=True, cema_dim=4, chunk_size=4, norm_groups=4)  # fmt: skip
     args.update(kw)
     torch.manual_seed(0)
-    model = Megalodon(**args).double().eval()
+    model = MegalodonConfig(**args).build().double().eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -152,11 +152,13 @@ def test_classifier_is_bidirectional_and_refuses_a_state() -> None:
 
 def test_bad_configurations_fail_early() -> None:
     with pytest.raises(ValueError, match="see the future"):
-        Megalodon(d_model=16, z_dim=8, v_dim=8, ffn_dim=8, norm_groups=4, norm_type="group")
+        MegalodonConfig(
+            d_model=16, z_dim=8, v_dim=8, ffn_dim=8, norm_groups=4, norm_type="group"
+        ).build()
     with pytest.raises(ValueError, match="multiple of norm_groups"):
-        Megalodon(d_model=16, z_dim=8, v_dim=8, ffn_dim=8, norm_groups=5)
+        MegalodonConfig(d_model=16, z_dim=8, v_dim=8, ffn_dim=8, norm_groups=5).build()
     with pytest.raises(ValueError, match="multiples of num_heads"):
-        Megalodon(d_model=16, z_dim=8, v_dim=9, ffn_dim=8, norm_groups=4, num_heads=2)
+        MegalodonConfig(d_model=16, z_dim=8, v_dim=9, ffn_dim=8, norm_groups=4, num_heads=2).build()
 
 
 def test_imagenet_experiment_parameter_count(compose_cfg) -> None:

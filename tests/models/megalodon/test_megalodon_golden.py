@@ -26,7 +26,7 @@ from megalab.models.megalodon.convert import (
     convert_timestep_norm,
     megalodon_kwargs_from_reference,
 )
-from megalab.models.megalodon.model import Megalodon, MegalodonBlock, MegalodonConfig
+from megalab.models.megalodon.model import MegalodonBlock, MegalodonConfig
 from megalab.models.megalodon.timestep_norm import TimestepNorm, TimestepNormState
 
 OUT_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
@@ -187,7 +187,7 @@ def _lm(d: dict, dtype: torch.dtype):
     D, V = kw["d_model"], conf["vocab_size"]
     encoder = SequenceEncoder(D, vocab_size=V, token_scale=conf["scale_emb"])
     task = LanguageModelingTask(
-        encoder, Megalodon(**kw), LinearLMHead(D, V), tie_weights=conf["share_emb"]
+        encoder, MegalodonConfig(**kw).build(), LinearLMHead(D, V), tie_weights=conf["share_emb"]
     )
     sd = convert_lm(params_of(d, "state_dict."), rope_base=conf["rope_base"])
     task.load_state_dict({k: v.to(dtype) for k, v in sd.items()}, strict=True)

@@ -180,7 +180,7 @@ def test_fsdp_blocks_composes_with_every_preset(compose_cfg, preset: str) -> Non
     assert strategy._activation_checkpointing_kwargs  # a policy is set
     assert cfg.trainer.precision == "bf16-mixed"
     with torch.device("meta"):
-        backbone = hydra.utils.instantiate(cfg.model.backbone)
+        backbone = hydra.utils.instantiate(cfg.model.backbone).build()
     units = tuple(block_classes())
     blocks = [m for m in backbone.modules() if isinstance(m, units)]
     assert len(blocks) == backbone.config.num_layers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from megalab.models.megalodon.convert import megalodon_kwargs_from_reference
-from megalab.models.megalodon.model import Megalodon
+from megalab.models.megalodon.model import MegalodonConfig
 
 CONF = {
     "num_layers": 2, "model_dim": 16, "z_dim": 8, "value_dim": 32, "num_heads": 2,
@@ -19,7 +19,7 @@ CONF = {
 
 
 def test_every_model_conf_field_is_known() -> None:
-    Megalodon(**megalodon_kwargs_from_reference(CONF))
+    MegalodonConfig(**megalodon_kwargs_from_reference(CONF)).build()
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from megalab.models.megalodon.convert import convert_timestep_norm
-from megalab.models.megalodon.model import Megalodon, MegalodonConfig
+from megalab.models.megalodon.model import MegalodonConfig
 from megalab.models.megalodon.timestep_norm import TimestepNorm
 
 DT = torch.float64
@@ -138,7 +138,7 @@ def test_checkpoint_prior_converts_and_loads_strictly() -> None:
 def test_megalodon_norm_prior_count() -> None:
     kw = dict(d_model=D, num_layers=1, z_dim=8, v_dim=12, ffn_dim=16, cema_dim=2, chunk_size=4,
               norm_groups=G)  # fmt: skip
-    model = Megalodon(**kw, norm_prior_count=2)
+    model = MegalodonConfig(**kw, norm_prior_count=2).build()
     counts = [int(b) for n, b in model.named_buffers() if n.endswith("prior_count")]
     assert counts == [2, 2]  # the block's norm and the final norm
     with pytest.raises(ValueError, match="norm_prior_count is the learned prior"):

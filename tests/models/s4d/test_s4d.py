@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.models.s4d import S4DBackbone, S4DBlock, S4DConfig
+from megalab.models.s4d import S4DBlock, S4DConfig
 
 DT = torch.float64
 
@@ -69,8 +69,8 @@ def test_block_is_the_s4_residual_block(bidirectional: bool, norm_type: str, pre
 
 def test_causal_stream_equals_one_pass() -> None:
     torch.manual_seed(1)
-    model = S4DBackbone(d_model=4, num_layers=2, state_dim=4, bidirectional=False,
-                        norm_type="layernorm").to(DT).eval()  # fmt: skip
+    model = S4DConfig(d_model=4, num_layers=2, state_dim=4, bidirectional=False,
+                        norm_type="layernorm").build().to(DT).eval()  # fmt: skip
     x = torch.randn(2, 11, 4, dtype=DT)
     full = model(x).y
     state = model.initial_state(2, x)
@@ -83,7 +83,7 @@ def test_causal_stream_equals_one_pass() -> None:
 
 
 def test_bidirectional_model_refuses_a_state() -> None:
-    model = S4DBackbone(d_model=4, num_layers=1, state_dim=2)
+    model = S4DConfig(d_model=4, num_layers=1, state_dim=2).build()
     assert model.initial_state(1, torch.zeros(1)) is None
     with pytest.raises(ValueError, match="bidirectional=False"):
         model(torch.zeros(1, 3, 4), None, object())  # type: ignore[arg-type]
@@ -94,7 +94,7 @@ def test_listops_parameter_count_by_formula() -> None:
     norm 2D; S4D per direction Δ (D), A (D·N/2 real and imaginary), C (D·N/2 complex), and D's
     skip ω (D); GLU linear 2D² + 2D: 2D² + 7D + 4DN in all."""
     D, N, L = 256, 4, 6
-    model = S4DBackbone(d_model=D, num_layers=L, state_dim=N, prenorm=False)
+    model = S4DConfig(d_model=D, num_layers=L, state_dim=N, prenorm=False).build()
     assert sum(p.numel() for p in model.parameters()) == L * (2 * D * D + 7 * D + 4 * D * N)
 
 
@@ -102,7 +102,7 @@ def test_config_is_validated_with_a_hint() -> None:
     with pytest.raises(ValueError, match="even state_dim"):
         S4DConfig(state_dim=3)
     with pytest.raises(ValueError, match="norm_type"):
-        S4DBackbone(norm_type="scalenorm")
+        S4DConfig(norm_type="scalenorm").build()
 
 
 def test_tied_dropout_shares_the_mask_over_time() -> None:

@@ -22,7 +22,7 @@ from seqboat_case import BASE, DT, make_layer
 
 import golden
 from megalab.models.seqboat.convert import mask_from_padding_mask, to_batch_first
-from megalab.models.seqboat.model import SeqBoat, SeqBoatLayer
+from megalab.models.seqboat.model import SeqBoatConfig, SeqBoatLayer
 from megalab.models.seqboat.sma import (
     GumbelSoftmaxRouter,
     SigmoidRouter,
@@ -223,7 +223,7 @@ def test_pack_and_unpack_are_inverse_gathers_with_exact_gradients() -> None:
 
 def test_aux_reports_activation_tau_and_span() -> None:
     torch.manual_seed(0)
-    model = SeqBoat(**{**BASE, "num_layers": 2, "init_temp_scale": 0.5}).to(DT).eval()
+    model = SeqBoatConfig(**{**BASE, "num_layers": 2, "init_temp_scale": 0.5}).build().to(DT).eval()
     x, mask = data()
     with torch.no_grad():
         out, reports = model.forward_with_reports(x, mask, details=True)
@@ -233,7 +233,7 @@ def test_aux_reports_activation_tau_and_span() -> None:
     assert torch.allclose(out.aux["tau"], torch.full((2,), 0.5 * 16**0.5))
     # Always active, no padding: a sliding window of W = 3 on both sides has spans
     # (1 + 2 + 3) / 3 = 2 in the middle, from a brute-force count at the edges.
-    model = SeqBoat(**{**BASE, "router": "none"}).to(DT).eval()
+    model = SeqBoatConfig(**{**BASE, "router": "none"}).build().to(DT).eval()
     L, W = 11, 3
     with torch.no_grad():
         span = model(torch.randn(1, L, 16, dtype=DT)).aux["attention_span"][0]
@@ -308,7 +308,7 @@ def test_ablation_variants_train(kw: dict) -> None:
     """Every Table 7-8 variant trains: finite output, a gradient on every parameter that the
     step reaches, and its statistics in aux."""
     torch.manual_seed(0)
-    model = SeqBoat(**{**BASE, "num_layers": 2, "act_bias": -0.2, **kw}).train()
+    model = SeqBoatConfig(**{**BASE, "num_layers": 2, "act_bias": -0.2, **kw}).build().train()
     x, mask = data()
     out = model(x.float(), mask)
     out.y.square().mean().backward()
@@ -331,9 +331,20 @@ def test_parameter_count_sc10() -> None:
     from megalab.nn.embedding import FeatureEmbedding
     from megalab.nn.heads import ClassificationHead
 
-    backbone = SeqBoat(d_model=60, num_layers=8, z_dim=30, v_dim=120, ema_dim=16, chunk_size=128,
-                       attention_activation="relu2", local_pos=True, positions="sinusoidal",
-                       norm_type="batchnorm", prenorm=True, truncation=4000)  # fmt: skip
+    backbone = SeqBoatConfig(
+        d_model=60,
+        num_layers=8,
+        z_dim=30,
+        v_dim=120,
+        ema_dim=16,
+        chunk_size=128,
+        attention_activation="relu2",
+        local_pos=True,
+        positions="sinusoidal",
+        norm_type="batchnorm",
+        prenorm=True,
+        truncation=4000,
+    ).build()
     total = (
         _count(backbone) + _count(FeatureEmbedding(1, 60)) + _count(ClassificationHead(60, 120, 10))
     )
@@ -344,9 +355,19 @@ def test_parameter_count_enwik8() -> None:
     """enwik8 (Table 3/5: 39M): 14 layers of d 616 hold 38,946,362 parameters; with the fairseq
     dictionary of enwik8 (204 symbols) the tied embedding makes 39.07M, with the 256 byte values
     of our data 39.10M."""
-    backbone = SeqBoat(d_model=616, num_layers=14, z_dim=128, v_dim=1232, ema_dim=16,
-                       chunk_size=1024, rel_pos_bias="rotary", prenorm=True,
-                       final_norm_affine=False, causal=True, truncation=2048)  # fmt: skip
+    backbone = SeqBoatConfig(
+        d_model=616,
+        num_layers=14,
+        z_dim=128,
+        v_dim=1232,
+        ema_dim=16,
+        chunk_size=1024,
+        rel_pos_bias="rotary",
+        prenorm=True,
+        final_norm_affine=False,
+        causal=True,
+        truncation=2048,
+    ).build()
     n = _count(backbone)
     assert n == 38_946_362
     assert round((n + 204 * 616) / 1e6, 2) == 39.07

@@ -30,7 +30,7 @@ from megalab.models.seqboat.convert import (
     to_batch_first,
     unit_kwargs_from_reference,
 )
-from megalab.models.seqboat.model import SeqBoat, SeqBoatConfig, SeqBoatLayer
+from megalab.models.seqboat.model import SeqBoatConfig, SeqBoatLayer
 from megalab.nn.heads import pool
 
 UNIT_CASES = [
@@ -142,7 +142,7 @@ def build_lra(d: dict[str, Any]):
         args["classifier_in_dim"], args["classifier_out_dim"], args["sentence_class_num"],
         dropout=args["dropout"], activation=args["classifier_activation_fn"],
     )  # fmt: skip
-    backbone = SeqBoat(**seqboat_kwargs_from_fairseq(args))
+    backbone = SeqBoatConfig(**seqboat_kwargs_from_fairseq(args)).build()
     task = ClassificationTask(encoder, backbone, head, num_classes=args["sentence_class_num"],
                               pooling="mean")  # fmt: skip
     task = task.to(torch.float64 if d["dtype"] == "float64" else torch.float32)

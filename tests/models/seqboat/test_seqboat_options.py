@@ -34,7 +34,7 @@ from megalab.models.seqboat.convert import (
     seqboat_lm_kwargs_from_fairseq,
     unit_kwargs_from_reference,
 )
-from megalab.models.seqboat.model import SeqBoat, SeqBoatConfig, SeqBoatLayer
+from megalab.models.seqboat.model import SeqBoatConfig, SeqBoatLayer
 from megalab.models.seqboat.sma import CompressedAttention, GumbelSoftmaxRouter
 
 BASE = {**seqboat_case.BASE, "max_positions": 12}
@@ -360,7 +360,9 @@ def test_hard_gumbel_router_is_the_codes_gumbel_softmax_hard(act_bias: float) ->
 
 
 def test_hard_gumbel_layer_trains_and_is_refused_for_other_routers() -> None:
-    model = SeqBoat(**{**BASE, "router": "gumbel", "gumbel_hard": True}).to(DT).train()
+    model = (
+        SeqBoatConfig(**{**BASE, "router": "gumbel", "gumbel_hard": True}).build().to(DT).train()
+    )
     x, mask = data()
     y = model(x, mask).y
     y.square().sum().backward()
@@ -478,7 +480,7 @@ def test_lm_options_map_onto_a_causal_seqboat() -> None:
     assert (kw["max_positions"], kw["truncation"], kw["ffn_dim"]) == (10384, 2048, 0)
     assert kw["input_dropout"] == kw["dropout"] == 0.15
     small = {**kw, "d_model": 16, "z_dim": 8, "v_dim": 32, "num_layers": 1, "chunk_size": 4}
-    SeqBoat(**small)
+    SeqBoatConfig(**small).build()
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megalab.models.transformer.model import Transformer, sinusoidal_positions
+from megalab.models.transformer.model import Transformer, TransformerConfig, sinusoidal_positions
 
 
 def make(**kw) -> Transformer:
     torch.manual_seed(0)
     args = dict(d_model=16, num_layers=2, num_heads=4, ffn_dim=32, dropout=0.0)
-    return Transformer(**(args | kw)).double().eval()
+    return TransformerConfig(**(args | kw)).build().double().eval()
 
 
 def test_learned_positions_enforce_their_limit() -> None:
@@ -22,7 +22,7 @@ def test_learned_positions_enforce_their_limit() -> None:
     with pytest.raises(ValueError, match=r"max_len=8 of Transformer \(its learned position"):
         model(torch.randn(1, 9, 16, dtype=torch.float64))
     with pytest.raises(ValueError, match="need `max_len`"):
-        Transformer(d_model=16, positions="learned")
+        TransformerConfig(d_model=16, positions="learned").build()
 
 
 def test_shared_layers_share_parameters() -> None:
@@ -50,7 +50,7 @@ def test_drop_path_grows_over_depth_and_is_identity_in_eval() -> None:
     x = torch.randn(4, 6, 16, dtype=torch.float64)
     torch.testing.assert_close(model(x).y, make(num_layers=3)(x).y)  # eval: no drop
     with pytest.raises(ValueError, match="share_layers"):
-        Transformer(d_model=16, num_heads=4, share_layers=True, drop_path=0.1)
+        TransformerConfig(d_model=16, num_heads=4, share_layers=True, drop_path=0.1).build()
 
 
 def test_embed_norm_is_off_by_default() -> None:
@@ -95,7 +95,7 @@ def test_embed_norm_keeps_padding_invisible() -> None:
 
 def test_bert_init_statistics() -> None:
     torch.manual_seed(0)
-    model = Transformer(
+    model = TransformerConfig(
         d_model=64,
         num_layers=2,
         num_heads=4,
@@ -105,7 +105,7 @@ def test_bert_init_statistics() -> None:
         max_len=64,
         embed_norm=True,
         init="bert",
-    )
+    ).build()
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 2 * 4  # qkv, out, fc1, fc2 per layer
     for m in linears:
@@ -127,4 +127,4 @@ def test_bert_init_with_shared_layers_and_bad_names() -> None:
     model = make(share_layers=True, num_layers=3, init="bert")
     assert (model.layers[0].fc1.bias == 0).all() and model.layers[0] is model.layers[2]
     with pytest.raises(ValueError, match="unknown init 'xavier'"):
-        Transformer(d_model=16, num_heads=4, init="xavier")
+        TransformerConfig(d_model=16, num_heads=4, init="xavier").build()

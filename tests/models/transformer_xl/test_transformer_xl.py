@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab.models.transformer_xl.model import TransformerXL
+from megalab.models.transformer_xl.model import TransformerXL, TransformerXLConfig
 from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from megalab.nn.relative_attention import rel_shift, rel_shift_future
 from megalab.tasks.language_modeling import LanguageModelingTask
@@ -21,7 +21,9 @@ DT = torch.float64
 
 def tiny(**kw) -> TransformerXL:
     torch.manual_seed(0)
-    model = TransformerXL(d_model=16, num_layers=2, num_heads=2, head_dim=8, ffn_dim=32, **kw)
+    model = TransformerXLConfig(
+        d_model=16, num_layers=2, num_heads=2, head_dim=8, ffn_dim=32, **kw
+    ).build()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -143,7 +145,7 @@ def count(vocab: int, cutoffs=(), tie_projs=(False,), **kw) -> int:
     with torch.device("meta"):
         task = LanguageModelingTask(
             AdaptiveEmbedding(vocab, kw["d_model"], cutoffs=cutoffs),
-            TransformerXL(**kw),
+            TransformerXLConfig(**kw).build(),
             ProjectedAdaptiveLogSoftmax(kw["d_model"], vocab, cutoffs=cutoffs, tie_projs=tie_projs),
             tie_weights=True,
         )

@@ -11,9 +11,9 @@ import torch
 import xl_golden
 from golden import prefixed
 from megalab.models.lamemo.convert import convert_lm, task_kwargs_from_reference
-from megalab.models.lamemo.model import LaMemo
+from megalab.models.lamemo.model import LaMemoConfig
 from megalab.models.transformer_xl.convert import check_reference_config
-from megalab.models.transformer_xl.model import TransformerXL
+from megalab.models.transformer_xl.model import TransformerXLConfig
 from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
 from megalab.tasks.language_modeling import LanguageModelingTask
 
@@ -32,9 +32,9 @@ def test_untied_reference_model_converts_exactly(case: str) -> None:
     sd = sd | {"crit.out_layers.0.weight": out_table}
     kw = task_kwargs_from_reference(cfg)
     assert kw["head"]["tie_weight"] is False
-    backbone_cls = LaMemo if cfg["attn_type"] == 3 else TransformerXL
+    config_cls = LaMemoConfig if cfg["attn_type"] == 3 else TransformerXLConfig
     task = LanguageModelingTask(
-        AdaptiveEmbedding(**kw["encoder"]), backbone_cls(**kw["backbone"]),
+        AdaptiveEmbedding(**kw["encoder"]), config_cls(**kw["backbone"]).build(),
         ProjectedAdaptiveLogSoftmax(**kw["head"]), tie_weights=True,
     ).to(DT)  # fmt: skip
     task.load_state_dict(convert_lm(sd), strict=True)

@@ -14,7 +14,8 @@ tensors (`mems`) becomes a `LaMemoState` with `state_from_reference`.
 
     ckpt = load_reference_checkpoint("checkpoint_best.pt")
     kw = task_kwargs_from_reference(ckpt["model_config"])
-    task = LanguageModelingTask(AdaptiveEmbedding(**kw["encoder"]), LaMemo(**kw["backbone"]),
+    backbone = LaMemo(LaMemoConfig(**kw["backbone"]))
+    task = LanguageModelingTask(AdaptiveEmbedding(**kw["encoder"]), backbone,
                                 ProjectedAdaptiveLogSoftmax(**kw["head"]), tie_weights=True)
     task.load_state_dict(convert_lm(ckpt["model_state"]))
 """
@@ -57,7 +58,7 @@ __all__ = [
 
 
 def lamemo_kwargs_from_reference(config: Mapping[str, Any]) -> dict[str, Any]:
-    """`LaMemo` keyword arguments from a reference `model_config` (attn_type 3 or 31)."""
+    """`LaMemoConfig` keyword arguments from a reference `model_config` (attn_type 3 or 31)."""
     if config.get("attn_type") not in (3, 31):
         raise ValueError(
             f"attn_type {config.get('attn_type')} is not LaMemo (3) or its XL-encoding "

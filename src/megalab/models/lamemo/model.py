@@ -45,12 +45,12 @@ set-up, output, initialisation) is `megalab.models.transformer_xl.memory`.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from megalab.models.base import BackboneOutput, config_from_arguments
+from megalab.models.base import BackboneOutput
 from megalab.models.transformer_xl.memory import (
     RelativeMemoryBackbone,
     RelativeMemoryConfig,
@@ -88,7 +88,7 @@ class LaMemoState:
 
 @dataclass(frozen=True)
 class LaMemoConfig(RelativeMemoryConfig):
-    """Every option of `LaMemo` (its keyword arguments), each with its range and meaning: those
+    """Every option of `LaMemo`, each with its range and meaning: those
     of `RelativeMemoryConfig` (as Transformer-XL's; LaMemo has no `ext_len`, its code ignores
     it in the memory) and the four below."""
 
@@ -104,6 +104,10 @@ class LaMemoConfig(RelativeMemoryConfig):
     # distances with v (Table 3's diverging ablation).
     rpe: str = option("disentangled", choices=RPES, doc="relative positions of look-ahead keys")
     eps: float = option(1e-6, doc="ε of the interpolation weight (the code's 1e-6)")
+
+    def build(self) -> LaMemo:
+        """The `LaMemo` this config describes."""
+        return LaMemo(self)
 
 
 def interpolation_weight(log_s_old: Tensor, log_s_new: Tensor, eps: float) -> Tensor:
@@ -204,36 +208,15 @@ class LaMemoLayer(nn.Module):
 class LaMemo(RelativeMemoryBackbone):
     """The LaMemo backbone (see the module docstring), (B, L, D) -> (B, L, D).
 
-    The arguments are the fields of `LaMemoConfig`, flat and in its order (the shared ones of
-    `RelativeMemoryConfig` first), each documented there with its range; they are validated
-    once into that frozen config (`self.config`).
+    It takes a `LaMemoConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     config: LaMemoConfig
     block_class = LaMemoLayer
 
-    def __init__(
-        self,
-        d_model: int = 410,
-        num_layers: int = 16,
-        num_heads: int = 10,
-        head_dim: int | None = None,
-        ffn_dim: int = 2100,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.0,
-        pre_lnorm: bool = False,
-        mem_len: int = 150,
-        eval_mem_len: int | None = None,
-        same_length: bool = False,
-        clamp_len: int = -1,
-        init_std: float = 0.02,
-        causal: bool = True,
-        look_ahead: bool = True,
-        interpolation: bool = True,
-        rpe: str = "disentangled",
-        eps: float = 1e-6,
-    ) -> None:
-        cfg = config_from_arguments(LaMemoConfig, locals())
+    def __init__(self, config: LaMemoConfig | None = None) -> None:
+        cfg = config if config is not None else LaMemoConfig()
         super().__init__(cfg, LaMemoLayer)
         # Besides u and v₊ = v (the code's r_w_bias, r_r_bias): v₋ for keys on the right
         # (r_r_bias_future); XL's encoding reuses v for both.
@@ -252,10 +235,6 @@ class LaMemo(RelativeMemoryBackbone):
         """Whether streamed outputs equal one pass over the stream (while it fits the memory):
         not with look-ahead, which refreshes the memory by each later segment."""
         return not self.config.look_ahead
-
-    @classmethod
-    def from_config(cls, cfg: LaMemoConfig) -> LaMemo:
-        return cls(**asdict(cfg))
 
     def reset_parameters(self) -> None:
         """The code's initialisation; v₋ keeps its Xavier-uniform draw (see the docstring)."""

@@ -84,7 +84,7 @@ _OURS_TOP = {v: k for k, v in _TOP_NAMES.items()}
 
 # ------------------------------------------------------------------------------------- configs
 def llama_kwargs_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    """`Llama` keyword arguments from a Hugging Face `config.json`; unsupported settings fail."""
+    """`LlamaConfig` keyword arguments from a Hugging Face `config.json`; unsupported ones fail."""
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
         raise ValueError(f"not a Llama checkpoint: model_type is {model_type!r}")
@@ -353,7 +353,7 @@ def run_to_hf(ckpt_path: str | Path, hf_folder: str | Path) -> Path:
         )
     cfg = load_run_config(run_cfg_path)  # the run folder is data: safe YAML, safe resolvers
     target = OmegaConf.select(cfg, "task.backbone._target_")
-    if target != "megalab.models.llama.Llama":
+    if target != "megalab.models.llama.LlamaConfig":  # (an older run's Llama is read as it)
         raise ValueError(f"{ckpt_path}: the run's backbone is {target}, not a Llama")
     hint = "Convert only run folders written by megalab-train or from-hf"
     check_targets(cfg.task, f"{run_cfg_path} (task)", hint=hint)

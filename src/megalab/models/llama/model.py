@@ -31,13 +31,13 @@ context length, which `benchmarks/bench_long_context.py` measures.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache, chunked_attention
 from megalab.nn.ffn import GatedFFN
@@ -65,9 +65,8 @@ def llama_ffn_dim(d_model: int, multiple_of: int = 256, multiplier: float | None
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Every option of a Llama backbone (`Llama`'s keyword arguments), each with its range and
-    meaning."""
+class LlamaConfig(BackboneConfig):
+    """Every option of a Llama backbone, each with its range and meaning."""
 
     d_model: int = option(256, ge=1, doc="d, the feature width")
     num_layers: int = option(4, ge=1, doc="number of blocks")
@@ -130,6 +129,10 @@ class LlamaConfig:
         if self.ffn_dim is not None:
             return self.ffn_dim
         return llama_ffn_dim(self.d_model, self.multiple_of, self.ffn_dim_multiplier)
+
+    def build(self) -> Llama:
+        """The `Llama` this config describes."""
+        return Llama(self)
 
 
 class LlamaAttention(nn.Module):
@@ -226,42 +229,21 @@ class LlamaBlock(nn.Module):
 class Llama(Backbone):
     """The Llama-2 backbone: `num_layers` `LlamaBlock`s and a final RMSNorm, (B, L, D) -> (B, L, D).
 
-    The arguments are the fields of `LlamaConfig`, flat and in its order, each documented there
-    with its range; they are validated into that frozen config (`self.config`).
+    It takes a `LlamaConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     block_class = LlamaBlock
 
-    def __init__(
-        self,
-        d_model: int = 256,
-        num_layers: int = 4,
-        num_heads: int = 4,
-        num_kv_heads: int | None = None,
-        ffn_dim: int | None = None,
-        multiple_of: int = 256,
-        ffn_dim_multiplier: float | None = None,
-        rope_base: float = 10000.0,
-        norm_eps: float = 1e-5,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        init_std: float = 0.02,
-        max_len: int | None = None,
-        causal: bool = True,
-    ) -> None:
+    def __init__(self, config: LlamaConfig | None = None) -> None:
         super().__init__()
-        cfg = config_from_arguments(LlamaConfig, locals())
+        cfg = config if config is not None else LlamaConfig()
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.reset_parameters()
-
-    @classmethod
-    def from_config(cls, cfg: LlamaConfig) -> Llama:
-        """A backbone from a `LlamaConfig`."""
-        return cls(**asdict(cfg))
 
     def reset_parameters(self) -> None:
         """HF's init: every linear N(0, init_std), RMSNorm gains 1."""

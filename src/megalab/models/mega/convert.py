@@ -23,7 +23,7 @@ From an official checkpoint (a fairseq checkpoint stores the weights under `mode
 training arguments under `args`):
 
     ckpt = load_fairseq_checkpoint("checkpoint_best.pt")
-    backbone = Mega(**mega_kwargs_from_fairseq(ckpt["args"]))
+    backbone = Mega(MegaConfig(**mega_kwargs_from_fairseq(ckpt["args"])))
     task = ClassificationTask(encoder, backbone, head, ...)
     task.load_state_dict(convert_lra_model(ckpt["model"]))
 

@@ -1,7 +1,7 @@
 """The training arguments of the authors' Mega checkpoints (a fairseq `args` namespace) as
 megalab's: each option is mapped, known to have no effect, or refused with the reason.
 
-    mega_kwargs_from_fairseq              LRAModel's args        -> `Mega(**kwargs)`
+    mega_kwargs_from_fairseq              LRAModel's args        -> `MegaConfig(**kwargs)`
     maga_config_from_reference            a reference layer's kwargs -> `MegaConfig`
     mega_translation_kwargs_from_fairseq  MegaModel's (MT) args  -> `MegaEncoderDecoder(**kwargs)`
 
@@ -133,7 +133,7 @@ def _fairseq_activation(name: Any) -> Any:
 
 
 def mega_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """`Mega(...)` keyword arguments from a Mega LRA/SC fairseq argument namespace (or dict).
+    """`MegaConfig(...)` keyword arguments from a Mega LRA/SC fairseq argument namespace (or dict).
 
     The namespace is checked first (`check_fairseq_args`): an option megalab cannot build is
     refused by name. In LRA/SC runs `--act-dropout` drives both the value (V) and the FFN hidden

@@ -37,14 +37,14 @@ FFN it acts on the branch before its plain residual.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.stack import run_stack
 from megalab.nn.attention import ChunkedAttention, KVCache
 from megalab.nn.ema import DampedEMA
@@ -78,10 +78,10 @@ class MegaState:
 
 
 @dataclass(frozen=True)
-class MegaConfig:
+class MegaConfig(BackboneConfig):
     """Every option of a Mega backbone, built once by `Mega` and handed to its blocks.
 
-    Fields are `Mega`'s keyword arguments, each declared here once with its range and meaning;
+    Each option is declared here once with its range and meaning;
     `drop_path` is the rate of the last block, and each block receives its own rate beside this
     config.
     """
@@ -170,6 +170,10 @@ class MegaConfig:
                 "embed_dropout only reorders the embedding dropout after embed_norm; without "
                 "embed_norm put the dropout in the encoder (its `dropout`)"
             )
+
+    def build(self) -> Mega:
+        """The `Mega` this config describes."""
+        return Mega(self)
 
 
 class MovingAverageGatedAttention(nn.Module):
@@ -319,49 +323,15 @@ class Mega(Backbone):
     `ema_shift=True, drop_path=0.2, positions="learned", max_len=196, output_proj=True`
     between a patch `FeatureEmbedding` and mean pooling + a Linear head.
 
-    The arguments are the fields of `MegaConfig`, flat and in its order (so
-    `model.backbone.chunk_size=128` overrides one, and type checkers see each), each documented
-    there with its range; they are validated once into that frozen config (`self.config`),
-    which the blocks read.
+    It takes a `MegaConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     block_class = MegaBlock
 
-    def __init__(
-        self,
-        d_model: int = 128,
-        num_layers: int = 4,
-        z_dim: int = 64,
-        v_dim: int = 256,
-        ffn_dim: int = 256,
-        ema_dim: int = 16,
-        chunk_size: int = -1,
-        truncation: int | None = None,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        max_positions: int = 1024,
-        norm_type: str = "layernorm",
-        prenorm: bool = True,
-        final_norm_affine: bool = True,
-        norm_affine: bool = True,
-        embed_norm: bool = False,
-        embed_dropout: float = 0.0,
-        causal: bool = False,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        activation: str = "silu",
-        ema_shift: bool = False,
-        drop_path: float = 0.0,
-        positions: str = "none",
-        max_len: int | None = None,
-        output_proj: bool = False,
-        checkpoint_activations: bool = False,
-        attention_recompute: bool | None = None,
-    ) -> None:
+    def __init__(self, config: MegaConfig | None = None) -> None:
         super().__init__()
-        cfg = config_from_arguments(MegaConfig, locals())
+        cfg = config if config is not None else MegaConfig()
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal
@@ -385,11 +355,6 @@ class Mega(Backbone):
             self.out_proj = nn.Linear(cfg.d_model, cfg.d_model)
             nn.init.normal_(self.out_proj.weight, mean=0.0, std=0.02)
             nn.init.zeros_(self.out_proj.bias)
-
-    @classmethod
-    def from_config(cls, cfg: MegaConfig) -> Mega:
-        """A backbone from a `MegaConfig`."""
-        return cls(**asdict(cfg))
 
     @property
     def max_len(self) -> int | None:

@@ -198,7 +198,7 @@ class MegaEncoderDecoder(EncoderDecoder):
             if share_all_embeddings
             else mt_embedding(vocab_size, d_model, pad_id, dropout)
         )
-        self.encoder = Mega.from_config(self.encoder_config)
+        self.encoder = Mega(self.encoder_config)
         cross_max = max(max_source_positions, max_target_positions)
         self.decoder_layers = nn.ModuleList(
             MegaDecoderLayer(self.decoder_config, cross_max) for _ in range(decoder_layers)

@@ -28,7 +28,7 @@ state dict per tensor-parallel rank: merge ranks first, the 7B ran with tensor p
 
     sd = load_checkpoint("consolidated.pt")            # weights_only, allow-listed
     kw = megalodon_kwargs_from_reference(model_conf)   # the ModelConf fields as a dict
-    backbone = Megalodon(**kw)
+    backbone = Megalodon(MegalodonConfig(**kw))
     task = LanguageModelingTask(SequenceEncoder(kw["d_model"], vocab_size=V, token_scale=...),
                                 backbone, LinearLMHead(kw["d_model"], V), tie_weights=...)
     task.load_state_dict(convert_lm(sd), strict=True)
@@ -187,7 +187,7 @@ _MODEL_CONF_FIELDS = frozenset(
 
 
 def megalodon_kwargs_from_reference(conf: Mapping[str, Any]) -> dict[str, Any]:
-    """`Megalodon` keyword arguments from the code's `ModelConf` fields (a dict).
+    """`MegalodonConfig` keyword arguments from the code's `ModelConf` fields (a dict).
 
     The embedding options (`scale_emb`: token_scale, `share_emb`: tie_weights) and the
     vocabulary belong to the task's encoder and head. A field that is not one of `ModelConf`'s,

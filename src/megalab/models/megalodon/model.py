@@ -49,13 +49,13 @@ outputs do not depend on it; padded outputs are zero.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.megalodon.cema import CEMAState, ComplexEMA
 from megalab.models.megalodon.normalized_attention import NormalizedAttention
 from megalab.models.megalodon.timestep_norm import (
@@ -96,9 +96,8 @@ class MegalodonState:
 
 
 @dataclass(frozen=True)
-class MegalodonConfig:
-    """Every option of a Megalodon backbone (the arguments of `Megalodon`), each with its range
-    and meaning."""
+class MegalodonConfig(BackboneConfig):
+    """Every option of a Megalodon backbone, each with its range and meaning."""
 
     d_model: int = option(1024, ge=1, doc="D, the feature width")
     num_layers: int = option(8, ge=1, doc="number of blocks")
@@ -153,6 +152,10 @@ class MegalodonConfig:
         if self.norm_type is not None:
             return self.norm_type
         return "timestep" if self.causal else "group"
+
+    def build(self) -> Megalodon:
+        """The `Megalodon` this config describes."""
+        return Megalodon(self)
 
 
 def _he_init(linear: nn.Linear) -> None:
@@ -287,48 +290,21 @@ class Megalodon(Backbone):
     state) or classifier encoder (`causal=False`: group norm over the sequence, bidirectional
     CEMA, unmasked attention). The code's presets are configs: `model=megalodon/mega7.3B` etc.
 
-    The arguments are the fields of `MegalodonConfig`, flat and in its order (so
-    `model.backbone.chunk_size=128` overrides one), each documented there with its range, and
-    validated once into that frozen config (`self.config`).
+    It takes a `MegalodonConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     block_class = MegalodonBlock
 
-    def __init__(
-        self,
-        d_model: int = 1024,
-        num_layers: int = 8,
-        z_dim: int = 256,
-        v_dim: int = 2048,
-        num_heads: int = 1,
-        ffn_dim: int = 2048,
-        swiglu: bool = False,
-        cema_dim: int = 16,
-        chunk_size: int = 2048,
-        norm_groups: int = 32,
-        norm_eps: float = 1e-5,
-        norm_prior_count: int = 0,
-        norm_type: str | None = None,
-        rope_base: float = 10000.0,
-        causal: bool = True,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        drop_path: float = 0.0,
-    ) -> None:
+    def __init__(self, config: MegalodonConfig | None = None) -> None:
         super().__init__()
-        cfg = config_from_arguments(MegalodonConfig, locals())
+        cfg = config if config is not None else MegalodonConfig()
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal
         rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
         self.layers = nn.ModuleList(MegalodonBlock(cfg, drop_path=r) for r in rates)
         self.final_norm = _norm(cfg)
-
-    @classmethod
-    def from_config(cls, cfg: MegalodonConfig) -> Megalodon:
-        """A backbone from a `MegalodonConfig`."""
-        return cls(**asdict(cfg))
 
     def initial_state(self, batch_size: int, like: Tensor) -> MegalodonState:
         """The start of a stream: empty statistics, zero CEMA states, empty KV caches."""

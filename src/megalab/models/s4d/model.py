@@ -38,14 +38,14 @@ Dropout: `dropout` after the GELU and on the block's output, each with its own m
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.stack import run_stack
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
@@ -64,7 +64,7 @@ class S4DState:
 
 
 @dataclass(frozen=True)
-class S4DConfig:
+class S4DConfig(BackboneConfig):
     """Every option of an S4D backbone (`S4DBackbone`'s arguments), each with its range and
     meaning; built once and handed to the blocks."""
 
@@ -99,6 +99,10 @@ class S4DConfig:
             )
         if not self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
+
+    def build(self) -> S4DBackbone:
+        """The `S4DBackbone` this config describes."""
+        return S4DBackbone(self)
 
 
 class TiedDropout(nn.Dropout):
@@ -168,38 +172,20 @@ class S4DBlock(nn.Module):
 class S4DBackbone(Backbone):
     """A stack of `S4DBlock`s, (B, L, D) -> (B, L, D); pre-norm stacks end with a final norm.
 
-    The arguments are the fields of `S4DConfig`, flat and in its order, each documented there
-    with its range; they are validated once into that frozen config (`self.config`), which the
-    blocks read.
+    It takes an `S4DConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     block_class = S4DBlock
 
-    def __init__(
-        self,
-        d_model: int = 256,
-        num_layers: int = 6,
-        state_dim: int = 64,
-        bidirectional: bool = True,
-        norm_type: str = "batchnorm",
-        prenorm: bool = True,
-        dropout: float = 0.0,
-        dropout_tied: bool = False,
-        dt_min: float = 1e-3,
-        dt_max: float = 1e-1,
-    ) -> None:
+    def __init__(self, config: S4DConfig | None = None) -> None:
         super().__init__()
-        cfg = config_from_arguments(S4DConfig, locals())
+        cfg = config if config is not None else S4DConfig()
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = not cfg.bidirectional
         self.layers = nn.ModuleList(S4DBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = SequenceNorm(cfg.norm_type, cfg.d_model) if cfg.prenorm else None
-
-    @classmethod
-    def from_config(cls, cfg: S4DConfig) -> S4DBackbone:
-        """A backbone from an `S4DConfig`."""
-        return cls(**asdict(cfg))
 
     def _check_causal(self) -> None:
         if not self.causal:

@@ -26,7 +26,7 @@ From an official checkpoint (fairseq stores the weights under `model`, the argum
 `args`):
 
     ckpt = load_fairseq_checkpoint("checkpoint_best.pt")
-    backbone = SeqBoat(**seqboat_kwargs_from_fairseq(ckpt["args"]))
+    backbone = SeqBoat(SeqBoatConfig(**seqboat_kwargs_from_fairseq(ckpt["args"])))
     task = ClassificationTask(encoder, backbone, head, num_classes=..., pooling="mean")
     task.load_state_dict(convert_lra_model(ckpt["model"]))
 
@@ -167,7 +167,7 @@ def convert_lm_model(
     (none with `--no-affine-final-norm`), `decoder.output_projection.weight` (with
     `--share-decoder-input-output-embed` the same tensor as the input table) and the buffer
     `decoder.version`. The target is `LanguageModelingTask(SequenceEncoder(vocab_size=V,
-    token_scale=True), SeqBoat(causal=True, ...), LinearLMHead, tie_weights=True)`
+    token_scale=True), SeqBoat(SeqBoatConfig(causal=True, ...)), LinearLMHead, tie_weights=True)`
     (configs/experiment/seqboat/enwik8): the output projection becomes `head.proj.weight`, which
     `load_state_dict(strict=True)` asks for even when tied.
 
@@ -325,7 +325,7 @@ def unit_kwargs_from_reference(ctor: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def seqboat_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """`SeqBoat(...)` keyword arguments from a SeqBoat LRA/SC fairseq argument namespace.
+    """`SeqBoatConfig(...)` keyword arguments from a SeqBoat LRA/SC fairseq argument namespace.
 
     As Mega's LRA encoder, `--act-dropout` drives the value (V) dropout and `--dropout` the
     embedding dropout (`input_dropout`); `--add-apos` adds the scaled sinusoidal positions.
@@ -409,7 +409,7 @@ def seqboat_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]
 
 
 def seqboat_lm_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """`SeqBoat(causal=True, ...)` keyword arguments from the slag LM's fairseq namespace
+    """`SeqBoatConfig(causal=True, ...)` keyword arguments from the slag LM's fairseq namespace
     (`SeqBoatLanguageModel.add_args`, e.g. `slag_lm_enwik8_base_v2`).
 
     `--decoder-chunk-size` is the window W (global mode when <= 0); `--max-target-positions`

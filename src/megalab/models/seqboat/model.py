@@ -47,14 +47,14 @@ full), -local (`router="none"`), -chunk (`router="none", attention="chunk"`), -G
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.seqboat.sma import (
     CompressedAttention,
     Packing,
@@ -102,9 +102,8 @@ class SeqBoatState:
 
 
 @dataclass(frozen=True)
-class SeqBoatConfig:
-    """Every option of a SeqBoat backbone (`SeqBoat`'s arguments), each with its range and
-    meaning."""
+class SeqBoatConfig(BackboneConfig):
+    """Every option of a SeqBoat backbone, each with its range and meaning."""
 
     d_model: int = option(128, ge=1, doc="d_m, the feature width")
     num_layers: int = option(4, ge=1, doc="N, the number of layers")
@@ -212,6 +211,10 @@ class SeqBoatConfig:
     def compress_always(self) -> bool:
         """Whether a full row still packs (see `SeqBoat`): by default decoders do."""
         return self.causal if self.always_compress is None else self.always_compress
+
+    def build(self) -> SeqBoat:
+        """The `SeqBoat` this config describes."""
+        return SeqBoat(self)
 
 
 @dataclass
@@ -497,50 +500,15 @@ class SeqBoat(Backbone):
     distance in original positions from a query to the other keys it attends, over activated
     queries: the paper's Fig. 6 measure) and, for SeqBoat-{GAU,FFN}, `ffn_activation`.
 
-    The arguments are the fields of `SeqBoatConfig`, flat and in its order, each documented
-    there with its range; they are validated once into that frozen config (`self.config`),
-    which the layers read.
+    It takes a `SeqBoatConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     block_class = SeqBoatBlock
 
-    def __init__(
-        self,
-        d_model: int = 128,
-        num_layers: int = 4,
-        z_dim: int = 64,
-        v_dim: int = 256,
-        ema_dim: int = 16,
-        ssm: str = "ema",
-        truncation: int | None = None,
-        attention: str = "local",
-        chunk_size: int = 128,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        local_pos: bool = False,
-        max_positions: int = 1024,
-        positions: str = "none",
-        norm_type: str = "layernorm",
-        norm_affine: bool = True,
-        prenorm: bool = False,
-        final_norm_affine: bool = True,
-        causal: bool = False,
-        router: str = "softmax",
-        init_temp_scale: float = 1.0,
-        act_bias: float = 0.0,
-        gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995),
-        gumbel_hard: bool = False,
-        always_compress: bool | None = None,
-        ffn_dim: int = 0,
-        ffn_mode: str = "after",
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        input_dropout: float = 0.0,
-    ) -> None:
+    def __init__(self, config: SeqBoatConfig | None = None) -> None:
         super().__init__()
-        cfg = config_from_arguments(SeqBoatConfig, locals())
+        cfg = config if config is not None else SeqBoatConfig()
         self.config = cfg
         self.d_model = cfg.d_model
         self.causal = cfg.causal
@@ -554,11 +522,6 @@ class SeqBoat(Backbone):
         if cfg.positions == "sinusoidal":
             self.pos_scale = nn.Parameter(torch.full((1,), cfg.d_model**-0.5))
         self.input_dropout = nn.Dropout(cfg.input_dropout)
-
-    @classmethod
-    def from_config(cls, cfg: SeqBoatConfig) -> SeqBoat:
-        """A backbone from a `SeqBoatConfig`."""
-        return cls(**asdict(cfg))
 
     def initial_state(self, batch_size: int, like: Tensor) -> SeqBoatState:
         """An empty streaming state (causal models)."""

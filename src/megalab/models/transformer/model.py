@@ -16,13 +16,13 @@ be continued by a later one anyway.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput, config_from_arguments
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.nn.activation_checkpoint import checkpoint_block
 from megalab.nn.embedding import INITS, init_bert_params
 from megalab.nn.masking import zero_pads
@@ -35,8 +35,8 @@ ACTIVATIONS = ("gelu", "relu", "silu")
 
 
 @dataclass(frozen=True)
-class TransformerConfig:
-    """Every option of a `Transformer` (its keyword arguments), each with its range and meaning."""
+class TransformerConfig(BackboneConfig):
+    """Every option of a `Transformer`, each with its range and meaning."""
 
     d_model: int = option(256, ge=1, doc="D, the feature width")
     num_layers: int = option(4, ge=1, doc="number of layers")
@@ -74,6 +74,10 @@ class TransformerConfig:
             raise ValueError("learned positions need `max_len` (the longest input length)")
         if self.share_layers and self.drop_path > 0:
             raise ValueError("drop_path needs one module per layer: set share_layers=false")
+
+    def build(self) -> Transformer:
+        """The `Transformer` this config describes."""
+        return Transformer(self)
 
 
 def sinusoidal_positions(
@@ -172,76 +176,54 @@ class Transformer(Backbone):
     layer (`megalab.nn.activation_checkpoint`): less memory, about a third more compute, same
     results.
 
-    The arguments are the fields of `TransformerConfig`, flat and in its order, each documented
-    there with its range; they are validated once into that frozen config (`self.config`).
+    It takes a `TransformerConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     block_class = TransformerLayer
 
-    def __init__(
-        self,
-        d_model: int = 256,
-        num_layers: int = 4,
-        num_heads: int = 4,
-        ffn_dim: int = 1024,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        activation: str = "gelu",
-        prenorm: bool = True,
-        positions: str = "sinusoidal",
-        max_len: int | None = None,
-        causal: bool = False,
-        share_layers: bool = False,
-        drop_path: float = 0.0,
-        embed_norm: bool = False,
-        init: str = "default",
-        checkpoint_activations: bool = False,
-    ) -> None:
+    def __init__(self, config: TransformerConfig | None = None) -> None:
         super().__init__()
-        self.config = config_from_arguments(TransformerConfig, locals())
-        self.d_model = d_model
-        self.causal = causal
-        self.positions = positions
-        self.checkpoint_activations = checkpoint_activations
-        self._max_len = max_len if positions == "learned" else None
+        cfg = config if config is not None else TransformerConfig()
+        self.config = cfg
+        self.d_model = cfg.d_model
+        self.causal = cfg.causal
+        self.positions = cfg.positions
+        self.checkpoint_activations = cfg.checkpoint_activations
+        learned = cfg.positions == "learned"
+        self._max_len = cfg.max_len if learned else None
         self.pos_embedding = (
-            nn.Embedding(max_len, d_model) if positions == "learned" and max_len else None
+            nn.Embedding(cfg.max_len, cfg.d_model) if learned and cfg.max_len else None
         )
         if self.pos_embedding is not None:
             nn.init.normal_(self.pos_embedding.weight, std=0.02)
 
         def make(rate: float) -> TransformerLayer:
             return TransformerLayer(
-                d_model,
-                num_heads,
-                ffn_dim,
-                dropout,
-                attention_dropout,
-                activation_dropout,
-                activation,
-                prenorm,
+                cfg.d_model,
+                cfg.num_heads,
+                cfg.ffn_dim,
+                cfg.dropout,
+                cfg.attention_dropout,
+                cfg.activation_dropout,
+                cfg.activation,
+                cfg.prenorm,
                 drop_path=rate,
             )
 
         # Stochastic depth grows linearly over depth (DeiT); weight sharing across depth is the
         # LRA ListOps baseline's tied layers.
-        rates = drop_path_rates(drop_path, num_layers)
-        shared = make(0.0) if share_layers else None
+        rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
+        shared = make(0.0) if cfg.share_layers else None
         self.layers = nn.ModuleList(
-            [shared if shared is not None else make(rates[i]) for i in range(num_layers)]
+            [shared if shared is not None else make(rates[i]) for i in range(cfg.num_layers)]
         )
-        self.final_norm = nn.LayerNorm(d_model) if prenorm else None
-        self.embed_norm = nn.LayerNorm(d_model) if embed_norm else None
-        self.dropout = nn.Dropout(dropout)
-        if init == "bert":
+        self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.prenorm else None
+        self.embed_norm = nn.LayerNorm(cfg.d_model) if cfg.embed_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        if cfg.init == "bert":
             # After every submodule exists, as fairseq applies it once the model is built.
             self.apply(init_bert_params)
-
-    @classmethod
-    def from_config(cls, cfg: TransformerConfig) -> Transformer:
-        """A backbone from a `TransformerConfig`."""
-        return cls(**asdict(cfg))
 
     @property
     def max_len(self) -> int | None:

@@ -24,7 +24,8 @@ symbols only; no code of the authors runs). The original XL trainer pickles the 
     ckpt = load_reference_checkpoint("checkpoint_best.pt")
     kw = task_kwargs_from_reference(ckpt["model_config"])
     encoder = AdaptiveEmbedding(**kw["encoder"]); head = ProjectedAdaptiveLogSoftmax(**kw["head"])
-    task = LanguageModelingTask(encoder, TransformerXL(**kw["backbone"]), head, tie_weights=True)
+    backbone = TransformerXL(TransformerXLConfig(**kw["backbone"]))
+    task = LanguageModelingTask(encoder, backbone, head, tie_weights=True)
     task.load_state_dict(convert_lm(ckpt["model_state"]), strict=False)   # optimizer state aside
 
 Token ids: XL numbers its vocabulary by frequency. WikiText-103 is built the same way here;
@@ -148,7 +149,7 @@ def convert_lm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 
 def backbone_kwargs_from_reference(config: Mapping[str, Any]) -> dict[str, Any]:
-    """`TransformerXL`/`LaMemo` keyword arguments from the reference's `model_config`
+    """`TransformerXLConfig`/`LaMemoConfig` keyword arguments from the reference's `model_config`
     (checked by `check_reference_config`)."""
     check_reference_config(config)
     kw: dict[str, Any] = {

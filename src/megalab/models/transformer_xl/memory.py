@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from megalab.models.base import Backbone, BackboneOutput
+from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.nn.ffn import NormalizedFFN
 from megalab.nn.relative_attention import (
     RelativeMultiHeadAttention,
@@ -43,7 +43,7 @@ from megalab.utils.options import check_options, option, rate
 
 
 @dataclass(frozen=True)
-class RelativeMemoryConfig:
+class RelativeMemoryConfig(BackboneConfig):
     """The options Transformer-XL and LaMemo share, each with its range and meaning."""
 
     model_name: ClassVar[str] = "this model"

@@ -38,12 +38,12 @@ attend to the padded positions kept in memory.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from megalab.models.base import BackboneOutput, config_from_arguments
+from megalab.models.base import BackboneOutput
 from megalab.models.transformer_xl.memory import (
     RelativeMemoryBackbone,
     RelativeMemoryConfig,
@@ -70,12 +70,16 @@ class XLMemory:
 
 @dataclass(frozen=True)
 class TransformerXLConfig(RelativeMemoryConfig):
-    """Every option of `TransformerXL` (its keyword arguments), each with its range and meaning:
+    """Every option of `TransformerXL`, each with its range and meaning:
     those of `RelativeMemoryConfig` and `ext_len`."""
 
     model_name = "Transformer-XL"
 
     ext_len: int = option(0, ge=0, doc="positions per segment kept out of the memory")
+
+    def build(self) -> TransformerXL:
+        """The `TransformerXL` this config describes."""
+        return TransformerXL(self)
 
 
 class XLLayer(nn.Module):
@@ -112,39 +116,17 @@ class XLLayer(nn.Module):
 class TransformerXL(RelativeMemoryBackbone):
     """The Transformer-XL backbone (see the module docstring), (B, L, D) -> (B, L, D).
 
-    The arguments are the fields of `TransformerXLConfig`, flat and in its order (the shared
-    ones of `RelativeMemoryConfig` first), each documented there with its range; they are
-    validated once into that frozen config (`self.config`).
+    It takes a `TransformerXLConfig`, which declares each option with its range; the blocks read it
+    as `self.config`.
     """
 
     config: TransformerXLConfig
     block_class = XLLayer
 
-    def __init__(
-        self,
-        d_model: int = 410,
-        num_layers: int = 16,
-        num_heads: int = 10,
-        head_dim: int | None = None,
-        ffn_dim: int = 2100,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.0,
-        pre_lnorm: bool = False,
-        mem_len: int = 150,
-        eval_mem_len: int | None = None,
-        same_length: bool = False,
-        clamp_len: int = -1,
-        init_std: float = 0.02,
-        causal: bool = True,
-        ext_len: int = 0,
-    ) -> None:
-        cfg = config_from_arguments(TransformerXLConfig, locals())
+    def __init__(self, config: TransformerXLConfig | None = None) -> None:
+        cfg = config if config is not None else TransformerXLConfig()
         super().__init__(cfg, XLLayer)
         self.reset_parameters()
-
-    @classmethod
-    def from_config(cls, cfg: TransformerXLConfig) -> TransformerXL:
-        return cls(**asdict(cfg))
 
     # -- memory -------------------------------------------------------------------------------
     @property
