@@ -258,6 +258,44 @@ def test_the_papers_own_rows_have_experiments(table: tb.PaperTable) -> None:
     assert all(_has_experiments(table, r) for r in own), [r.label for r in own]
 
 
+def test_an_experiment_fills_rows_of_another_papers_table_by_declaring_them() -> None:
+    """The S4D experiments name Mega's S4 rows (`reproduces:`); the table files do not name
+    them, yet their cells carry the experiments and the rows the experiments' notes."""
+    table2, table4 = BY_ID["mega/table2_lra"], BY_ID["mega/table4_sc"]
+    raw = yaml.safe_load((ROOT / "tables" / "mega" / "table2_lra.yaml").read_text())
+    assert not any("experiments" in r for r in raw["rows"] if r["id"].startswith("s4"))
+    for row in ("s4_v2", "s4_v2_replicated"):
+        for task in ("listops", "text", "retrieval", "image", "pathfinder", "pathx"):
+            assert table2.cells[(row, task)].experiment == f"s4d/lra_{task}"
+        assert table2.cells[(row, "avg")].experiment is None  # a mean of the row, not a run
+    assert table2.cells[("s4_v1", "text")].experiment is None
+    assert {table4.cells[("s4_replicated", c)].experiment for c in ("params", "acc")} == {
+        "s4d/sc10"
+    }
+    notes = {r.id: r.notes for r in table2.rows}
+    assert notes["s4_v2_replicated"].startswith("S4-v2 as replicated by the Mega authors. Ours")
+    assert notes["s4_v2_replicated"].count("Ours") == 1  # six experiments, one note
+
+
+def test_a_declared_reproduction_must_name_a_real_row_and_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from megalab.reporting import paper
+
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "bad.yaml").write_text("reproduces:\n  - {table: mega/table4_sc}\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: each `reproduces:` entry is"):
+        paper.declared_reproductions(tmp_path)
+    gone = paper.Reproduction("s4d/sc10", "mega/table4_sc", "s4_renamed")
+    monkeypatch.setattr(paper, "declared_reproductions", lambda: (gone,))
+    with pytest.raises(ValueError, match="experiment s4d/sc10: mega/table4_sc has no row"):
+        paper.check_reproductions(TABLES)
+    column = paper.Reproduction("s4d/sc10", "mega/table4_sc", "s4_replicated", "speed")
+    monkeypatch.setattr(paper, "declared_reproductions", lambda: (column,))
+    with pytest.raises(ValueError, match="has no column 'speed'"):
+        paper.check_reproductions(TABLES)
+
+
 def test_all_rows_show_when_nothing_ran() -> None:
     text = tb.render_table(BY_ID["mega/table4_sc"], tb.summarize(BY_ID["mega/table4_sc"], []))
     assert "| Mega (base) | paper | 300 | 96.92 |\n| | ours | missing | missing |" in text

@@ -1,10 +1,15 @@
 """The papers' published numbers as data: `tables/<paper>/<table>.yaml` (or `.csv`) read into
 `PaperTable`s, each cell naming the experiment that reproduces it (tables/README.md).
+
+A cell's experiment is named by its row in the table file, or by the experiment itself: an
+experiment config's `reproduces:` list names rows of any paper's tables (a baseline filling the
+rows of another paper's tables, S4D in Mega's), so adding it needs no edit to the table.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from megalab.utils.paths import resource_dir
+from megalab.utils.paths import CONFIG_DIR, resource_dir
 from megalab.utils.safe_config import load_yaml
 
 # tables/ of the project, or the copy an installed wheel carries
@@ -150,6 +155,65 @@ def _column(spec: Mapping[str, Any], defaults: Mapping[str, Any]) -> Column:
     )
 
 
+@dataclass(frozen=True)
+class Reproduction:
+    """An experiment config's `reproduces:` entry: the row (and column, or every column) of a
+    paper table its runs fill, with a note for the row."""
+
+    experiment: str
+    table: str
+    row: str
+    column: str | None = None
+    notes: str = ""
+
+
+@functools.cache
+def declared_reproductions(
+    experiment_dir: Path = CONFIG_DIR / "experiment",
+) -> tuple[Reproduction, ...]:
+    """Every `reproduces:` entry of the experiment configs under `experiment_dir` (the
+    installed package's; read as data, safe YAML), in the order of their files."""
+    out = []
+    for path in sorted(experiment_dir.rglob("*.yaml")):
+        spec = load_yaml(path) or {}
+        name = path.relative_to(experiment_dir).with_suffix("").as_posix()
+        entries = spec.get("reproduces") if isinstance(spec, Mapping) else None
+        for entry in entries or ():
+            if not isinstance(entry, Mapping) or not {"table", "row"} <= set(entry):
+                raise ValueError(
+                    f"{path}: each `reproduces:` entry is {{table: <paper>/<table>, row: <row id>"
+                    f"[, column: <column id>][, notes: ...]}}, got {entry!r}"
+                )
+            column = entry.get("column")
+            out.append(
+                Reproduction(
+                    name,
+                    str(entry["table"]),
+                    str(entry["row"]),
+                    None if column is None else str(column),
+                    " ".join(str(entry.get("notes", "")).split()),
+                )
+            )
+    return tuple(out)
+
+
+def check_reproductions(tables: list[PaperTable]) -> None:
+    """Raise where an experiment's `reproduces:` names a table, row or column that is not
+    there (a renamed row would otherwise silently lose its runs)."""
+    by_id = {t.id: t for t in tables}
+    for r in declared_reproductions():
+        table = by_id.get(r.table)
+        if table is None or table.source.endswith(".csv"):
+            raise ValueError(
+                f"experiment {r.experiment} reproduces {r.table!r}, which is no YAML table "
+                "under tables/ (a CSV table names its experiments itself)"
+            )
+        if r.row not in {row.id for row in table.rows}:
+            raise ValueError(f"experiment {r.experiment}: {r.table} has no row {r.row!r}")
+        if r.column is not None and r.column not in {c.id for c in table.columns}:
+            raise ValueError(f"experiment {r.experiment}: {r.table} has no column {r.column!r}")
+
+
 def _table_from_yaml(path: Path, table_id: str) -> PaperTable:
     spec = load_yaml(path)  # a table file is data: safe YAML (megalab.utils.safe_config)
     for key in ("paper", "table", "columns", "rows"):
@@ -159,14 +223,16 @@ def _table_from_yaml(path: Path, table_id: str) -> PaperTable:
     col_ids = {c.id for c in columns}
     rows, cells = [], {}
     for row_spec in spec["rows"]:
-        row = Row(
-            str(row_spec["id"]),
-            str(row_spec.get("label", row_spec["id"])),
-            str(row_spec.get("notes", "") or ""),
-        )
+        row_id = str(row_spec["id"])
+        declared = [r for r in declared_reproductions() if (r.table, r.row) == (table_id, row_id)]
+        notes = dict.fromkeys([str(row_spec.get("notes", "") or ""), *(r.notes for r in declared)])
+        row = Row(row_id, str(row_spec.get("label", row_id)), " ".join(n for n in notes if n))
         rows.append(row)
         values = row_spec.get("values") or {}
-        experiments = row_spec.get("experiments") or {}
+        experiments = {
+            **{r.column or c.id: r.experiment for r in declared for c in columns},
+            **(row_spec.get("experiments") or {}),
+        }
         cell_notes = row_spec.get("cell_notes") or {}
         unknown = (set(values) | set(experiments) | set(cell_notes)) - col_ids
         if unknown:
@@ -321,4 +387,7 @@ def load_tables(root: str | Path = TABLES_DIR) -> list[PaperTable]:
     """Every paper table under `root` (sorted by id)."""
     root = Path(root)
     paths = [p for p in root.rglob("*") if p.suffix in (".yaml", ".yml", ".csv")]
-    return sorted((load_table(p, root) for p in paths), key=lambda t: t.id)
+    tables = sorted((load_table(p, root) for p in paths), key=lambda t: t.id)
+    if root.resolve() == TABLES_DIR.resolve():
+        check_reproductions(tables)
+    return tables
