@@ -48,7 +48,8 @@ def _bands(vocab_size: int, cutoffs: Sequence[int]) -> list[int]:
     return cuts if cuts[-1] == vocab_size else [*cuts, vocab_size]
 
 
-def _check_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
+def check_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
+    """Raise a ValueError naming the first id outside [0, vocab_size) (`what`: token, target)."""
     if tokens.numel() and (bool((tokens < 0).any()) or bool((tokens >= vocab_size).any())):
         bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0].item()
         raise ValueError(
@@ -111,7 +112,7 @@ class AdaptiveInput(nn.Module):
         """(B, L) token ids -> (B, L, d_model); positions where `mask` is False are zero."""
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"AdaptiveInput expects integer token ids, got {tokens.dtype}")
-        _check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
+        check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
         weight = cast(nn.Linear, self.projections[0]).weight
         out = weight.new_zeros(*tokens.shape, self.d_model)
         prev = 0
@@ -226,7 +227,7 @@ class AdaptiveSoftmax(nn.Module):
         """Per-token negative log-likelihood (B, L) in nats."""
         shape = targets.shape
         t = targets.reshape(-1)
-        _check_ids(t, self.vocab_size, "target")
+        check_ids(t, self.vocab_size, "target")
         x = self.dropout(hidden.reshape(-1, hidden.shape[-1]))
         c0 = self.cutoffs[0]
         head_index = t.clone()

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.adaptive import check_ids
 from megalab.nn.masking import zero_pads
 from megalab.nn.relative_attention import at_least_float32
 
@@ -63,15 +64,6 @@ def _band_dims(d_embed: int, div_val: int, bands: int) -> list[int]:
     if min(dims) < 1:
         raise ValueError(f"div_val={div_val} leaves a band of width 0: lower it or the cutoffs")
     return dims
-
-
-def _check_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
-    if tokens.numel() and (bool((tokens < 0).any()) or bool((tokens >= vocab_size).any())):
-        bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0].item()
-        raise ValueError(
-            f"{what} id {bad} is outside the vocabulary of {vocab_size} tokens: check "
-            "data.vocab_size against the data"
-        )
 
 
 class AdaptiveEmbedding(nn.Module):
@@ -134,7 +126,7 @@ class AdaptiveEmbedding(nn.Module):
         """(B, L) ids -> √d_model · embedding, dropped out; zero where `mask` is False."""
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"AdaptiveEmbedding expects integer token ids, got {tokens.dtype}")
-        _check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
+        check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
         if self.div_val == 1:
             embed = self.emb_layers[0](tokens)
             if len(self.emb_projs):
@@ -287,7 +279,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         shape = targets.shape
         h = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
-        _check_ids(t, self.vocab_size, "target")
+        check_ids(t, self.vocab_size, "target")
         head = F.log_softmax(at_least_float32(self._logits(h, *self._band(0))), dim=-1)
         if self.n_clusters == 0:
             return -head.gather(1, t.unsqueeze(1)).squeeze(1).view(shape)

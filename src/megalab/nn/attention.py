@@ -137,6 +137,18 @@ class KVCache(NamedTuple):
     valid: Tensor | None
 
 
+def relative_position_bias(
+    kind: str, max_positions: int, z_dim: int
+) -> SimpleRelativePositionalBias | RotaryRelativePositionalBias:
+    """Mega's relative position bias: a learned table over `max_positions` offsets ("simple")
+    or rotary embeddings of width `z_dim` ("rotary")."""
+    if kind == "simple":
+        return SimpleRelativePositionalBias(max_positions)
+    if kind == "rotary":
+        return RotaryRelativePositionalBias(z_dim)
+    raise ValueError(f"unknown rel_pos_bias {kind!r}; allowed values: {', '.join(REL_POS_BIASES)}")
+
+
 class ChunkedAttention(nn.Module):
     """Single-head attention within chunks, with Mega's attention functions and biases.
 
@@ -179,17 +191,8 @@ class ChunkedAttention(nn.Module):
         self.causal = causal
         self.dropout = dropout
         self.recompute = recompute
-        self.rel_pos_bias: SimpleRelativePositionalBias | RotaryRelativePositionalBias
-        if rel_pos_bias == "simple":
-            M = chunk_size if chunk_size > 0 else max_positions
-            self.rel_pos_bias = SimpleRelativePositionalBias(M)
-        elif rel_pos_bias == "rotary":
-            self.rel_pos_bias = RotaryRelativePositionalBias(z_dim)
-        else:
-            raise ValueError(
-                f"unknown rel_pos_bias {rel_pos_bias!r}; allowed values: "
-                f"{', '.join(REL_POS_BIASES)}"
-            )
+        M = chunk_size if chunk_size > 0 else max_positions  # offsets within a chunk
+        self.rel_pos_bias = relative_position_bias(rel_pos_bias, M, z_dim)
 
     @property
     def max_len(self) -> int | None:

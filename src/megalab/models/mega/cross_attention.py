@@ -42,9 +42,8 @@ from torch import Tensor, nn
 
 from megalab.kernels.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
 from megalab.nn.attention import (
-    REL_POS_BIASES,
-    RotaryRelativePositionalBias,
     SimpleRelativePositionalBias,
+    relative_position_bias,
 )
 from megalab.nn.ffn import get_activation
 from megalab.nn.norms import SequenceNorm
@@ -108,16 +107,7 @@ class GatedCrossAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.q_proj = nn.Linear(d_model, 2 * d_model + z_dim)
         self.h_proj = nn.Linear(d_model, d_model)
-        self.rel_pos_bias: SimpleRelativePositionalBias | RotaryRelativePositionalBias
-        if rel_pos_bias == "simple":
-            self.rel_pos_bias = SimpleRelativePositionalBias(max_positions)
-        elif rel_pos_bias == "rotary":
-            self.rel_pos_bias = RotaryRelativePositionalBias(z_dim)
-        else:
-            raise ValueError(
-                f"unknown rel_pos_bias {rel_pos_bias!r}; allowed values: "
-                f"{', '.join(REL_POS_BIASES)}"
-            )
+        self.rel_pos_bias = relative_position_bias(rel_pos_bias, max_positions, z_dim)
         self.dropout = nn.Dropout(dropout)
         self.hidden_dropout = nn.Dropout(hidden_dropout)
         self.attention_dropout = attention_dropout

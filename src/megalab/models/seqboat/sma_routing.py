@@ -124,14 +124,9 @@ class Routing(NamedTuple):
     probs: Tensor | None
 
 
-class TemperedSoftmaxRouter(nn.Module):
-    """The paper's configurator: p = softmax([u_skip + b_act, u_act] / τ), a = argmax, c = max p.
-
-    τ = exp(θ) with one learned θ per layer, θ₀ = log(α√d) (code: `q_router.temp`, in log
-    space, decayed by the optimizer like every parameter). The softmax runs in at least float32.
-    """
-
-    n_logits = 2
+class _TemperedRouter(nn.Module):
+    """A router with a learned temperature τ = exp(θ), one θ per layer, θ₀ = log(α√d)
+    (code: `q_router.temp`, in log space, decayed by the optimizer like every parameter)."""
 
     def __init__(self, d_model: int, init_temp_scale: float = 1.0) -> None:
         super().__init__()
@@ -143,6 +138,15 @@ class TemperedSoftmaxRouter(nn.Module):
     @property
     def tau(self) -> Tensor:
         return self.log_tau.detach().exp().squeeze(0)
+
+
+class TemperedSoftmaxRouter(_TemperedRouter):
+    """The paper's configurator: p = softmax([u_skip + b_act, u_act] / τ), a = argmax, c = max p.
+
+    τ as `_TemperedRouter`. The softmax runs in at least float32.
+    """
+
+    n_logits = 2
 
     def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
         cdt = torch.promote_types(u.dtype, torch.float32)
@@ -211,7 +215,7 @@ class GumbelSoftmaxRouter(nn.Module):
         return Routing(active, probs[..., 1] * active, probs)
 
 
-class SigmoidRouter(nn.Module):
+class SigmoidRouter(_TemperedRouter):
     """The "-Sigmoid" ablation (Table 8): p = sigmoid((u − b_act) / τ), a = p > ½, c = p.
 
     One logit per token; τ as the tempered softmax (learned, θ₀ = log(α√d)). Equivalent to the
@@ -219,14 +223,6 @@ class SigmoidRouter(nn.Module):
     """
 
     n_logits = 1
-
-    def __init__(self, d_model: int, init_temp_scale: float = 1.0) -> None:
-        super().__init__()
-        self.log_tau = nn.Parameter(torch.full((1,), math.log(init_temp_scale * d_model**0.5)))
-
-    @property
-    def tau(self) -> Tensor:
-        return self.log_tau.detach().exp().squeeze(0)
 
     def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
         cdt = torch.promote_types(u.dtype, torch.float32)
