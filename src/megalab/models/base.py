@@ -88,6 +88,8 @@ class Backbone(nn.Module):
 
     d_model: int
     causal: bool
+    config: Any
+    """The model's options (its `BackboneConfig`; None for a backbone built without one)."""
 
     block_class: ClassVar[type[nn.Module] | None] = None
     """The class of the blocks in `layers`: FSDP shards each block as its own unit and
@@ -99,6 +101,15 @@ class Backbone(nn.Module):
     no token reaches, a bias used only once a memory is carried): DDP then looks for unused
     parameters (`megalab.parallel.lightning`). False: every parameter gets a gradient from every
     batch."""
+
+    def __init__(self, config: BackboneConfig | None = None) -> None:
+        """Keep `config` (which the blocks read) and its width `d_model`. A model's own
+        constructor takes its config class, `__init__(self, config: XConfig | None = None)`
+        (None: the defaults), and hands it here; it sets `causal` itself."""
+        super().__init__()
+        self.config = config
+        if config is not None:
+            self.d_model = config.d_model
 
     @property
     def exact_streaming(self) -> bool:
@@ -169,13 +180,16 @@ class Backbone(nn.Module):
 
 class BackboneConfig:
     """Base of the backbones' config dataclasses: every option of one model, declared once on
-    its fields with `megalab.utils.options.option` (type, range, meaning).
+    its fields with `megalab.utils.options.option` (type, range, meaning). Each has at least
+    `d_model`, the feature width.
 
     A backbone takes its config object (`Mega(MegaConfig(chunk_size=128))`, or `build()`), and
     Hydra builds the config from YAML: `model.backbone._target_` names the config class and the
     other keys are its fields, so `model.backbone.chunk_size=128` overrides one. A task given a
     config builds the backbone from it (`megalab.tasks.base.SequenceTask`).
     """
+
+    d_model: int
 
     def build(self) -> Backbone:
         """The backbone this config describes."""

@@ -206,18 +206,13 @@ class LaMemoLayer(nn.Module):
 
 
 class LaMemo(RelativeMemoryBackbone):
-    """The LaMemo backbone (see the module docstring), (B, L, D) -> (B, L, D).
-
-    It takes a `LaMemoConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
-    """
+    """The LaMemo backbone (see the module docstring), (B, L, D) -> (B, L, D)."""
 
     config: LaMemoConfig
     block_class = LaMemoLayer
 
     def __init__(self, config: LaMemoConfig | None = None) -> None:
-        cfg = config if config is not None else LaMemoConfig()
-        super().__init__(cfg, LaMemoLayer)
+        super().__init__(cfg := config or LaMemoConfig(), LaMemoLayer)
         # Besides u and v₊ = v (the code's r_w_bias, r_r_bias): v₋ for keys on the right
         # (r_r_bias_future); XL's encoding reuses v for both.
         self.v_future = (

@@ -227,19 +227,13 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(Backbone):
-    """The Llama-2 backbone: `num_layers` `LlamaBlock`s and a final RMSNorm, (B, L, D) -> (B, L, D).
+    """The Llama-2 backbone: `num_layers` `LlamaBlock`s and a final RMSNorm, (B, L, D) -> (B, L, D)."""
 
-    It takes a `LlamaConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
-    """
-
+    config: LlamaConfig
     block_class = LlamaBlock
 
     def __init__(self, config: LlamaConfig | None = None) -> None:
-        super().__init__()
-        cfg = config if config is not None else LlamaConfig()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg := config or LlamaConfig())
         self.causal = cfg.causal
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)

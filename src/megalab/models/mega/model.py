@@ -322,18 +322,13 @@ class Mega(Backbone):
     The authors' ImageNet model (mega-image `VisionMEGA`) is this backbone with
     `ema_shift=True, drop_path=0.2, positions="learned", max_len=196, output_proj=True`
     between a patch `FeatureEmbedding` and mean pooling + a Linear head.
-
-    It takes a `MegaConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
     """
 
+    config: MegaConfig
     block_class = MegaBlock
 
     def __init__(self, config: MegaConfig | None = None) -> None:
-        super().__init__()
-        cfg = config if config is not None else MegaConfig()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg := config or MegaConfig())
         self.causal = cfg.causal
         self.positions = cfg.positions
         self.drop_path_rates = drop_path_rates(cfg.drop_path, cfg.num_layers)

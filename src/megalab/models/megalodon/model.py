@@ -289,18 +289,13 @@ class Megalodon(Backbone):
     Causal language model (`causal=True`: TimestepNorm, causal CEMA and attention, streaming
     state) or classifier encoder (`causal=False`: group norm over the sequence, bidirectional
     CEMA, unmasked attention). The code's presets are configs: `model=megalodon/mega7.3B` etc.
-
-    It takes a `MegalodonConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
     """
 
+    config: MegalodonConfig
     block_class = MegalodonBlock
 
     def __init__(self, config: MegalodonConfig | None = None) -> None:
-        super().__init__()
-        cfg = config if config is not None else MegalodonConfig()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg := config or MegalodonConfig())
         self.causal = cfg.causal
         rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
         self.layers = nn.ModuleList(MegalodonBlock(cfg, drop_path=r) for r in rates)

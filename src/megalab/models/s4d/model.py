@@ -170,19 +170,13 @@ class S4DBlock(nn.Module):
 
 
 class S4DBackbone(Backbone):
-    """A stack of `S4DBlock`s, (B, L, D) -> (B, L, D); pre-norm stacks end with a final norm.
+    """A stack of `S4DBlock`s, (B, L, D) -> (B, L, D); pre-norm stacks end with a final norm."""
 
-    It takes an `S4DConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
-    """
-
+    config: S4DConfig
     block_class = S4DBlock
 
     def __init__(self, config: S4DConfig | None = None) -> None:
-        super().__init__()
-        cfg = config if config is not None else S4DConfig()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg := config or S4DConfig())
         self.causal = not cfg.bidirectional
         self.layers = nn.ModuleList(S4DBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = SequenceNorm(cfg.norm_type, cfg.d_model) if cfg.prenorm else None

@@ -499,18 +499,13 @@ class SeqBoat(Backbone):
     GAU), `tau` (the configurator's temperature, when it has one), `attention_span` (mean
     distance in original positions from a query to the other keys it attends, over activated
     queries: the paper's Fig. 6 measure) and, for SeqBoat-{GAU,FFN}, `ffn_activation`.
-
-    It takes a `SeqBoatConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
     """
 
+    config: SeqBoatConfig
     block_class = SeqBoatBlock
 
     def __init__(self, config: SeqBoatConfig | None = None) -> None:
-        super().__init__()
-        cfg = config if config is not None else SeqBoatConfig()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg := config or SeqBoatConfig())
         self.causal = cfg.causal
         self.layers = nn.ModuleList(SeqBoatBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = (

@@ -175,18 +175,13 @@ class Transformer(Backbone):
     `checkpoint_activations` keeps only each layer's input for the backward and recomputes the
     layer (`megalab.nn.activation_checkpoint`): less memory, about a third more compute, same
     results.
-
-    It takes a `TransformerConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
     """
 
+    config: TransformerConfig
     block_class = TransformerLayer
 
     def __init__(self, config: TransformerConfig | None = None) -> None:
-        super().__init__()
-        cfg = config if config is not None else TransformerConfig()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg := config or TransformerConfig())
         self.causal = cfg.causal
         self.positions = cfg.positions
         self.checkpoint_activations = cfg.checkpoint_activations

@@ -176,9 +176,7 @@ class RelativeMemoryBackbone(Backbone):
     config: RelativeMemoryConfig
 
     def __init__(self, cfg: RelativeMemoryConfig, layer: Any) -> None:
-        super().__init__()
-        self.config = cfg
-        self.d_model = cfg.d_model
+        super().__init__(cfg)
         self.causal = True
         self.positions = SinusoidPositions(cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)

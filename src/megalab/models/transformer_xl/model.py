@@ -114,18 +114,13 @@ class XLLayer(nn.Module):
 
 
 class TransformerXL(RelativeMemoryBackbone):
-    """The Transformer-XL backbone (see the module docstring), (B, L, D) -> (B, L, D).
-
-    It takes a `TransformerXLConfig`, which declares each option with its range; the blocks read it
-    as `self.config`.
-    """
+    """The Transformer-XL backbone (see the module docstring), (B, L, D) -> (B, L, D)."""
 
     config: TransformerXLConfig
     block_class = XLLayer
 
     def __init__(self, config: TransformerXLConfig | None = None) -> None:
-        cfg = config if config is not None else TransformerXLConfig()
-        super().__init__(cfg, XLLayer)
+        super().__init__(config or TransformerXLConfig(), XLLayer)
         self.reset_parameters()
 
     # -- memory -------------------------------------------------------------------------------
