@@ -15,6 +15,16 @@ from torch import Tensor
 
 ATTENTION_FUNCTIONS = ("softmax", "laplace", "relu2")
 
+
+def check_attention_function(name: str) -> None:
+    """Raise a ValueError naming the choices when `name` is not one of `ATTENTION_FUNCTIONS`."""
+    if name not in ATTENTION_FUNCTIONS:
+        raise ValueError(
+            f"unknown attention_activation {name!r}; allowed values: "
+            f"{', '.join(ATTENTION_FUNCTIONS)}"
+        )
+
+
 # The authors' rounded constants for μ = √½ and σ = 1/(2√π).
 LAPLACE_MU = 0.707107
 LAPLACE_SIGMA = 0.282095

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.kernels.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
+from megalab.kernels.attention_functions import check_attention_function, laplace, relu2
 from megalab.nn.positions import sinusoid_frequencies
 from megalab.nn.rope import apply_rope
 from megalab.nn.state import register_state
@@ -178,11 +178,7 @@ class ChunkedAttention(nn.Module):
         recompute: bool | None = None,
     ) -> None:
         super().__init__()
-        if attention_activation not in ATTENTION_FUNCTIONS:
-            raise ValueError(
-                f"unknown attention_activation {attention_activation!r}; allowed values: "
-                f"{', '.join(ATTENTION_FUNCTIONS)}"
-            )
+        check_attention_function(attention_activation)
         if chunk_size == 0 or chunk_size < -1:
             raise ValueError(f"chunk_size must be positive or -1 (no chunking), got {chunk_size}")
         self.z_dim = z_dim

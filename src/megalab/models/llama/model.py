@@ -227,7 +227,7 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(Backbone):
-    """The Llama-2 backbone: `num_layers` `LlamaBlock`s and a final RMSNorm, (B, L, D) -> (B, L, D)."""
+    """The Llama-2 backbone: `num_layers` `LlamaBlock`s, a final RMSNorm; (B, L, D) -> (B, L, D)."""
 
     config: LlamaConfig
     block_class = LlamaBlock

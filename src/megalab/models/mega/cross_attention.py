@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.kernels.attention_functions import ATTENTION_FUNCTIONS, laplace, relu2
+from megalab.kernels.attention_functions import check_attention_function, laplace, relu2
 from megalab.nn.attention import (
     SimpleRelativePositionalBias,
     relative_position_bias,
@@ -93,11 +93,7 @@ class GatedCrossAttention(nn.Module):
         activation: str = "silu",
     ) -> None:
         super().__init__()
-        if attention_activation not in ATTENTION_FUNCTIONS:
-            raise ValueError(
-                f"unknown attention_activation {attention_activation!r}; allowed values: "
-                f"{', '.join(ATTENTION_FUNCTIONS)}"
-            )
+        check_attention_function(attention_activation)
         self.d_model, self.z_dim = d_model, z_dim
         self.attention_activation = attention_activation
         self.prenorm = prenorm

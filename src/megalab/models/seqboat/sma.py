@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from megalab.kernels.attention_functions import check_attention_function
 from megalab.models.seqboat.sma_routing import ROUTERS as ROUTERS
 from megalab.models.seqboat.sma_routing import GumbelSoftmaxRouter as GumbelSoftmaxRouter
 from megalab.models.seqboat.sma_routing import Packing as Packing
@@ -76,7 +77,6 @@ MASK_VALUE = -5e4  # the code's local-attention mask value
 # Elements of one (B, queries, keys) tensor in full attention: 2^24 (64 MB in float32).
 DENSE_BLOCK_ELEMENTS = 1 << 24
 ATTENTION_MODES = ("local", "chunk", "full")
-ATTENTION_FUNCTIONS = ("softmax", "relu2", "laplace")
 LOOK_AROUND_PAD = -1.0  # the code's look-around fill (keys and values) outside the sequence
 REL_POS_BIASES = ("simple", "rotary", "none")
 
@@ -171,11 +171,7 @@ class CompressedAttention(nn.Module):
             raise ValueError(
                 f"unknown attention mode {mode!r}; allowed values: {', '.join(ATTENTION_MODES)}"
             )
-        if attention_activation not in ATTENTION_FUNCTIONS:
-            raise ValueError(
-                f"unknown attention_activation {attention_activation!r}; allowed values: "
-                f"{', '.join(ATTENTION_FUNCTIONS)}"
-            )
+        check_attention_function(attention_activation)
         if rel_pos_bias not in REL_POS_BIASES:
             raise ValueError(
                 f"unknown rel_pos_bias {rel_pos_bias!r}; allowed values: "
