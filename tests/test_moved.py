@@ -122,3 +122,12 @@ def test_a_current_config_is_left_as_it_is() -> None:
         warnings.simplefilter("error")
         upgrade_backbone_targets(cfg)
     assert cfg.backbone._target_ == "megalab.models.mega.MegaConfig"
+
+
+def test_from_config_still_builds_with_a_warning() -> None:
+    from megalab.models.mega import Mega, MegaConfig
+
+    cfg = MegaConfig(d_model=8, num_layers=1, z_dim=4, v_dim=8, ffn_dim=8)
+    with pytest.warns(FutureWarning, match=r"Mega.from_config\(cfg\) is deprecated.*Mega\(cfg\)"):
+        model = Mega.from_config(cfg)
+    assert isinstance(model, Mega) and model.config is cfg

@@ -42,8 +42,9 @@ contract as a structural type, for code that only calls a backbone.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from torch import Tensor, nn
 
@@ -78,6 +79,9 @@ class BackboneProtocol(Protocol):
     ) -> BackboneOutput: ...
 
 
+B = TypeVar("B", bound="Backbone")
+
+
 class Backbone(nn.Module):
     """Base class of megalab's backbones: the contract's attributes and hooks with their defaults.
 
@@ -110,6 +114,17 @@ class Backbone(nn.Module):
         self.config = config
         if config is not None:
             self.d_model = config.d_model
+
+    @classmethod
+    def from_config(cls: type[B], cfg: BackboneConfig) -> B:
+        """Deprecated spelling of `cls(cfg)` (backbones take their config object)."""
+        warnings.warn(
+            f"{cls.__name__}.from_config(cfg) is deprecated: a backbone takes its config, "
+            f"{cls.__name__}(cfg)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return cls(cfg)
 
     @property
     def exact_streaming(self) -> bool:
