@@ -198,6 +198,19 @@ def test_bad_config_value_fails_early_with_a_clear_message(compose_cfg) -> None:
         train(cfg)
 
 
+def test_a_config_naming_the_backbone_class_still_trains_with_a_warning(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """A user config written before backbones took their config object names the backbone
+    class with its options beside it: it is read as the config class, and the run says so."""
+    cfg = compose_cfg("model.backbone._target_=megalab.models.transformer.Transformer")
+    with pytest.warns(FutureWarning, match="name its config class instead.*TransformerConfig"):
+        record = train(cfg)
+    assert record["global_step"] == 2
+    saved = (tmp_path / "run" / "config.yaml").read_text()
+    assert "_target_: megalab.models.transformer.TransformerConfig" in saved
+
+
 def test_multirun_gives_each_job_its_own_dir(fixture_data_dir: Path, tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     proc = run_cli(
