@@ -43,13 +43,7 @@ def test_loss_scale_halves_the_optimised_loss_not_the_logged_one() -> None:
         return LanguageModelingTask(
             AdaptiveEmbedding(20, 16),
             LaMemoConfig(
-                d_model=16,
-                num_layers=1,
-                num_heads=2,
-                head_dim=8,
-                ffn_dim=8,
-                mem_len=4,
-                dropout=0.0,
+                d_model=16, num_layers=1, num_heads=2, head_dim=8, ffn_dim=8, mem_len=4, dropout=0.0
             ).build(),
             ProjectedAdaptiveLogSoftmax(16, 20),
             tie_weights=True,

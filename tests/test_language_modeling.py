@@ -134,15 +134,8 @@ def test_bidirectional_backbones_fail_early() -> None:
 
 
 def test_segment_longer_than_the_model_fails_loudly() -> None:
-    backbone = TransformerConfig(
-        d_model=4,
-        num_layers=1,
-        num_heads=1,
-        ffn_dim=8,
-        causal=True,
-        positions="learned",
-        max_len=8,
-    ).build()
+    backbone = TransformerConfig(d_model=4, num_layers=1, num_heads=1, ffn_dim=8, causal=True,
+                                 positions="learned", max_len=8).build()  # fmt: skip
     with pytest.raises(ValueError, match=r"exceeds the model's limit of 8.*data.max_len"):
         make_task(backbone)._step(batch(torch.zeros(1, 16, dtype=torch.long)), "val")
 
@@ -173,18 +166,9 @@ def test_state_is_carried_per_group_and_reset() -> None:
 
 def test_streamed_evaluation_equals_one_pass_for_mega() -> None:
     torch.manual_seed(0)
-    mega = MegaConfig(
-        d_model=8,
-        num_layers=2,
-        z_dim=4,
-        v_dim=8,
-        ffn_dim=8,
-        chunk_size=4,
-        rel_pos_bias="rotary",
-        prenorm=True,
-        final_norm_affine=False,
-        causal=True,
-    ).build()
+    mega = MegaConfig(d_model=8, num_layers=2, z_dim=4, v_dim=8, ffn_dim=8, chunk_size=4,
+                      rel_pos_bias="rotary", prenorm=True, final_norm_affine=False,
+                      causal=True).build()  # fmt: skip
     encoder, head = SequenceEncoder(8, vocab_size=11), LinearLMHead(8, 11)
     stream = TokenStream(np.random.default_rng(0).integers(0, 11, 83), name="val")
 
@@ -203,16 +187,8 @@ def test_streamed_evaluation_equals_one_pass_for_mega() -> None:
 
 
 def test_carried_state_round_trips_through_a_checkpoint(tmp_path: Path) -> None:
-    mega = MegaConfig(
-        d_model=8,
-        num_layers=2,
-        z_dim=4,
-        v_dim=8,
-        ffn_dim=8,
-        chunk_size=4,
-        rel_pos_bias="rotary",
-        causal=True,
-    ).build()
+    mega = MegaConfig(d_model=8, num_layers=2, z_dim=4, v_dim=8, ffn_dim=8, chunk_size=4,
+                      rel_pos_bias="rotary", causal=True).build()  # fmt: skip
     x = torch.randn(2, 6, 8)
     state = mega(x, state=mega.initial_state(2, x)).state
     torch.save({"s": pack_state({0: state, 1: (torch.ones(2), None)})}, tmp_path / "c.pt")

@@ -282,17 +282,8 @@ def test_tiny_mega_equals_reference_with_the_kernel(
     fn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     torch.manual_seed(0)
-    model = MegaConfig(
-        d_model=16,
-        num_layers=2,
-        z_dim=Z,
-        v_dim=40,
-        ffn_dim=20,
-        ema_dim=4,
-        chunk_size=16,
-        causal=True,
-        attention_activation=fn,
-    ).build()
+    model = MegaConfig(d_model=16, num_layers=2, z_dim=Z, v_dim=40, ffn_dim=20, ema_dim=4,
+                       chunk_size=16, causal=True, attention_activation=fn).build()  # fmt: skip
     _perturbed(model, std=0.2).eval()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 21, 16, generator=g)

@@ -331,20 +331,10 @@ def test_parameter_count_sc10() -> None:
     from megalab.nn.embedding import FeatureEmbedding
     from megalab.nn.heads import ClassificationHead
 
-    backbone = SeqBoatConfig(
-        d_model=60,
-        num_layers=8,
-        z_dim=30,
-        v_dim=120,
-        ema_dim=16,
-        chunk_size=128,
-        attention_activation="relu2",
-        local_pos=True,
-        positions="sinusoidal",
-        norm_type="batchnorm",
-        prenorm=True,
-        truncation=4000,
-    ).build()
+    backbone = SeqBoatConfig(d_model=60, num_layers=8, z_dim=30, v_dim=120, ema_dim=16,
+                             chunk_size=128, attention_activation="relu2", local_pos=True,
+                             positions="sinusoidal", norm_type="batchnorm", prenorm=True,
+                             truncation=4000).build()  # fmt: skip
     total = (
         _count(backbone) + _count(FeatureEmbedding(1, 60)) + _count(ClassificationHead(60, 120, 10))
     )
@@ -355,19 +345,10 @@ def test_parameter_count_enwik8() -> None:
     """enwik8 (Table 3/5: 39M): 14 layers of d 616 hold 38,946,362 parameters; with the fairseq
     dictionary of enwik8 (204 symbols) the tied embedding makes 39.07M, with the 256 byte values
     of our data 39.10M."""
-    backbone = SeqBoatConfig(
-        d_model=616,
-        num_layers=14,
-        z_dim=128,
-        v_dim=1232,
-        ema_dim=16,
-        chunk_size=1024,
-        rel_pos_bias="rotary",
-        prenorm=True,
-        final_norm_affine=False,
-        causal=True,
-        truncation=2048,
-    ).build()
+    backbone = SeqBoatConfig(d_model=616, num_layers=14, z_dim=128, v_dim=1232, ema_dim=16,
+                             chunk_size=1024, rel_pos_bias="rotary", prenorm=True,
+                             final_norm_affine=False, causal=True,
+                             truncation=2048).build()  # fmt: skip
     n = _count(backbone)
     assert n == 38_946_362
     assert round((n + 204 * 616) / 1e6, 2) == 39.07

@@ -95,17 +95,9 @@ def test_embed_norm_keeps_padding_invisible() -> None:
 
 def test_bert_init_statistics() -> None:
     torch.manual_seed(0)
-    model = TransformerConfig(
-        d_model=64,
-        num_layers=2,
-        num_heads=4,
-        ffn_dim=256,
-        prenorm=False,
-        positions="learned",
-        max_len=64,
-        embed_norm=True,
-        init="bert",
-    ).build()
+    model = TransformerConfig(d_model=64, num_layers=2, num_heads=4, ffn_dim=256, prenorm=False,
+                              positions="learned", max_len=64, embed_norm=True,
+                              init="bert").build()  # fmt: skip
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert len(linears) == 2 * 4  # qkv, out, fc1, fc2 per layer
     for m in linears:
