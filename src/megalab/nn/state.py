@@ -64,21 +64,25 @@ def _fields(obj: Any) -> list[str] | None:
     return None
 
 
+def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply `fn` to every leaf (tensor, str, number, None) of a nested state, keeping its
+    structure and classes (dicts, lists, tuples, named tuples, dataclasses)."""
+    if isinstance(obj, dict):
+        return {k: map_leaves(v, fn) for k, v in obj.items()}
+    names = _fields(obj)
+    if names is not None:
+        values = {n: map_leaves(getattr(obj, n), fn) for n in names}
+        if isinstance(obj, tuple):
+            return type(obj)(**values)
+        return dataclasses.replace(obj, **values)
+    if isinstance(obj, list | tuple):
+        return type(obj)(map_leaves(v, fn) for v in obj)
+    return fn(obj)
+
+
 def map_state(state: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """Apply `fn` to every tensor of a nested state, keeping its structure and classes."""
-    if isinstance(state, Tensor):
-        return fn(state)
-    if isinstance(state, dict):
-        return {k: map_state(v, fn) for k, v in state.items()}
-    names = _fields(state)
-    if names is not None:
-        values = {n: map_state(getattr(state, n), fn) for n in names}
-        if isinstance(state, tuple):
-            return type(state)(**values)
-        return dataclasses.replace(state, **values)
-    if isinstance(state, list | tuple):
-        return type(state)(map_state(v, fn) for v in state)
-    return state
+    return map_leaves(state, lambda leaf: fn(leaf) if isinstance(leaf, Tensor) else leaf)
 
 
 def detach_state(state: Any) -> Any:

@@ -31,7 +31,6 @@ the gradient from the next rank) when the gradient reaches that layer.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -42,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneOutput, BackboneProtocol
-from megalab.nn.state import STATE_CLASSES, _fields, state_class, state_class_name
+from megalab.nn.state import map_leaves, pack_state, unpack_state
 
 _TENSOR = "\x00tensor:"
 _DTYPES = {
@@ -62,55 +61,9 @@ _PostHook = Callable[
 
 
 # ------------------------------------------------------------------------- state <-> tensors
-def _map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply `fn` to every leaf (tensor, str, number, None) of a nested state."""
-    if isinstance(obj, dict):
-        return {k: _map_leaves(v, fn) for k, v in obj.items()}
-    names = _fields(obj)
-    if names is not None:
-        values = {n: _map_leaves(getattr(obj, n), fn) for n in names}
-        if isinstance(obj, tuple):
-            return type(obj)(**values)
-        return dataclasses.replace(obj, **values)
-    if isinstance(obj, list | tuple):
-        return type(obj)(_map_leaves(v, fn) for v in obj)
-    return fn(obj)
-
-
-def _structure(obj: Any) -> Any:
-    """A JSON description of a state whose tensors were replaced by markers."""
-    if isinstance(obj, dict):
-        return {"kind": "dict", "items": [[k, _structure(v)] for k, v in obj.items()]}
-    names = _fields(obj)
-    if names is not None:
-        name = state_class_name(type(obj))
-        if name not in STATE_CLASSES:
-            raise TypeError(f"state class {name} is not registered (register_state)")
-        return {"kind": "object", "class": name,
-                "fields": {n: _structure(getattr(obj, n)) for n in names}}  # fmt: skip
-    if isinstance(obj, list | tuple):
-        return {"kind": type(obj).__name__, "items": [_structure(v) for v in obj]}
-    return obj
-
-
-def _rebuild(spec: Any) -> Any:
-    """Inverse of `_structure`; classes only from the registered state classes."""
-    if not isinstance(spec, dict):
-        return spec
-    kind = spec["kind"]
-    if kind == "dict":
-        return {k: _rebuild(v) for k, v in spec["items"]}
-    if kind in ("list", "tuple"):
-        items = [_rebuild(v) for v in spec["items"]]
-        return items if kind == "list" else tuple(items)
-    cls = state_class(spec["class"])
-    if cls is None:
-        raise ValueError(f"unknown state class {spec['class']!r} from another rank")
-    return cls(**{k: _rebuild(v) for k, v in spec["fields"].items()})
-
-
 def flatten_state(state: Any) -> tuple[str, list[Tensor]]:
-    """(JSON header, tensors) of a nested state; the header holds structure, shapes, dtypes."""
+    """(JSON header, tensors) of a nested state; the header holds its structure (as `pack_state`
+    writes it, tensors replaced by markers), shapes and dtypes."""
     tensors: list[Tensor] = []
 
     def mark(leaf: Any) -> Any:
@@ -119,9 +72,9 @@ def flatten_state(state: Any) -> tuple[str, list[Tensor]]:
             return f"{_TENSOR}{len(tensors) - 1}"
         return leaf
 
-    marked = _map_leaves(state, mark)
+    marked = map_leaves(state, mark)
     meta = [[list(t.shape), str(t.dtype)] for t in tensors]
-    return json.dumps({"state": _structure(marked), "tensors": meta}), tensors
+    return json.dumps({"state": pack_state(marked), "tensors": meta}), tensors
 
 
 def unflatten_state(header: str, tensors: list[Tensor]) -> Any:
@@ -132,7 +85,7 @@ def unflatten_state(header: str, tensors: list[Tensor]) -> Any:
             return tensors[int(leaf[len(_TENSOR) :])]
         return leaf
 
-    return _map_leaves(_rebuild(json.loads(header)["state"]), fill)
+    return map_leaves(unpack_state(json.loads(header)["state"]), fill)
 
 
 def _is_float(t: Tensor) -> bool:
