@@ -114,6 +114,15 @@ def convert_ema(
     return out
 
 
+# The relative position bias, in MAGA and the cross-attention alike: 'simple' (a (2M-1,) table)
+# or 'rotary' (alpha, beta of shape (1, z) -> our (z,) a, b).
+_REL_POS_BIAS = {
+    "rel_pos_bias.rel_pos_bias": "rel_pos_bias.weight",
+    "rel_pos_bias.alpha": "rel_pos_bias.a",
+    "rel_pos_bias.beta": "rel_pos_bias.b",
+}
+
+
 def convert_maga(
     sd: Mapping[str, Tensor], prefix: str = "", ema_naming: str = "fairseq"
 ) -> dict[str, Tensor]:
@@ -129,12 +138,8 @@ def convert_maga(
             out["mu"] = t
         elif name.startswith(_LINEARS) or name.startswith("norm.norm."):
             out[name] = t
-        elif name == "rel_pos_bias.rel_pos_bias":
-            out["attention.rel_pos_bias.weight"] = t
-        elif name == "rel_pos_bias.alpha":
-            out["attention.rel_pos_bias.a"] = t.reshape(-1)
-        elif name == "rel_pos_bias.beta":
-            out["attention.rel_pos_bias.b"] = t.reshape(-1)
+        elif name in _REL_POS_BIAS:
+            out["attention." + _REL_POS_BIAS[name]] = t.reshape(-1)
         elif name == "rel_pos_bias._float_tensor":
             continue  # a dtype/device marker with no information
         else:
@@ -303,12 +308,8 @@ def convert_gated_cross_attention(sd: Mapping[str, Tensor], prefix: str = "") ->
     for name, t in _sub(sd, prefix).items():
         if name.startswith(_CROSS_LINEARS) or name.startswith("norm.norm."):
             out[name] = t
-        elif name == "rel_pos_bias.rel_pos_bias":
-            out["rel_pos_bias.weight"] = t
-        elif name == "rel_pos_bias.alpha":
-            out["rel_pos_bias.a"] = t.reshape(-1)
-        elif name == "rel_pos_bias.beta":
-            out["rel_pos_bias.b"] = t.reshape(-1)
+        elif name in _REL_POS_BIAS:
+            out[_REL_POS_BIAS[name]] = t.reshape(-1)
         elif name == "rel_pos_bias._float_tensor":
             continue
         else:
