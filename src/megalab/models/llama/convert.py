@@ -151,26 +151,40 @@ def hf_config_from_llama(
 
 
 # ------------------------------------------------------------------------------- state dicts
+def _renamed(
+    sd: Mapping[str, Tensor],
+    layer: re.Pattern[str],
+    layer_names: Mapping[str, str],
+    top_names: Mapping[str, str],
+    layers_to: str,
+    unknown: str,
+) -> dict[str, Tensor]:
+    """`sd` with each per-layer entry (`layer` gives its index and the rest of its name) moved
+    to `layers_to{i}.{layer_names[rest]}` and each other entry to `top_names[name]`; a
+    KeyError names the first entry in neither (`unknown`: what was expected, for the message)."""
+    out: dict[str, Tensor] = {}
+    for name, value in sd.items():
+        m = layer.match(name)
+        if m is not None and m.group(2) in layer_names:
+            out[f"{layers_to}{m.group(1)}.{layer_names[m.group(2)]}"] = value
+        elif m is None and name in top_names:
+            out[top_names[name]] = value
+        else:
+            raise KeyError(f"unexpected entry {name!r}: {unknown}")
+    return out
+
+
 def from_hf_state_dict(sd: Mapping[str, Tensor], tie_word_embeddings: bool) -> dict[str, Tensor]:
     """A Hugging Face LlamaForCausalLM state dict -> the megalab language-model task's.
 
     With tied embeddings the head's weight is the embedding (both keys are returned, as a task
-    built with `tie_weights=True` lists them).
+    built with `tie_weights=True` lists them). `rotary_emb.inv_freq`, a buffer older
+    transformers versions saved, is dropped: it is recomputed from rope_theta.
     """
-    out: dict[str, Tensor] = {}
-    for name, value in sd.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer older transformers versions saved; recomputed from rope_theta
-        m = _LAYER.match(name)
-        if m is not None:
-            layer, rest = m.groups()
-            if rest not in _LAYER_NAMES:
-                raise KeyError(f"unexpected Llama entry {name!r}")
-            out[f"backbone.layers.{layer}.{_LAYER_NAMES[rest]}"] = value
-        elif name in _TOP_NAMES:
-            out[_TOP_NAMES[name]] = value
-        else:
-            raise KeyError(f"unexpected Llama entry {name!r}")
+    kept = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    out = _renamed(
+        kept, _LAYER, _LAYER_NAMES, _TOP_NAMES, "backbone.layers.", "not a Llama checkpoint entry"
+    )
     if tie_word_embeddings:
         out["head.proj.weight"] = out["encoder.embed.embedding.weight"]
     elif "head.proj.weight" not in out:
@@ -180,21 +194,15 @@ def from_hf_state_dict(sd: Mapping[str, Tensor], tie_word_embeddings: bool) -> d
 
 def to_hf_state_dict(sd: Mapping[str, Tensor], tie_word_embeddings: bool) -> dict[str, Tensor]:
     """The megalab Llama language-model state dict -> Hugging Face LlamaForCausalLM names."""
-    out: dict[str, Tensor] = {}
-    for name, value in sd.items():
-        m = _OURS_LAYER.match(name)
-        if m is not None:
-            layer, rest = m.groups()
-            if rest not in _OURS_NAMES:
-                raise KeyError(f"unexpected megalab Llama entry {name!r}")
-            out[f"model.layers.{layer}.{_OURS_NAMES[rest]}"] = value
-        elif name in _OURS_TOP:
-            out[_OURS_TOP[name]] = value
-        else:
-            raise KeyError(
-                f"unexpected megalab entry {name!r}: not a Llama language model "
-                "(SequenceEncoder token embedding, Llama backbone, LinearLMHead without bias)"
-            )
+    out = _renamed(
+        sd,
+        _OURS_LAYER,
+        _OURS_NAMES,
+        _OURS_TOP,
+        "model.layers.",
+        "not a Llama language model (SequenceEncoder token embedding, Llama backbone, "
+        "LinearLMHead without bias)",
+    )
     if tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
