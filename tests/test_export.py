@@ -166,6 +166,19 @@ def _export(compose_cfg, tmp_path: Path) -> tuple[Path, Any, Any]:
     return export_run(tmp_path / "run", tmp_path / "export", checkpoint="last"), task, cfg
 
 
+def test_an_export_that_names_the_backbone_class_still_loads(compose_cfg, tmp_path: Path) -> None:
+    """An export written before backbones took their config object names the backbone class
+    with its options beside it: it loads as the config class, with a warning, unchanged."""
+    out, task, cfg = _export(compose_cfg, tmp_path)
+    record = json.loads((out / "config.json").read_text())
+    assert record["task"]["backbone"]["_target_"] == "megalab.models.mega.MegaConfig"
+    record["task"]["backbone"]["_target_"] = "megalab.models.mega.Mega"
+    (out / "config.json").write_text(json.dumps(record))
+    with pytest.warns(FutureWarning, match="name its config class instead.*MegaConfig"):
+        loaded = from_pretrained(out)
+    _same_outputs(task, loaded, cfg)
+
+
 def test_hub_id_resolves_from_the_cache_offline(
     compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
