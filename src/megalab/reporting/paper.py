@@ -230,7 +230,7 @@ def _table_from_yaml(path: Path, table_id: str) -> PaperTable:
         rows.append(row)
         values = row_spec.get("values") or {}
         experiments = {
-            **{r.column or c.id: r.experiment for r in declared for c in columns},
+            **{c: r.experiment for r in declared for c in ([r.column] if r.column else col_ids)},
             **(row_spec.get("experiments") or {}),
         }
         cell_notes = row_spec.get("cell_notes") or {}

@@ -241,28 +241,15 @@ def upgrade_backbone_targets(cfg: Any, source: str = "the config") -> None:
     """
     from megalab.utils.options import config_class_of
 
-    def visit(node: Any) -> None:
-        if isinstance(node, DictConfig):
-            if "_target_" in node and not OmegaConf.is_interpolation(node, "_target_"):
-                _upgrade(node)
-            keys: list[Any] = list(node)
-        elif isinstance(node, ListConfig):
-            keys = list(range(len(node)))
-        else:
-            return
-        for key in keys:
-            if key != "hydra" and not (
-                OmegaConf.is_interpolation(node, key) or OmegaConf.is_missing(node, key)
-            ):
-                visit(node[key])
-
-    def _upgrade(node: DictConfig) -> None:
-        target = node.get("_target_")
+    container = OmegaConf.to_container(cfg, resolve=False)  # interpolations stay strings
+    for where, target in _targets(container):
         obj = megalab_object(target) if isinstance(target, str) else None
-        config_class = config_class_of(obj) if isinstance(obj, type) else None
+        if not (isinstance(obj, type) and obj.__module__.startswith("megalab.models.")):
+            continue
+        config_class = config_class_of(obj)
         if config_class is None or config_class is obj:
-            return
-        module, _, _ = str(target).rpartition(".")
+            continue
+        module, _, _ = target.rpartition(".")
         new = f"{module}.{config_class.__name__}"
         if megalab_object(new) is not config_class:
             new = f"{config_class.__module__}.{config_class.__qualname__}"
@@ -271,12 +258,10 @@ def upgrade_backbone_targets(cfg: Any, source: str = "the config") -> None:
             f"deprecated; name its config class instead, `_target_: {new}` (the options keep "
             "their names). It was read as that.",
             FutureWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
-        with open_dict(node):
-            node["_target_"] = new
-
-    visit(cfg)
+        with open_dict(cfg):
+            OmegaConf.update(cfg, where, new)
 
 
 # -- overrides from files ---------------------------------------------------------------------
