@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +84,34 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 def prefixed(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     """Entries of `d` under `prefix`, with the prefix removed."""
     return {k[len(prefix) :]: v for k, v in d.items() if k.startswith(prefix)}
+
+
+def parameter_grads(
+    d: dict[str, Any], convert: Callable[[dict[str, Any]], dict[str, Any]], prefix: str = "grad."
+) -> dict[str, Any]:
+    """The reference's parameter gradients under `prefix` (the input's left out), in our names."""
+    return convert({k: v for k, v in prefixed(d, prefix).items() if k != "input"})
+
+
+def lra_encoder_and_head(d: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    """(encoder, head, fairseq args, case config) of the authors' `LRAModel`, which Mega's and
+    SeqBoat's share: a token or pixel embedding and a one-layer classifier on mean pooling."""
+    import json
+
+    from megalab.nn.embedding import FeatureEmbedding, TokenEmbedding
+    from megalab.nn.heads import ClassificationHead
+
+    cfg = json.loads(d["config"])
+    args = cfg["args"]
+    assert args["sen_rep_type"] == "mp" and args["classifier_layers"] == 1
+    D = args["encoder_embed_dim"]
+    encoder: Any
+    if args["input_type"] == "text":
+        encoder = TokenEmbedding(cfg["vocab_size"], D, pad_id=cfg["padding_idx"])
+    else:
+        encoder = FeatureEmbedding(1, D, init="mega")
+    head = ClassificationHead(
+        args["classifier_in_dim"], args["classifier_out_dim"], args["sentence_class_num"],
+        dropout=args["dropout"], activation=args["classifier_activation_fn"],
+    )  # fmt: skip
+    return encoder, head, args, cfg

@@ -106,14 +106,7 @@ def test_golden_forward_and_gradients(name: str) -> None:
     assert rel_err(x.grad.transpose(0, 1), d["grad.input"]) <= REF_TOL
     assert rel_err(x.grad.transpose(0, 1), d["pure64.grad.input"]) <= PURE64_TOL
 
-    params = dict(module.named_parameters())
-    ref_grads = convert({k: v for k, v in prefixed(d, "grad.").items() if k != "input"})
-    pure_grads = convert({k: v for k, v in prefixed(d, "pure64.grad.").items() if k != "input"})
-    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
-    for pname, p in params.items():
-        assert p.grad is not None, pname
-        assert rel_err(p.grad, ref_grads[pname]) <= REF_TOL, pname
-        assert rel_err(p.grad, pure_grads[pname]) <= PURE64_TOL, pname
+    assert_parameter_grads(dict(module.named_parameters()), d, convert)
 
 
 @pytest.mark.parametrize("name", [c for c in MODULE_CASES if c.startswith("ema_")])
@@ -177,25 +170,23 @@ def test_golden_maga_token_by_token(name: str) -> None:
 LRA_CASES = ["lra_encoder", "lra_encoder_image"]
 
 
+def assert_parameter_grads(params: dict[str, torch.Tensor], d: dict, convert: Callable) -> None:
+    """Every parameter has a gradient, close to the reference's and to its pure-float64 run's."""
+    ref_grads = golden.parameter_grads(d, convert)
+    pure_grads = golden.parameter_grads(d, convert, "pure64.grad.")
+    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
+    for pname, p in params.items():
+        assert p.grad is not None, pname
+        assert rel_err(p.grad, ref_grads[pname]) <= REF_TOL, pname
+        assert rel_err(p.grad, pure_grads[pname]) <= PURE64_TOL, pname
+
+
 def build_lra(d: dict, dtype: torch.dtype = torch.float64):
     """The authors' LRAModel as our ClassificationTask(encoder, Mega, head), in `dtype`."""
     # Imported here: the task module pulls in Lightning, which the module cases do not need.
-    from megalab.nn.embedding import FeatureEmbedding, TokenEmbedding
-    from megalab.nn.heads import ClassificationHead
     from megalab.tasks.classification import ClassificationTask
 
-    cfg = json.loads(d["config"])
-    args = cfg["args"]
-    assert args["sen_rep_type"] == "mp" and args["classifier_layers"] == 1
-    D = args["encoder_embed_dim"]
-    if args["input_type"] == "text":
-        encoder = TokenEmbedding(cfg["vocab_size"], D, pad_id=cfg["padding_idx"])
-    else:
-        encoder = FeatureEmbedding(1, D, init="mega")
-    head = ClassificationHead(
-        args["classifier_in_dim"], args["classifier_out_dim"], args["sentence_class_num"],
-        dropout=args["dropout"], activation=args["classifier_activation_fn"],
-    )  # fmt: skip
+    encoder, head, args, cfg = golden.lra_encoder_and_head(d)
     task = ClassificationTask(
         encoder, MegaConfig(**mega_kwargs_from_fairseq(args)).build(), head,
         num_classes=args["sentence_class_num"], pooling="mean",
@@ -234,11 +225,4 @@ def test_golden_lra_model(name: str) -> None:
     if not text:
         assert rel_err(inputs.grad, d["grad.input"]) <= REF_TOL
         assert rel_err(inputs.grad, d["pure64.grad.input"]) <= PURE64_TOL
-    params = dict(task.named_parameters())
-    ref_grads = convert({k: v for k, v in prefixed(d, "grad.").items() if k != "input"})
-    pure_grads = convert({k: v for k, v in prefixed(d, "pure64.grad.").items() if k != "input"})
-    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
-    for pname, p in params.items():
-        assert p.grad is not None, pname
-        assert rel_err(p.grad, ref_grads[pname]) <= REF_TOL, pname
-        assert rel_err(p.grad, pure_grads[pname]) <= PURE64_TOL, pname
+    assert_parameter_grads(dict(task.named_parameters()), d, convert)

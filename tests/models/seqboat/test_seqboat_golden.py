@@ -101,12 +101,7 @@ def test_golden_unit(name: str, flavour: str) -> None:
 
     (y_tf * d["grad_weight"]).sum().backward()
     close(x.grad.transpose(0, 1), d["grad.input"], tol, "grad.input")
-    params = dict(layer.named_parameters())
-    ref_grads = convert_unit({k: v for k, v in prefixed(d, "grad.").items() if k != "input"})
-    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
-    for pname, p in params.items():
-        assert p.grad is not None, pname
-        close(p.grad, ref_grads[pname], tol, f"grad of {pname}")
+    check_parameter_grads(dict(layer.named_parameters()), d, convert_unit, tol)
 
 
 def test_golden_none_active_attention_grads_are_zero() -> None:
@@ -124,24 +119,22 @@ def test_golden_none_active_attention_grads_are_zero() -> None:
         assert grad is not None and torch.count_nonzero(grad) == 0, name
 
 
+def check_parameter_grads(
+    params: dict[str, torch.Tensor], d: dict[str, Any], convert: Any, tol: dict
+) -> None:
+    """Every parameter has a gradient, within `tol` of the reference's."""
+    ref_grads = golden.parameter_grads(d, convert)
+    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
+    for pname, p in params.items():
+        assert p.grad is not None, pname
+        close(p.grad, ref_grads[pname], tol, f"grad of {pname}")
+
+
 def build_lra(d: dict[str, Any]):
     """The authors' LRAModel as our ClassificationTask(encoder, SeqBoat, head)."""
-    from megalab.nn.embedding import FeatureEmbedding, TokenEmbedding
-    from megalab.nn.heads import ClassificationHead
     from megalab.tasks.classification import ClassificationTask
 
-    cfg = json.loads(d["config"])
-    args = cfg["args"]
-    assert args["sen_rep_type"] == "mp" and args["classifier_layers"] == 1
-    D = args["encoder_embed_dim"]
-    if args["input_type"] == "text":
-        encoder = TokenEmbedding(cfg["vocab_size"], D, pad_id=cfg["padding_idx"])
-    else:
-        encoder = FeatureEmbedding(1, D, init="mega")
-    head = ClassificationHead(
-        args["classifier_in_dim"], args["classifier_out_dim"], args["sentence_class_num"],
-        dropout=args["dropout"], activation=args["classifier_activation_fn"],
-    )  # fmt: skip
+    encoder, head, args, cfg = golden.lra_encoder_and_head(d)
     backbone = SeqBoatConfig(**seqboat_kwargs_from_fairseq(args)).build()
     task = ClassificationTask(encoder, backbone, head, num_classes=args["sentence_class_num"],
                               pooling="mean")  # fmt: skip
@@ -187,9 +180,4 @@ def test_golden_lra_encoder(name: str, flavour: str) -> None:
     (logits * d["grad_weight"]).sum().backward()
     if not text:
         close(inputs.grad, d["grad.input"], tol, "grad.input")
-    params = dict(task.named_parameters())
-    ref_grads = convert_lra_model({k: v for k, v in prefixed(d, "grad.").items() if k != "input"})
-    assert set(ref_grads) == set(params), "every parameter must have a reference gradient"
-    for pname, p in params.items():
-        assert p.grad is not None, pname
-        close(p.grad, ref_grads[pname], tol, f"grad of {pname}")
+    check_parameter_grads(dict(task.named_parameters()), d, convert_lra_model, tol)
