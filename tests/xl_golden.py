@@ -178,3 +178,14 @@ def check_gradients(d: dict[str, Any], runs: list[SegmentRun]) -> None:
     ref = convert_lm(prefixed(d, "grad."))
     for name, g in total.items():
         close(g, ref[name], tol, f"grad.{name}")
+
+
+def check_case(name: str, lamemo: bool) -> None:
+    """Run a golden case segment by segment: every segment's outputs, memories and attention
+    match the reference's, and so do the per-segment gradients and their sum."""
+    d = load(name)
+    runs = run_case(d)
+    assert len(runs) == d["n_segments"]
+    for k, run in enumerate(runs):
+        check_segment(d, k, run, lamemo=lamemo)
+    check_gradients(d, runs)

@@ -31,12 +31,7 @@ CASES = [
 
 @pytest.mark.parametrize("name", CASES)
 def test_golden_segments_and_gradients(name: str) -> None:
-    d = xl_golden.load(name)
-    runs = xl_golden.run_case(d)
-    assert len(runs) == d["n_segments"]
-    for k, run in enumerate(runs):
-        xl_golden.check_segment(d, k, run, lamemo=True)
-    xl_golden.check_gradients(d, runs)
+    xl_golden.check_case(name, lamemo=True)
 
 
 def test_epsilon_is_added_after_the_max_shift() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megalodon_segments import run_segments
 
 from megalab.models.megalodon.timestep_norm import (
     SequenceGroupNorm,
@@ -83,12 +84,8 @@ def test_streaming_equals_one_pass(segments: list[int]) -> None:
     mask = torch.ones(2, 16, dtype=torch.bool)
     mask[1, 3:6] = False
     full, last = m(x, mask, m.initial_state(2, x))
-    state, outs, s = m.initial_state(2, x), [], 0
-    for n in segments:
-        y, state = m(x[:, s : s + n], mask[:, s : s + n], state)
-        outs.append(y)
-        s += n
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-12)
+    streamed, state = run_segments(m, x, mask, m.initial_state(2, x), segments)
+    torch.testing.assert_close(streamed, full, rtol=1e-12, atol=1e-12)
     assert torch.equal(state.count, torch.tensor([16, 13]))
     torch.testing.assert_close(state.mean, last.mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(state.var, last.var, rtol=1e-12, atol=1e-12)

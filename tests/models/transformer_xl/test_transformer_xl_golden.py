@@ -19,9 +19,4 @@ CASES = ["txl_3segments", "txl_mem_eq_seg"]
 
 @pytest.mark.parametrize("name", CASES)
 def test_golden_segments_and_gradients(name: str) -> None:
-    d = xl_golden.load(name)
-    runs = xl_golden.run_case(d)
-    assert len(runs) == d["n_segments"]
-    for k, run in enumerate(runs):
-        xl_golden.check_segment(d, k, run, lamemo=False)
-    xl_golden.check_gradients(d, runs)
+    xl_golden.check_case(name, lamemo=False)
