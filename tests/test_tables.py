@@ -296,6 +296,16 @@ def test_a_declared_reproduction_must_name_a_real_row_and_entry(
         paper.check_reproductions(TABLES)
 
 
+def test_a_malformed_table_stops_the_command_with_its_message(tmp_path: Path, capsys) -> None:
+    (tmp_path / "tables" / "x").mkdir(parents=True)
+    (tmp_path / "tables" / "x" / "t.yaml").write_text("paper: X\ntable: T\ncolumns: []\n")
+    with pytest.raises(SystemExit) as exit_info:
+        tables_main(["--all", "--tables-dir", str(tmp_path / "tables")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "t.yaml: missing `rows`" in err and "Traceback" not in err
+
+
 def test_all_rows_show_when_nothing_ran() -> None:
     text = tb.render_table(BY_ID["mega/table4_sc"], tb.summarize(BY_ID["mega/table4_sc"], []))
     assert "| Mega (base) | paper | 300 | 96.92 |\n| | ours | missing | missing |" in text

@@ -58,11 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:  # run folders are data: a refused file (megalab.utils.safe_config) stops with its name
         runs = collect_runs(ns.paths)
         planned = collect_planned(ns.paths)
+        tables = load_tables(ns.tables_dir)  # a malformed table or `reproduces:` entry, likewise
     except ValueError as err:
         parser.error(str(err))
     if ns.wandb:
         runs += collect_wandb_runs(ns.wandb)
-    tables = load_tables(ns.tables_dir)
     out = ns.out or (ns.paths[0] if ns.paths and ns.paths[0].is_dir() else None)
     try:
         report = build_report(runs, tables, planned, ns.table, ns.all, out, ns.metric, ns.scale)
