@@ -85,9 +85,9 @@ B = TypeVar("B", bound="Backbone")
 class Backbone(nn.Module):
     """Base class of megalab's backbones: the contract's attributes and hooks with their defaults.
 
-    Subclasses set `d_model` and `causal`, implement `forward(x, mask, state)` returning a
-    `BackboneOutput`, and override `max_len` and `initial_state` when they have a length
-    limit or a streaming state, and the hooks below where they have the ability.
+    The config sets `d_model` and `causal`; subclasses implement `forward(x, mask, state)`
+    returning a `BackboneOutput`, and override `max_len` and `initial_state` when they have a
+    length limit or a streaming state, and the hooks below where they have the ability.
     """
 
     d_model: int
@@ -106,14 +106,18 @@ class Backbone(nn.Module):
     parameters (`megalab.parallel.lightning`). False: every parameter gets a gradient from every
     batch."""
 
+    causal_option: ClassVar[str] = "causal=True"
+    """The option that builds the model causal, named when a bidirectional one is streamed."""
+
     def __init__(self, config: BackboneConfig | None = None) -> None:
-        """Keep `config` (which the blocks read) and its width `d_model`. A model's own
-        constructor takes its config class, `__init__(self, config: XConfig | None = None)`
-        (None: the defaults), and hands it here; it sets `causal` itself."""
+        """Keep `config` (which the blocks read), its width `d_model` and its `causal`. A
+        model's own constructor takes its config class, `__init__(self, config: XConfig | None
+        = None)` (None: the defaults), and hands it here."""
         super().__init__()
         self.config = config
         if config is not None:
             self.d_model = config.d_model
+            self.causal = config.causal
 
     @classmethod
     def from_config(cls: type[B], cfg: BackboneConfig) -> B:
@@ -153,6 +157,15 @@ class Backbone(nn.Module):
     def state_length(self, state: Any) -> int:
         """Tokens already consumed against `max_len` by a stream in `state` (0 by default)."""
         return 0
+
+    def check_streamable(self) -> None:
+        """Raise unless the model can carry a state from one segment to the next: a
+        bidirectional model sees future tokens and keeps none."""
+        if not self.causal:
+            raise ValueError(
+                f"a bidirectional {type(self).__name__} sees future tokens and keeps no streaming "
+                f"state; build it with {self.causal_option} to stream"
+            )
 
     def check_length(self, length: int, state: Any = None) -> None:
         """Raise a ValueError that names the limit when `length` more tokens do not fit."""
@@ -205,6 +218,12 @@ class BackboneConfig:
     """
 
     d_model: int
+
+    @property
+    def causal(self) -> bool:
+        """Whether the backbone is causal (a decoder that can stream). A config declares it as
+        a `causal` field, or derives it from its own options."""
+        raise NotImplementedError(f"{type(self).__name__} does not say whether it is causal")
 
     def build(self) -> Backbone:
         """The backbone this config describes."""

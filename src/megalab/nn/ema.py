@@ -55,13 +55,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema_kernel import ema_ops, log_decay, next_fast_len, recurrent_step
 from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, fold_directions, rfft_lean
 
 __all__ = ["DampedEMA", "log_decay", "next_fast_len"]
 
 
-class DampedEMA(nn.Module):
+class DampedEMA(CarriedLayer[Tensor]):
     """Mega's EMA sub-layer: X' = SiLU(EMA(x̃) + ω ⊙ x), batch-first (B, L, D).
 
     Args:
@@ -111,6 +112,7 @@ class DampedEMA(nn.Module):
         self.d_model = d_model
         self.ema_dim = ema_dim
         self.bidirectional = bidirectional
+        self.causal = not bidirectional
         self.truncation = truncation
         self.shift = shift
         rows = 2 * d_model if bidirectional else d_model
@@ -176,33 +178,16 @@ class DampedEMA(nn.Module):
         return self._spectrum.get(self, params, (K, n_fft, dtype), spectrum)
 
     # ----------------------------------------------------------------------------- forward
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: Tensor | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: Tensor | None, want_state: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """X' = SiLU(EMA(x̃) + ω ⊙ x).
+        """X' = SiLU(EMA(x̃) + ω ⊙ x), x̃ the input with padded positions zeroed.
 
-        Args:
-            x: (B, L, D) input.
-            mask: (B, L) bool, True at real tokens; padded inputs are zeroed before the EMA.
-            state: (B, D, h) hidden state h_{t−1} carried from a previous segment (causal only).
-                With a state the exact recurrence is used (no truncation), like the code.
-            return_state: also return the state after the last position (causal only).
-
-        Returns:
-            (X' of shape (B, L, D), new state (B, D, h) or None).
+        The state is the (B, D, h) hidden state h after the segment's last position (causal
+        only); with an incoming state the exact recurrence is used (no truncation), like the code.
         """
-        if self.bidirectional and (state is not None or return_state):
-            raise ValueError(
-                "a bidirectional EMA looks at future tokens and cannot be streamed; "
-                "use bidirectional=False for a stateful (causal) model"
-            )
         B, L, D = x.shape
         cdt = torch.promote_types(x.dtype, torch.float32)
-        want_state = state is not None or return_state
         if self.ema_dim == 0:
             new_state = x.new_zeros(B, D, 0) if want_state else None
             return F.silu(x.to(cdt) * self.omega).to(x.dtype), new_state

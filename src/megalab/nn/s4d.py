@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema_kernel import (
     ema_kernel,
     fft_conv,
@@ -38,7 +39,7 @@ from megalab.nn.fft_conv import fold_directions
 from megalab.nn.masking import zero_pads
 
 
-class S4D(nn.Module):
+class S4D(CarriedLayer[Tensor]):
     """SiLU(𝒦 * x̃ + D ⊙ x) with an S4D kernel, batch-first (B, L, D).
 
     Args:
@@ -71,6 +72,7 @@ class S4D(nn.Module):
         self.d_model = d_model
         self.state_dim = state_dim
         self.bidirectional = bidirectional
+        self.causal = not bidirectional
         self.truncation = truncation
         self.shift, self.silu = shift, silu
         rows, modes = (2 * d_model if bidirectional else d_model), state_dim // 2
@@ -111,23 +113,16 @@ class S4D(nn.Module):
         """The real (D', length) kernel."""
         return ema_kernel(*self.coefficients(), length).real
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: Tensor | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: Tensor | None, want_state: bool
     ) -> tuple[Tensor, Tensor | None]:
         """SiLU(𝒦 * x̃ + D ⊙ x) (without SiLU when `silu=False`); with a (B, D, N/2) complex
         state (causal only) the exact recurrence continues a stream (no truncation), as
         `DampedEMA`."""
-        if self.bidirectional and (state is not None or return_state):
-            raise ValueError("a bidirectional S4D sees future tokens and cannot be streamed")
         L, D = x.shape[1:]
         cdt = torch.promote_types(x.dtype, torch.float32)
         residual = x.to(cdt) * self.omega
         x_tilde = zero_pads(x, mask)
-        want_state = state is not None or return_state
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x_tilde.to(cdt).transpose(1, 2)
             w_in, w_out, log_q = (t.to(torch.promote_types(cdt, torch.complex64)) for t in

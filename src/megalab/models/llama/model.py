@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache, chunked_attention
+from megalab.nn.carried import CarriedLayer
 from megalab.nn.ffn import GatedFFN
 from megalab.nn.norms import RMSNorm
 from megalab.nn.rope import RotaryEmbedding
@@ -135,7 +136,7 @@ class LlamaConfig(BackboneConfig):
         return Llama(self)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(CarriedLayer[KVCache]):
     """Multi-head (or grouped-query) self-attention with RoPE and a key/value cache."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -150,26 +151,23 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * hd, d, bias=False)
         self.rope = RotaryEmbedding(hd, base=cfg.rope_base, interleaved=False)
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        cache: KVCache | None = None,
-        return_cache: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: KVCache | None, want_state: bool
     ) -> tuple[Tensor, KVCache | None]:
-        """x (B, L, D) -> (B, L, D); `cache` holds the keys/values of the tokens before x."""
+        """Attn(x) of the module docstring; the state is the keys (after RoPE) and values of
+        every token so far, the carried ones before x."""
         B, L, _ = x.shape
         H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, L, H, hd)
         k = self.k_proj(x).view(B, L, Hkv, hd)
         v = self.v_proj(x).view(B, L, Hkv, hd)
-        offset = cache.key.shape[1] if cache is not None else 0
+        offset = state.key.shape[1] if state is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device).unsqueeze(-1)  # (L, 1)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        o, new_cache = chunked_attention(
-            q, k, v, mask, -1, self._attend, cache=cache, return_cache=return_cache
+        o, cache = chunked_attention(
+            q, k, v, mask, -1, self._attend, cache=state, return_cache=want_state
         )
-        return self.o_proj(o.reshape(B, L, H * hd)), new_cache
+        return self.o_proj(o.reshape(B, L, H * hd)), cache
 
     def _attend(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
@@ -201,7 +199,7 @@ class LlamaAttention(nn.Module):
         return o.transpose(1, 2).unsqueeze(1)  # (B, 1, Cq, H, d)
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(CarriedLayer[KVCache]):
     """One Llama-2 layer: pre-norm attention and SwiGLU FFN, each with a plain residual."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -212,15 +210,12 @@ class LlamaBlock(nn.Module):
         self.ffn = GatedFFN(cfg.d_model, cfg.hidden_dim, activation="silu", bias=False)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: KVCache | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: KVCache | None, want_state: bool
     ) -> tuple[Tensor, KVCache | None]:
-        """(B, L, D) -> (B, L, D), plus the layer's key/value cache after x."""
-        h, cache = self.attn(self.input_norm(x), mask, state, return_cache=return_state)
+        """H = X + Attn(RMSNorm(X)), Y = H + FFN(RMSNorm(H)); the state is the attention's
+        key/value cache."""
+        h, cache = self.attn(self.input_norm(x), mask, state, return_state=want_state)
         x = x + self.dropout(h)
         x = x + self.dropout(self.ffn(self.ffn_norm(x)))
         return x, cache
@@ -234,7 +229,6 @@ class Llama(Backbone):
 
     def __init__(self, config: LlamaConfig | None = None) -> None:
         super().__init__(cfg := config or LlamaConfig())
-        self.causal = cfg.causal
         self.layers = nn.ModuleList(LlamaBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.reset_parameters()
@@ -263,11 +257,7 @@ class Llama(Backbone):
 
     def initial_state(self, batch_size: int, like: Tensor) -> LlamaState:
         """Empty key/value caches."""
-        if not self.causal:
-            raise ValueError(
-                "a bidirectional Llama (causal=False) sees future tokens and keeps no streaming "
-                "state; build it with causal=True to stream"
-            )
+        self.check_streamable()
         cfg = self.config
         empty = like.new_zeros(batch_size, 0, cfg.kv_heads, cfg.head_dim)
         return LlamaState([KVCache(empty, empty, None) for _ in self.layers])
@@ -282,8 +272,8 @@ class Llama(Backbone):
     ) -> BackboneOutput:
         """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment; the
         blocks and the final RMSNorm run in the shared stack (`megalab.models.stack`)."""
-        if state is not None and not self.causal:
-            self.initial_state(x.shape[0], x)  # raises the bidirectional-stream error
+        if state is not None:
+            self.check_streamable()
         self.check_length(x.shape[1], state)
         out = run_stack(
             self.layers,

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.stack import run_stack
 from megalab.nn.attention import ChunkedAttention, KVCache
+from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema import DampedEMA
 from megalab.nn.ffn import NormalizedFFN, get_activation
 from megalab.nn.norms import SequenceNorm
@@ -176,7 +177,7 @@ class MegaConfig(BackboneConfig):
         return Mega(self)
 
 
-class MovingAverageGatedAttention(nn.Module):
+class MovingAverageGatedAttention(CarriedLayer[MAGAState]):
     """The MAGA sub-layer (Mega eqs. 6-15) on (B, L, D) tensors.
 
     Built from a `MegaConfig` (d_model d, z_dim z, v_dim v, ema_dim h, chunk_size c, ...; see
@@ -236,16 +237,12 @@ class MovingAverageGatedAttention(nn.Module):
             KVCache(like.new_zeros(B, 0, self.z_dim), like.new_zeros(B, 0, self.v_dim), None),
         )
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: MAGAState | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: MAGAState | None, want_state: bool
     ) -> tuple[Tensor, MAGAState | None]:
-        """x (B, L, D), mask (B, L) True at real tokens -> (Y (B, L, D), new state or None)."""
+        """Y of eqs. 6-15 (see the module docstring); the state is the EMA's hidden state and
+        the keys and values of the attention chunk left open."""
         D, S, E = self.d_model, self.z_dim, self.v_dim
-        want_state = return_state or state is not None
         residual = x
         X = self.norm(x) if self.prenorm else x
         V = self.hidden_dropout(self.act(self.v_proj(X)))  # (10)
@@ -286,7 +283,7 @@ def mega_ffn(cfg: MegaConfig, drop_path: float = 0.0) -> NormalizedFFN:
     )
 
 
-class MegaBlock(nn.Module):
+class MegaBlock(CarriedLayer[MAGAState]):
     """One Mega layer: MAGA followed by the normalized FFN (skipped when ffn_dim <= 0).
 
     `drop_path` is this layer's stochastic-depth rate, on both sub-layers (mega-image).
@@ -294,18 +291,15 @@ class MegaBlock(nn.Module):
 
     def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:
         super().__init__()
+        self.causal = cfg.causal
         self.maga = MovingAverageGatedAttention(cfg, drop_path=drop_path)
         self.ffn = mega_ffn(cfg, drop_path) if cfg.ffn_dim > 0 else None
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: MAGAState | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: MAGAState | None, want_state: bool
     ) -> tuple[Tensor, MAGAState | None]:
         """(B, L, D) -> (B, L, D), plus the MAGA streaming state."""
-        x, state = self.maga(x, mask, state, return_state)
+        x, state = self.maga(x, mask, state, want_state)
         if self.ffn is not None:
             x = self.ffn(x)
         return x, state
@@ -329,7 +323,6 @@ class Mega(Backbone):
 
     def __init__(self, config: MegaConfig | None = None) -> None:
         super().__init__(cfg := config or MegaConfig())
-        self.causal = cfg.causal
         self.positions = cfg.positions
         self.drop_path_rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
         self.layers = nn.ModuleList(MegaBlock(cfg, drop_path=r) for r in self.drop_path_rates)
@@ -380,7 +373,7 @@ class Mega(Backbone):
 
     def initial_state(self, batch_size: int, like: Tensor) -> MegaState:
         """An empty streaming state; passing it makes every segment use the exact recurrence."""
-        self._check_causal()
+        self.check_streamable()
         blocks = cast(list[MegaBlock], list(self.layers))
         return MegaState([blk.maga.initial_state(batch_size, like) for blk in blocks])
 
@@ -388,15 +381,8 @@ class Mega(Backbone):
         """The sub-modules that carry state along time, in order (chunk parallelism hook,
         `megalab.parallel.chunk`): the blocks, each called as `m(x, mask, state, ...)` and
         returning `(y, new_state)` (EMA state and the open chunk's keys/values)."""
-        self._check_causal()
+        self.check_streamable()
         return list(self.layers)
-
-    def _check_causal(self) -> None:
-        if not self.causal:
-            raise ValueError(
-                "a bidirectional Mega (causal=False) sees future tokens and keeps no streaming "
-                "state; build it with causal=True to stream"
-            )
 
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: MegaState | None = None
@@ -410,7 +396,7 @@ class Mega(Backbone):
         (`megalab.models.stack`).
         """
         if state is not None:
-            self._check_causal()
+            self.check_streamable()
         self.check_length(x.shape[1], state)
         if self.pos_embed is not None:
             if state is not None:

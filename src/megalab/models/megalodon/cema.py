@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema_kernel import (
     ema_ops,
     fft_conv,
@@ -74,7 +75,7 @@ class CEMAState:
     h: Tensor
 
 
-class ComplexEMA(nn.Module):
+class ComplexEMA(CarriedLayer[CEMAState]):
     """CEMA sub-layer: y = Re(𝒦 * x) + ω ⊙ x on batch-first (B, L, D) inputs.
 
     Args:
@@ -90,6 +91,7 @@ class ComplexEMA(nn.Module):
         self.d_model = d_model
         self.ema_dim = ema_dim
         self.bidirectional = bidirectional
+        self.causal = not bidirectional
         rows = 2 * d_model if bidirectional else d_model
         # α (input weight) and δ (damping) logits, ϑ the base-angle logit, η as a real view
         # (..., 2) of the complex output weights, ω the skip weight.
@@ -159,33 +161,17 @@ class ComplexEMA(nn.Module):
         return self._spectrum.get(self, params, (n_fft, length, dtype), spectrum)
 
     # ----------------------------------------------------------------------------- forward
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: CEMAState | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: CEMAState | None, want_state: bool
     ) -> tuple[Tensor, CEMAState | None]:
-        """y = Re(𝒦 * x̃) + ω ⊙ x̃ (+ the carried state's read-out).
+        """y = Re(𝒦 * x̃) + ω ⊙ x̃ (+ the carried state's read-out), in x's dtype.
 
-        Args:
-            x: (B, L, D) input.
-            mask: (B, L) bool, True at real tokens; padded inputs are zeroed first.
-            state: the hidden state after the previous segment (causal only).
-            return_state: return the state after this segment even without an incoming one.
-
-        Returns:
-            (y of shape (B, L, D) in x's dtype, the new state or None).
+        x̃ is the input with padded positions zeroed; the state is the hidden state h after the
+        segment (causal only).
         """
-        if self.bidirectional and (state is not None or return_state):
-            raise ValueError(
-                "a bidirectional CEMA looks at future tokens and cannot be streamed; use "
-                "bidirectional=False for a stateful (causal) model"
-            )
         L = x.shape[1]
         if x.shape[-1] != self.d_model:
             raise ValueError(f"CEMA expects {self.d_model} channels, got input of shape {x.shape}")
-        want_state = state is not None or return_state
         cdt = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(device_type=x.device.type, enabled=False):
             xt = x.to(cdt)

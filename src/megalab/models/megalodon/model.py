@@ -296,24 +296,19 @@ class Megalodon(Backbone):
 
     def __init__(self, config: MegalodonConfig | None = None) -> None:
         super().__init__(cfg := config or MegalodonConfig())
-        self.causal = cfg.causal
         rates = drop_path_rates(cfg.drop_path, cfg.num_layers)
         self.layers = nn.ModuleList(MegalodonBlock(cfg, drop_path=r) for r in rates)
         self.final_norm = _norm(cfg)
 
     def initial_state(self, batch_size: int, like: Tensor) -> MegalodonState:
         """The start of a stream: empty statistics, zero CEMA states, empty KV caches."""
-        if not self.causal or not isinstance(self.final_norm, TimestepNorm):
-            raise ValueError(
-                "a bidirectional (causal=False) or group-norm Megalodon sees the whole sequence "
-                "and keeps no streaming state; build it with causal=True to stream"
-            )
+        self.check_streamable()  # a causal Megalodon has timestep norms (its config checks)
         return MegalodonState(
             [
                 cast(MegalodonBlock, layer).attn.initial_state(batch_size, like)
                 for layer in self.layers
             ],
-            self.final_norm.initial_state(batch_size, like),
+            cast(TimestepNorm, self.final_norm).initial_state(batch_size, like),
         )
 
     def carried_modules(self) -> list[nn.Module]:
@@ -361,8 +356,8 @@ class Megalodon(Backbone):
         state to pass with the next segment. The blocks and the final norm run in the shared
         stack (`megalab.models.stack`).
         """
-        if state is not None and not self.causal:
-            raise ValueError("a bidirectional Megalodon cannot be streamed: pass no state")
+        if state is not None:
+            self.check_streamable()
         # The final norm carries statistics of its own: it runs as the last carried module.
         states = None if state is None else [*state.layers, state.final_norm]
         out = run_stack([*self.layers, self.final_norm], x, mask, states)

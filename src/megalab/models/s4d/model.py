@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.models.stack import run_stack
+from megalab.nn.carried import CarriedLayer
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.s4d import S4D
 from megalab.nn.state import register_state
@@ -100,6 +101,11 @@ class S4DConfig(BackboneConfig):
         if not self.dt_min <= self.dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max, got {self.dt_min}, {self.dt_max}")
 
+    @property
+    def causal(self) -> bool:
+        """Without the backward kernel S4D is causal, and streams."""
+        return not self.bidirectional
+
     def build(self) -> S4DBackbone:
         """The `S4DBackbone` this config describes."""
         return S4DBackbone(self)
@@ -126,7 +132,7 @@ class TiedDropout(nn.Dropout):
         return f"p={self.p}, tied={self.tied}"
 
 
-class S4DBlock(nn.Module):
+class S4DBlock(CarriedLayer[Tensor]):
     """One residual block (see the module docstring): Norm, S4D, GELU, dropout, GLU, residual."""
 
     def __init__(self, cfg: S4DConfig) -> None:
@@ -151,16 +157,13 @@ class S4DBlock(nn.Module):
         """A zero (B, D, N/2) complex SSM state."""
         return self.ssm.initial_state(batch_size, like)
 
-    def forward(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        state: Tensor | None = None,
-        return_state: bool = False,
+    def advance(
+        self, x: Tensor, mask: Tensor | None, state: Tensor | None, want_state: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """x (B, L, D), mask (B, L) True at real tokens -> (y (B, L, D), new SSM state or None)."""
+        """y = x + Dropout(GLU(Dropout(GELU(S4D(z))))), z = Norm(x) (post-norm: z = x and y is
+        normalised); the state is the S4D layer's (B, D, N/2) complex SSM state."""
         z = self.norm(x) if self.prenorm else x
-        u, new_state = self.ssm(z, mask, state, return_state=return_state or state is not None)
+        u, new_state = self.ssm(z, mask, state, return_state=want_state)
         v = self.dropout(F.gelu(u))
         w = F.glu(self.output_linear(v), dim=-1)
         y = x + self.out_dropout(w)
@@ -174,19 +177,12 @@ class S4DBackbone(Backbone):
 
     config: S4DConfig
     block_class = S4DBlock
+    causal_option = "bidirectional=False"
 
     def __init__(self, config: S4DConfig | None = None) -> None:
         super().__init__(cfg := config or S4DConfig())
-        self.causal = not cfg.bidirectional
         self.layers = nn.ModuleList(S4DBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = SequenceNorm(cfg.norm_type, cfg.d_model) if cfg.prenorm else None
-
-    def _check_causal(self) -> None:
-        if not self.causal:
-            raise ValueError(
-                "a bidirectional S4D sees future tokens and keeps no streaming state; build it "
-                "with bidirectional=False to stream"
-            )
 
     def initial_state(self, batch_size: int, like: Tensor) -> S4DState | None:
         """Zero SSM states for a stream (causal only); None for a bidirectional model."""
@@ -209,7 +205,7 @@ class S4DBackbone(Backbone):
         (`megalab.models.stack`).
         """
         if state is not None:
-            self._check_causal()
+            self.check_streamable()
         out = run_stack(
             self.layers, x, mask, None if state is None else state.layers, final=self.final_norm
         )

@@ -506,7 +506,6 @@ class SeqBoat(Backbone):
 
     def __init__(self, config: SeqBoatConfig | None = None) -> None:
         super().__init__(cfg := config or SeqBoatConfig())
-        self.causal = cfg.causal
         self.layers = nn.ModuleList(SeqBoatBlock(cfg) for _ in range(cfg.num_layers))
         self.final_norm = (
             SequenceNorm(cfg.norm_type, cfg.d_model, affine=cfg.final_norm_affine)
@@ -520,16 +519,9 @@ class SeqBoat(Backbone):
 
     def initial_state(self, batch_size: int, like: Tensor) -> SeqBoatState:
         """An empty streaming state (causal models)."""
-        self._check_causal()
+        self.check_streamable()
         blocks = [cast(SeqBoatBlock, b) for b in self.layers]
         return SeqBoatState([b.layer.initial_state(batch_size, like) for b in blocks], 0)
-
-    def _check_causal(self) -> None:
-        if not self.causal:
-            raise ValueError(
-                "a bidirectional SeqBoat (causal=False) sees future tokens and keeps no "
-                "streaming state; build it with causal=True to stream"
-            )
 
     def forward(  # type: ignore[override]
         self, x: Tensor, mask: Tensor | None = None, state: SeqBoatState | None = None
@@ -553,7 +545,7 @@ class SeqBoat(Backbone):
         After the absolute positions the blocks run in the shared stack (`megalab.models.stack`),
         each returning its report beside its state."""
         if state is not None:
-            self._check_causal()
+            self.check_streamable()
         offset = 0 if state is None else int(state.offset)
         if self.pos_scale is not None:
             pe = sinusoidal_positions(x.shape[1], self.d_model, x, offset)

@@ -182,7 +182,6 @@ class Transformer(Backbone):
 
     def __init__(self, config: TransformerConfig | None = None) -> None:
         super().__init__(cfg := config or TransformerConfig())
-        self.causal = cfg.causal
         self.positions = cfg.positions
         self.checkpoint_activations = cfg.checkpoint_activations
         learned = cfg.positions == "learned"

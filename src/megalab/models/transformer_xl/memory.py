@@ -177,7 +177,6 @@ class RelativeMemoryBackbone(Backbone):
 
     def __init__(self, cfg: RelativeMemoryConfig, layer: Any) -> None:
         super().__init__(cfg)
-        self.causal = True
         self.positions = SinusoidPositions(cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(layer(cfg) for _ in range(cfg.num_layers))
