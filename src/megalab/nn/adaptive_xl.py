@@ -66,7 +66,33 @@ def _band_dims(d_embed: int, div_val: int, bands: int) -> list[int]:
     return dims
 
 
-class AdaptiveEmbedding(nn.Module):
+class _Bands(nn.Module):
+    """The frequency bands both layers split the vocabulary into: boundaries `ends` ([c_0, …,
+    V]), their `starts`, and each band's table width `dims`."""
+
+    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
+    # training must look for unused parameters (megalab.parallel.lightning reads this).
+    data_dependent_parameters = True
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        d_embed: int | None,
+        cutoffs: Sequence[int],
+        div_val: int,
+    ) -> None:
+        super().__init__()
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.d_embed = d_embed or d_model
+        self.cutoffs = list(cutoffs)
+        self.ends = _ends(vocab_size, cutoffs)
+        self.starts = [0, *self.ends[:-1]]
+        self.div_val = div_val
+        self.dims = _band_dims(self.d_embed, div_val, len(self.ends))
+
+
+class AdaptiveEmbedding(_Bands):
     """XL's adaptive input embedding as an encoder: `forward(tokens, mask)` -> (B, L, d_model).
 
     Args:
@@ -77,10 +103,6 @@ class AdaptiveEmbedding(nn.Module):
         dropout: on the scaled embedding (the model's dropout).
         init_std, proj_init_std: the trainer's initialisation scales.
     """
-
-    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
-    # training must look for unused parameters (megalab.parallel.lightning reads this).
-    data_dependent_parameters = True
 
     def __init__(
         self,
@@ -93,23 +115,16 @@ class AdaptiveEmbedding(nn.Module):
         init_std: float = 0.02,
         proj_init_std: float = 0.01,
     ) -> None:
-        super().__init__()
-        self.vocab_size, self.d_model = vocab_size, d_model
-        self.d_embed = d_embed or d_model
-        self.cutoffs = list(cutoffs)
-        self.ends = _ends(vocab_size, cutoffs)
-        self.div_val = div_val
+        super().__init__(vocab_size, d_model, d_embed, cutoffs, div_val)
         self.emb_scale = math.sqrt(d_model)
-        dims = _band_dims(self.d_embed, div_val, len(self.ends))
         self.emb_layers = nn.ModuleList()
         self.emb_projs = nn.ParameterList()
-        starts = [0, *self.ends[:-1]]
         if div_val == 1:
             self.emb_layers.append(nn.Embedding(vocab_size, self.d_embed))
             if d_model != self.d_embed:
                 self.emb_projs.append(nn.Parameter(torch.empty(d_model, self.d_embed)))
         else:
-            for lo, hi, dim in zip(starts, self.ends, dims):
+            for lo, hi, dim in zip(self.starts, self.ends, self.dims):
                 self.emb_layers.append(nn.Embedding(hi - lo, dim))
                 self.emb_projs.append(nn.Parameter(torch.empty(d_model, dim)))
         self.dropout = nn.Dropout(dropout)
@@ -147,7 +162,7 @@ class AdaptiveEmbedding(nn.Module):
         return out
 
 
-class ProjectedAdaptiveLogSoftmax(nn.Module):
+class ProjectedAdaptiveLogSoftmax(_Bands):
     """XL's output layer with `nll(hidden, targets)` and `log_probs(hidden)` as the LM heads.
 
     Args:
@@ -163,10 +178,6 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         init_std, proj_init_std: the trainer's initialisation scales.
     """
 
-    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
-    # training must look for unused parameters (megalab.parallel.lightning reads this).
-    data_dependent_parameters = True
-
     def __init__(
         self,
         d_model: int,
@@ -179,29 +190,22 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         init_std: float = 0.02,
         proj_init_std: float = 0.01,
     ) -> None:
-        super().__init__()
-        self.d_model, self.vocab_size = d_model, vocab_size
-        self.d_embed = d_embed or d_model
-        self.cutoffs = list(cutoffs)
-        self.ends = _ends(vocab_size, cutoffs)
-        self.div_val = div_val
+        super().__init__(vocab_size, d_model, d_embed, cutoffs, div_val)
         self.n_clusters = len(self.ends) - 1
         self.tie_projs = list(tie_projs)
         self.tie_weight = tie_weight
-        dims = _band_dims(self.d_embed, div_val, len(self.ends))
         if self.n_clusters > 0:
             self.cluster_weight = nn.Parameter(torch.empty(self.n_clusters, self.d_embed))
             self.cluster_bias = nn.Parameter(torch.empty(self.n_clusters))
         self.out_layers = nn.ModuleList()
         self.out_projs = nn.ParameterList()
-        starts = [0, *self.ends[:-1]]
         if div_val == 1:
             for _ in self.ends:
                 proj = torch.empty(d_model, self.d_embed) if d_model != self.d_embed else None
                 self.out_projs.append(None if proj is None else nn.Parameter(proj))
             self.out_layers.append(nn.Linear(self.d_embed, vocab_size))
         else:
-            for lo, hi, dim in zip(starts, self.ends, dims):
+            for lo, hi, dim in zip(self.starts, self.ends, self.dims):
                 self.out_projs.append(nn.Parameter(torch.empty(d_model, dim)))
                 self.out_layers.append(nn.Linear(dim, hi - lo))
         self.init_std, self.proj_init_std = init_std, proj_init_std
@@ -256,7 +260,7 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
     def _band(self, i: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """(weight, bias, projection) of band i; band 0 includes the cluster rows."""
         if self.div_val == 1:
-            lo, hi = ([0, *self.ends])[i], self.ends[i]
+            lo, hi = self.starts[i], self.ends[i]
             first = cast(nn.Linear, self.out_layers[0])
             weight, bias = first.weight[lo:hi], first.bias[lo:hi]
         else:
