@@ -1,5 +1,9 @@
 """What every converter shares: safe loading of the authors' checkpoints, layouts, name helpers.
 
+Each converter writes where the authors' entries go as tables (exact names and prefixes) read
+by `rename_entries`, converts layer stacks with `convert_layers`, and, for the fairseq
+`LRAModel` of Mega and SeqBoat, fills in `convert_lra_task` with its layer conversion.
+
 The authors' code is time-first (L, B, D) with padding masks True at padding; megalab is
 batch-first with masks True at real tokens: `to_batch_first` and `mask_from_padding_mask` convert
 at that boundary (converters and golden tests only).
@@ -9,13 +13,17 @@ from __future__ import annotations
 
 import argparse
 import pickle
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 from torch import Tensor
+
+LayerConverter: TypeAlias = Callable[[Mapping[str, Tensor], str], dict[str, Tensor]]
+"""Converts the layer under a prefix of the authors' state dict: (sd, prefix) -> ours."""
 
 
 def _sub(sd: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -25,6 +33,121 @@ def _sub(sd: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
 
 def _unknown(kind: str, name: str) -> KeyError:
     return KeyError(f"unexpected {kind} entry {name!r}: not a parameter of the authors' {kind}")
+
+
+# -- renaming by table ------------------------------------------------------------------------
+# A converter lists where each of the authors' entries goes, by exact name and by prefix, and
+# `rename_entries` applies the tables: an entry named in neither raises, so no weight is lost.
+EntryRule: TypeAlias = Callable[[str, Tensor], dict[str, Tensor]]
+"""An entry that a table converts itself: (the authors' name, tensor) -> our entries (maybe
+none); it may check the tensor or raise."""
+Target: TypeAlias = str | EntryRule | None
+"""Where a table sends an entry: our name (for a prefix, what replaces it), a rule, or None
+(dropped: no information, or converted elsewhere)."""
+
+
+def reshaped(name: str, *shape: int) -> EntryRule:
+    """A table target: our `name`, the tensor reshaped to `shape`."""
+    return lambda _, t: {name: t.reshape(shape)}
+
+
+def checked(check: Callable[[Tensor], None]) -> EntryRule:
+    """A table target for a buffer megalab recomputes: `check` it, keep nothing."""
+
+    def rule(name: str, t: Tensor) -> dict[str, Tensor]:
+        check(t)
+        return {}
+
+    return rule
+
+
+def refused(why: str) -> EntryRule:
+    """A table target for weights megalab has no place for: a KeyError naming the entry."""
+
+    def rule(name: str, t: Tensor) -> dict[str, Tensor]:
+        raise KeyError(f"{name!r}: {why}")
+
+    return rule
+
+
+def kept(*prefixes: str) -> dict[str, Target]:
+    """A prefix table that keeps the names under each of `prefixes` as they are."""
+    return {p: p for p in prefixes}
+
+
+def _map_entry(
+    name: str, t: Tensor, names: Mapping[str, Target], prefixes: Mapping[str, Target]
+) -> dict[str, Tensor] | None:
+    """Our entries for one of the authors' entries, or None when the tables do not know it.
+
+    An exact name comes first, then the longest prefix that `name` starts with."""
+    if name in names:
+        target = names[name]
+    else:
+        matches = [p for p in prefixes if name.startswith(p)]
+        if not matches:
+            return None
+        prefix = max(matches, key=len)
+        target = prefixes[prefix]
+        if isinstance(target, str):
+            target += name[len(prefix) :]
+    if target is None:
+        return {}
+    if isinstance(target, str):
+        return {target: t}
+    return target(name, t)
+
+
+def rename_entries(
+    sd: Mapping[str, Tensor],
+    kind: str,
+    names: Mapping[str, Target],
+    prefixes: Mapping[str, Target] | None = None,
+) -> dict[str, Tensor]:
+    """Every entry of `sd` through the tables `names` (exact) and `prefixes` (see `Target`), in
+    order; an entry in neither is a KeyError naming the authors' module `kind`."""
+    out: dict[str, Tensor] = {}
+    for name, t in sd.items():
+        entries = _map_entry(name, t, names, prefixes or {})
+        if entries is None:
+            raise _unknown(kind, name)
+        out.update(entries)
+    return out
+
+
+def layer_ids(sd: Mapping[str, Tensor], prefix: str) -> list[int]:
+    """The indices i of the entries `{prefix}{i}.*`, in increasing order."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    return sorted({int(m.group(1)) for k in sd if (m := pattern.match(k))})
+
+
+def convert_layers(
+    sd: Mapping[str, Tensor], prefix: str, convert_layer: LayerConverter, out_prefix: str
+) -> dict[str, Tensor]:
+    """Each layer `{prefix}{i}.*` of a stack, converted by `convert_layer(sd, f"{prefix}{i}.")`,
+    as `{out_prefix}{i}.*`."""
+    out: dict[str, Tensor] = {}
+    for i in layer_ids(sd, prefix):
+        layer = convert_layer(sd, f"{prefix}{i}.")
+        out.update({f"{out_prefix}{i}.{k}": v for k, v in layer.items()})
+    return out
+
+
+# -- the authors' fairseq LRAModel (Mega's and SeqBoat's) -------------------------------------
+LRA_ENCODER = "encoder.encoder."  # where an LRAModel keeps its encoder's entries
+
+
+def _lra_io_tables(
+    enc: str, encoder_prefix: str, head_prefix: str
+) -> tuple[dict[str, Target], dict[str, Target]]:
+    """The (names, prefixes) tables of an LRAModel's input embedding and one-layer classifier."""
+    names: dict[str, Target] = {
+        enc + "embed_tokens.embed.weight": encoder_prefix + "embedding.weight",
+        enc + "embed_tokens.weight": reshaped(encoder_prefix + "proj.weight", -1, 1),
+        enc + "embed_tokens.bias": encoder_prefix + "proj.bias",
+        "sentence_projection_layer.weight": head_prefix + "fc2.weight",
+    }
+    return names, {"classifier.0.0.": head_prefix + "fc1."}
 
 
 def lra_io_entry(
@@ -37,17 +160,38 @@ def lra_io_entry(
     `{enc}embed_tokens.weight` (D,) and `.bias` -> `FeatureEmbedding`'s (D, 1) `proj`; the
     head: `classifier.0.0.*` -> `fc1`, `sentence_projection_layer.weight` -> `fc2.weight`.
     """
-    if name == enc + "embed_tokens.embed.weight":
-        return encoder_prefix + "embedding.weight", t
-    if name == enc + "embed_tokens.weight":
-        return encoder_prefix + "proj.weight", t.reshape(-1, 1)
-    if name == enc + "embed_tokens.bias":
-        return encoder_prefix + "proj.bias", t
-    if name.startswith("classifier.0.0."):
-        return head_prefix + "fc1." + name[len("classifier.0.0.") :], t
-    if name == "sentence_projection_layer.weight":
-        return head_prefix + "fc2.weight", t
-    return None
+    entries = _map_entry(name, t, *_lra_io_tables(enc, encoder_prefix, head_prefix))
+    return None if entries is None else next(iter(entries.items()))
+
+
+def convert_lra_task(
+    sd: Mapping[str, Tensor],
+    convert_layer: LayerConverter,
+    encoder_prefix: str,
+    backbone_prefix: str,
+    head_prefix: str,
+    names: Mapping[str, Target],
+    prefixes: Mapping[str, Target],
+) -> dict[str, Tensor]:
+    """An authors' fairseq `LRAModel` -> `ClassificationTask` state dict; the model supplies its
+    layer conversion and the tables of its other entries.
+
+    Shared by Mega and SeqBoat: the layers `encoder.encoder.layers.{i}.*` go through
+    `convert_layer(sd, prefix)` to `{backbone_prefix}layers.{i}.*`, the input embedding and the
+    classifier as `lra_io_entry` says, the final norm `encoder.encoder.final_norm.norm.*` to
+    `{backbone_prefix}final_norm.norm.*`; `names` and `prefixes` (full names, see
+    `rename_entries`) add the model's own entries. Any other entry raises.
+    """
+    enc = LRA_ENCODER
+    out = convert_layers(sd, enc + "layers.", convert_layer, backbone_prefix + "layers.")
+    io_names, io_prefixes = _lra_io_tables(enc, encoder_prefix, head_prefix)
+    common: dict[str, Target] = {
+        enc + "layers.": None,  # converted above
+        enc + "final_norm.norm.": backbone_prefix + "final_norm.norm.",
+    }
+    tables = {**io_names, **names}, {**common, **io_prefixes, **prefixes}
+    out.update(rename_entries(sd, "LRAModel", *tables))
+    return out
 
 
 def _checkpoint_safe_globals() -> list[Any]:

@@ -36,16 +36,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import partial
 
 import torch
 from torch import Tensor
 
 from megalab.models.convert import (
+    LRA_ENCODER,
+    Target,
     _sub,
     _unknown,
+    convert_layers,
+    convert_lra_task,
+    kept,
     load_fairseq_checkpoint,
-    lra_io_entry,
     mask_from_padding_mask,
+    refused,
+    rename_entries,
+    reshaped,
     to_batch_first,
 )
 from megalab.models.mega.convert_args import (
@@ -114,13 +122,22 @@ def convert_ema(
     return out
 
 
-# The relative position bias, in MAGA and the cross-attention alike: 'simple' (a (2M-1,) table)
-# or 'rotary' (alpha, beta of shape (1, z) -> our (z,) a, b).
-_REL_POS_BIAS = {
-    "rel_pos_bias.rel_pos_bias": "rel_pos_bias.weight",
-    "rel_pos_bias.alpha": "rel_pos_bias.a",
-    "rel_pos_bias.beta": "rel_pos_bias.b",
-}
+def _rel_pos_bias_names(under: str) -> dict[str, Target]:
+    """The relative position bias, in MAGA and the cross-attention alike, as ours under `under`:
+    'simple' (a (2M-1,) table) or 'rotary' (alpha, beta of shape (1, z) -> our (z,) a, b); the
+    rotary `_float_tensor` buffer is a dtype/device marker with no information."""
+    return {
+        "rel_pos_bias.rel_pos_bias": reshaped(under + "rel_pos_bias.weight", -1),
+        "rel_pos_bias.alpha": reshaped(under + "rel_pos_bias.a", -1),
+        "rel_pos_bias.beta": reshaped(under + "rel_pos_bias.b", -1),
+        "rel_pos_bias._float_tensor": None,
+    }
+
+
+# MAGA: the Q/K scale and offset `gamma`/`beta` are our `kappa`/`mu`; the EMA (`move.`) converts
+# with `convert_ema`.
+_MAGA_NAMES = {"gamma": "kappa", "beta": "mu", **_rel_pos_bias_names("attention.")}
+_MAGA_PREFIXES = {"move.": None, **kept(*_LINEARS, "norm.norm.")}
 
 
 def convert_maga(
@@ -129,32 +146,14 @@ def convert_maga(
     """`MovingAverageGatedAttention` entries under `prefix` -> our MAGA state dict."""
     sub = _sub(sd, prefix)
     out = {"ema." + k: v for k, v in convert_ema(sub, "move.", ema_naming).items()}
-    for name, t in sub.items():
-        if name.startswith("move."):
-            continue
-        if name == "gamma":
-            out["kappa"] = t
-        elif name == "beta":
-            out["mu"] = t
-        elif name.startswith(_LINEARS) or name.startswith("norm.norm."):
-            out[name] = t
-        elif name in _REL_POS_BIAS:
-            out["attention." + _REL_POS_BIAS[name]] = t.reshape(-1)
-        elif name == "rel_pos_bias._float_tensor":
-            continue  # a dtype/device marker with no information
-        else:
-            raise _unknown("MovingAverageGatedAttention", name)
+    out.update(rename_entries(sub, "MovingAverageGatedAttention", _MAGA_NAMES, _MAGA_PREFIXES))
     return out
 
 
 def convert_ffn(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
     """`NormalizedFeedForwardNetwork` entries under `prefix` -> `NormalizedFFN` state dict."""
-    out = {}
-    for name, t in _sub(sd, prefix).items():
-        if not name.startswith(("fc1.", "fc2.", "norm.norm.")):
-            raise _unknown("NormalizedFeedForwardNetwork", name)
-        out[name] = t
-    return out
+    prefixes = kept("fc1.", "fc2.", "norm.norm.")
+    return rename_entries(_sub(sd, prefix), "NormalizedFeedForwardNetwork", {}, prefixes)
 
 
 def convert_encoder_layer(
@@ -186,31 +185,21 @@ def convert_lra_model(
     x·w + b), its backbone a `Mega` and its head a `ClassificationHead` with `fc1` (hidden,
     GELU) and `fc2` (no bias). The retrieval (two-document) model has the same names.
     """
-    out: dict[str, Tensor] = {}
-    enc = "encoder.encoder."
-    layer_ids = sorted(
-        {int(m.group(1)) for k in sd if (m := re.match(re.escape(enc) + r"layers\.(\d+)\.", k))}
+    enc = LRA_ENCODER
+    unsupported = refused(
+        "only the Mega LRA archs (classifier_layers=1, no absolute positions) are supported; a "
+        "checkpoint with more classifier layers or encoder_learned_pos has weights megalab has "
+        "no place for"
     )
-    for i in layer_ids:
-        layer = convert_encoder_layer(sd, f"{enc}layers.{i}.")
-        out.update({f"{backbone_prefix}layers.{i}.{k}": v for k, v in layer.items()})
-    for name, t in sd.items():
-        if name.startswith(enc + "layers."):
-            continue
-        if (entry := lra_io_entry(name, t, enc, encoder_prefix, head_prefix)) is not None:
-            out[entry[0]] = entry[1]
-        elif name.startswith((enc + "final_norm.norm.", enc + "embed_norm.norm.")):
-            # embed_norm: --normalize-embedding (post-norm models)
-            out[backbone_prefix + name[len(enc) :]] = t
-        elif name.startswith("classifier.") or name.startswith(enc + "embed_positions"):
-            raise KeyError(
-                f"{name!r}: only the Mega LRA archs (classifier_layers=1, no absolute "
-                "positions) are supported; a checkpoint with more classifier layers or "
-                "encoder_learned_pos has weights megalab has no place for"
-            )
-        else:
-            raise _unknown("LRAModel", name)
-    return out
+    prefixes: dict[str, Target] = {
+        # --normalize-embedding (post-norm models)
+        enc + "embed_norm.norm.": backbone_prefix + "embed_norm.norm.",
+        enc + "embed_positions": unsupported,
+        "classifier.": unsupported,
+    }
+    return convert_lra_task(
+        sd, convert_encoder_layer, encoder_prefix, backbone_prefix, head_prefix, {}, prefixes
+    )
 
 
 def conv_patch_weight_to_linear(weight: Tensor) -> Tensor:
@@ -262,40 +251,35 @@ def convert_vision_mega(
     fairseq); pass "fairseq" for a checkpoint whose EMA uses the fairseq names. DropPath has no
     weights. A `pre_logits` layer (`--representation-size`) is not supported.
     """
-    out: dict[str, Tensor] = {}
-    layer_ids = sorted({int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))})
-    for i in layer_ids:
-        layer = convert_encoder_layer(sd, f"blocks.{i}.", ema_naming)
-        out.update({f"{backbone_prefix}layers.{i}.{k}": v for k, v in layer.items()})
-    for name, t in sd.items():
-        if name.startswith("blocks."):
-            continue
-        if name == "patch_embed.pemb.proj.weight":
-            out[encoder_prefix + "proj.weight"] = (
-                conv_patch_weight_to_linear(t) if t.dim() == 4 else t
-            )
-        elif name == "patch_embed.pemb.proj.bias":
-            out[encoder_prefix + "proj.bias"] = t
-        elif name == "pos_embed":
-            out[backbone_prefix + "pos_embed"] = t.reshape(t.shape[-2], t.shape[-1])
-        elif name.startswith("final_norm.norm."):
-            out[backbone_prefix + name] = t
-        elif name.startswith("out_proj.fc."):
-            out[backbone_prefix + "out_proj." + name[len("out_proj.fc.") :]] = t
-        elif name in ("head.weight", "head.bias"):
-            out[head_prefix + "fc2." + name[len("head.") :]] = t
-        elif name.startswith("pre_logits."):
-            raise KeyError(
-                f"{name!r}: a representation layer (pre_logits, --representation-size) is not "
-                "supported; only models built without it convert"
-            )
-        else:
-            raise _unknown("VisionMEGA", name)
+    layer = partial(convert_encoder_layer, ema_naming=ema_naming)
+    out = convert_layers(sd, "blocks.", layer, backbone_prefix + "layers.")
+    names: dict[str, Target] = {
+        "patch_embed.pemb.proj.weight": lambda _, t: {
+            encoder_prefix + "proj.weight": conv_patch_weight_to_linear(t) if t.dim() == 4 else t
+        },
+        "patch_embed.pemb.proj.bias": encoder_prefix + "proj.bias",
+        "pos_embed": lambda _, t: {
+            backbone_prefix + "pos_embed": t.reshape(t.shape[-2], t.shape[-1])
+        },
+        "head.weight": head_prefix + "fc2.weight",
+        "head.bias": head_prefix + "fc2.bias",
+    }
+    prefixes: dict[str, Target] = {
+        "blocks.": None,  # converted above
+        "final_norm.norm.": backbone_prefix + "final_norm.norm.",
+        "out_proj.fc.": backbone_prefix + "out_proj.",
+        "pre_logits.": refused(
+            "a representation layer (pre_logits, --representation-size) is not supported; only "
+            "models built without it convert"
+        ),
+    }
+    out.update(rename_entries(sd, "VisionMEGA", names, prefixes))
     return out
 
 
 # -- machine translation (MegaModel, archs mega_wmt_en_de / mega_wmt_en_de_big) ---------------
 _CROSS_LINEARS = ("k_proj.", "v_proj.", "q_proj.", "h_proj.")
+_CROSS_NAMES = _rel_pos_bias_names("")
 
 
 def convert_gated_cross_attention(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
@@ -304,17 +288,9 @@ def convert_gated_cross_attention(sd: Mapping[str, Tensor], prefix: str = "") ->
     The four linears and the norm keep their names; the relative position bias becomes
     `rel_pos_bias.weight` ('simple') or `rel_pos_bias.a` / `.b` ('rotary'), as in MAGA.
     """
-    out: dict[str, Tensor] = {}
-    for name, t in _sub(sd, prefix).items():
-        if name.startswith(_CROSS_LINEARS) or name.startswith("norm.norm."):
-            out[name] = t
-        elif name in _REL_POS_BIAS:
-            out[_REL_POS_BIAS[name]] = t.reshape(-1)
-        elif name == "rel_pos_bias._float_tensor":
-            continue
-        else:
-            raise _unknown("GatedCrossAttention", name)
-    return out
+    return rename_entries(
+        _sub(sd, prefix), "GatedCrossAttention", _CROSS_NAMES, kept(*_CROSS_LINEARS, "norm.norm.")
+    )
 
 
 def convert_decoder_layer(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
@@ -329,11 +305,6 @@ def convert_decoder_layer(sd: Mapping[str, Tensor], prefix: str = "") -> dict[st
     )
     out.update({"ffn." + k: v for k, v in convert_ffn(sub, "nffn.").items()})
     return out
-
-
-def _layer_ids(sd: Mapping[str, Tensor], prefix: str) -> list[int]:
-    pattern = re.escape(prefix) + r"(\d+)\."
-    return sorted({int(m.group(1)) for k in sd if (m := re.match(pattern, k))})
 
 
 def convert_mega_translation(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -353,13 +324,8 @@ def convert_mega_translation(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     The `version` buffers carry no weights. With `--share-all-embeddings` the three tables are
     one tensor; load the result into a model built with `share_all_embeddings=True`.
     """
-    out: dict[str, Tensor] = {}
-    for i in _layer_ids(sd, "encoder.layers."):
-        layer = convert_encoder_layer(sd, f"encoder.layers.{i}.")
-        out.update({f"encoder.layers.{i}.{k}": v for k, v in layer.items()})
-    for i in _layer_ids(sd, "decoder.layers."):
-        layer = convert_decoder_layer(sd, f"decoder.layers.{i}.")
-        out.update({f"decoder_layers.{i}.{k}": v for k, v in layer.items()})
+    out = convert_layers(sd, "encoder.layers.", convert_encoder_layer, "encoder.layers.")
+    out.update(convert_layers(sd, "decoder.layers.", convert_decoder_layer, "decoder_layers."))
     tgt_embed = sd.get("decoder.embed_tokens.weight")
     for name, t in sd.items():
         if re.match(r"(encoder|decoder)\.layers\.\d+\.", name):

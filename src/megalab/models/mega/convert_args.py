@@ -109,12 +109,7 @@ def check_fairseq_args(args: Mapping[str, Any]) -> None:
                 "LRA model, so megalab cannot tell what it changes; remove it if it does not "
                 "shape the model"
             )
-    activation = args.get("activation_fn")
-    if _fairseq_activation(activation) not in ACTIVATIONS:
-        raise ValueError(
-            f"fairseq arg activation_fn={activation!r} is not supported; megalab has "
-            f"{', '.join(ACTIVATIONS)} (gelu_fast is gelu_accurate)"
-        )
+    _check_fairseq_activation(args)
     if args.get("truncation_length") == 0:
         raise ValueError(
             "fairseq arg truncation_length=0 gives the bidirectional EMA an empty kernel, which "
@@ -130,6 +125,16 @@ def check_fairseq_args(args: Mapping[str, Any]) -> None:
 def _fairseq_activation(name: Any) -> Any:
     """fairseq's deprecated `gelu_fast` is its `gelu_accurate`."""
     return "gelu_accurate" if name == "gelu_fast" else name
+
+
+def _check_fairseq_activation(args: Mapping[str, Any]) -> None:
+    """Refuse an `activation_fn` megalab does not have (LRA and translation namespaces alike)."""
+    activation = args.get("activation_fn")
+    if _fairseq_activation(activation) not in ACTIVATIONS:
+        raise ValueError(
+            f"fairseq arg activation_fn={activation!r} is not supported; megalab has "
+            f"{', '.join(ACTIVATIONS)} (gelu_fast is gelu_accurate)"
+        )
 
 
 def mega_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
@@ -290,12 +295,7 @@ def check_fairseq_translation_args(args: Mapping[str, Any]) -> None:
                 f"unknown fairseq model arg {name}={value!r}: not an option of the authors' Mega "
                 "translation model, so megalab cannot tell what it changes"
             )
-    activation = args.get("activation_fn")
-    if _fairseq_activation(activation) not in ACTIVATIONS:
-        raise ValueError(
-            f"fairseq arg activation_fn={activation!r} is not supported; megalab has "
-            f"{', '.join(ACTIVATIONS)}"
-        )
+    _check_fairseq_activation(args)
 
 
 def mega_translation_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megalab.models.convert import _sub, _unknown, load_checkpoint
+from megalab.models.convert import Target, _sub, _unknown, load_checkpoint, rename_entries
 from megalab.nn.rope import rope_inv_freq
 
 __all__ = [
@@ -60,6 +60,18 @@ __all__ = [
 
 _ATTN_LINEARS = ("wz.", "wv.", "wr.", "wh1.", "wh2.")
 _FFN = ("norm.weight", "norm.bias", "fc1.weight", "fc2.weight", "fc3.weight")
+# `MegaBlock` -> `MegalodonBlock`; the timestep norm and the CEMA convert with their functions.
+_BLOCK_NAMES: dict[str, Target] = {
+    "mega.rmsnorm.weight": "attn.cema_norm.weight",
+    "mega.gamma": "attn.attention.kappa",
+    "mega.beta": "attn.attention.mu",
+    **{"nffn." + name: "ffn." + name for name in _FFN},
+}
+_BLOCK_PREFIXES: dict[str, Target] = {
+    "mega.timenorm.": None,
+    "mega.cema.": None,
+    **{"mega." + p: "attn." + p for p in _ATTN_LINEARS},
+}
 
 
 def convert_cema(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -105,24 +117,7 @@ def convert_timestep_norm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def convert_block(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """`MegaBlock` (`mega.*`, `nffn.*`) -> `MegalodonBlock` (`attn.*`, `ffn.*`)."""
-    out: dict[str, Tensor] = {}
-    for name, t in sd.items():
-        if name.startswith("mega.timenorm."):
-            continue
-        if name.startswith("mega.cema."):
-            continue
-        if name == "mega.rmsnorm.weight":
-            out["attn.cema_norm.weight"] = t
-        elif name == "mega.gamma":
-            out["attn.attention.kappa"] = t
-        elif name == "mega.beta":
-            out["attn.attention.mu"] = t
-        elif name.startswith("mega.") and name[5:].startswith(_ATTN_LINEARS):
-            out["attn." + name[5:]] = t
-        elif name.startswith("nffn.") and name[5:] in _FFN:
-            out["ffn." + name[5:]] = t
-        else:
-            raise _unknown("MegaBlock", name)
+    out = rename_entries(sd, "MegaBlock", _BLOCK_NAMES, _BLOCK_PREFIXES)
     for key, value in convert_timestep_norm(_sub(sd, "mega.timenorm.")).items():
         out[f"attn.norm.{key}"] = value
     for key, value in convert_cema(_sub(sd, "mega.cema.")).items():

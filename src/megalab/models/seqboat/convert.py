@@ -36,19 +36,27 @@ The code is time-first (L, B, D) with padding masks True at padding; use `to_bat
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from megalab.models.convert import (
+    LRA_ENCODER,
+    Target,
     _sub,
     _unknown,
+    checked,
+    convert_layers,
+    convert_lra_task,
+    kept,
     load_fairseq_checkpoint,
-    lra_io_entry,
     mask_from_padding_mask,
+    refused,
+    rename_entries,
+    reshaped,
     to_batch_first,
 )
 from megalab.models.mega.convert import convert_ema
@@ -65,47 +73,34 @@ __all__ = [
     "unit_kwargs_from_reference",
 ]
 
-_KEEP = ("mx_proj.", "hx_proj.", "h_proj.", "norm.norm.")
+# The unit: the Q/K scale and offset `gamma`/`beta` are our `kappa`/`mu`, `q_router.temp` (log τ)
+# is `router.log_tau`; the EMA (`move.`) converts with Mega's `convert_ema`.
+_UNIT_NAMES: dict[str, Target] = {
+    "gamma": "kappa",
+    "beta": "mu",
+    "q_router.temp": reshaped("router.log_tau", 1),
+    "rel_pos_bias.rel_pos_bias": "attention.rel_pos_bias.weight",
+}
+_UNIT_PREFIXES = {"move.": None, **kept("mx_proj.", "hx_proj.", "h_proj.", "norm.norm.")}
 
 
 def convert_unit(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
     """`SeqBoatUnit` entries under `prefix` -> `SeqBoatLayer` state dict."""
     sub = _sub(sd, prefix)
     out = {"ssm." + k: v for k, v in convert_ema(sub, "move.").items()}
-    for name, t in sub.items():
-        if name.startswith("move."):
-            continue
-        if name == "gamma":
-            out["kappa"] = t
-        elif name == "beta":
-            out["mu"] = t
-        elif name == "q_router.temp":
-            out["router.log_tau"] = t.reshape(1)
-        elif name == "rel_pos_bias.rel_pos_bias":
-            out["attention.rel_pos_bias.weight"] = t
-        elif name.startswith(_KEEP):
-            out[name] = t
-        else:
-            raise _unknown("SeqBoatUnit", name)
+    out.update(rename_entries(sub, "SeqBoatUnit", _UNIT_NAMES, _UNIT_PREFIXES))
     return out
 
 
-def _convert_layers(
-    sd: Mapping[str, Tensor], root: str, unit: str, backbone_prefix: str
-) -> dict[str, Tensor]:
-    """Every `{root}layers.{i}.{unit}.*` (and `nffn.*`) -> `{backbone_prefix}layers.{i}.*`."""
-    out: dict[str, Tensor] = {}
-    ids = sorted(
-        {int(m.group(1)) for k in sd if (m := re.match(re.escape(root) + r"layers\.(\d+)\.", k))}
-    )
-    for i in ids:
-        layer = _sub(sd, f"{root}layers.{i}.")
-        for name in layer:
-            if not name.startswith((unit + ".", "nffn.")):
-                raise _unknown("SeqBoat encoder/decoder layer", name)
-        pre = f"{backbone_prefix}layers.{i}."
-        out.update({pre + "layer." + k: v for k, v in convert_unit(layer, unit + ".").items()})
-        out.update({pre + "ffn." + k: v for k, v in _sub(layer, "nffn.").items()})
+def _convert_layer(sd: Mapping[str, Tensor], prefix: str, unit: str) -> dict[str, Tensor]:
+    """An encoder/decoder layer under `prefix`, its unit `{unit}.*` and FFN `nffn.*` ->
+    `SeqBoatBlock` (`layer.*`, `ffn.*`)."""
+    layer = _sub(sd, prefix)
+    for name in layer:
+        if not name.startswith((unit + ".", "nffn.")):
+            raise _unknown("SeqBoat encoder/decoder layer", name)
+    out = {"layer." + k: v for k, v in convert_unit(layer, unit + ".").items()}
+    out.update({"ffn." + k: v for k, v in _sub(layer, "nffn.").items()})
     return out
 
 
@@ -131,24 +126,16 @@ def convert_lra_model(
     `ClassificationHead` (`fc1`, GELU, `fc2` without bias). Each layer's unit is called
     `mega_layer` in the code.
     """
-    enc = "encoder.encoder."
-    out = _convert_layers(sd, enc, "mega_layer", backbone_prefix)
-    for name, t in sd.items():
-        if name.startswith(enc + "layers."):
-            continue
-        if (entry := lra_io_entry(name, t, enc, encoder_prefix, head_prefix)) is not None:
-            out[entry[0]] = entry[1]
-        elif name == enc + "pos_emb.scale":
-            out[backbone_prefix + "pos_scale"] = t.reshape(1)
-        elif name == enc + "pos_emb.inv_freq":
-            _check_inv_freq(t)
-        elif name.startswith(enc + "final_norm.norm."):
-            out[backbone_prefix + name[len(enc) :]] = t
-        elif name.startswith("classifier."):
-            raise KeyError(f"{name!r}: only the slag archs' one-layer classifier is supported")
-        else:
-            raise _unknown("LRAModel", name)
-    return out
+    enc = LRA_ENCODER
+    names: dict[str, Target] = {
+        enc + "pos_emb.scale": reshaped(backbone_prefix + "pos_scale", 1),
+        enc + "pos_emb.inv_freq": checked(_check_inv_freq),
+    }
+    prefixes = {"classifier.": refused("only the slag archs' one-layer classifier is supported")}
+    layer = partial(_convert_layer, unit="mega_layer")
+    return convert_lra_task(
+        sd, layer, encoder_prefix, backbone_prefix, head_prefix, names, prefixes
+    )
 
 
 def convert_lm_model(
@@ -175,21 +162,19 @@ def convert_lm_model(
     layers reuse, and the LRA encoder): tests/models/seqboat/test_seqboat_convert.py checks the
     round trip of a state dict written in the authors' names. An unexpected name raises.
     """
-    dec = "decoder."
-    out = _convert_layers(sd, dec, "slag_layer", backbone_prefix)
-    for name, t in sd.items():
-        if name.startswith(dec + "layers."):
-            continue
-        if name == dec + "embed_tokens.weight":
-            out[encoder_prefix + "embedding.weight"] = t
-        elif name.startswith(dec + "final_norm.norm."):
-            out[backbone_prefix + name[len(dec) :]] = t
-        elif name == dec + "output_projection.weight":
-            out[head_prefix + "proj.weight"] = t  # tied: the embedding table itself
-        elif name == dec + "version":
-            continue  # fairseq's version marker
-        else:
-            raise _unknown("SeqBoat LM decoder", name)
+    layer = partial(_convert_layer, unit="slag_layer")
+    out = convert_layers(sd, "decoder.layers.", layer, backbone_prefix + "layers.")
+    names: dict[str, Target] = {
+        "decoder.embed_tokens.weight": encoder_prefix + "embedding.weight",
+        # tied: the embedding table itself
+        "decoder.output_projection.weight": head_prefix + "proj.weight",
+        "decoder.version": None,  # fairseq's version marker
+    }
+    prefixes: dict[str, Target] = {
+        "decoder.layers.": None,  # converted above
+        "decoder.final_norm.norm.": backbone_prefix + "final_norm.norm.",
+    }
+    out.update(rename_entries(sd, "SeqBoat LM decoder", names, prefixes))
     return out
 
 

@@ -79,6 +79,9 @@ DENSE_BLOCK_ELEMENTS = 1 << 24
 ATTENTION_MODES = ("local", "chunk", "full")
 LOOK_AROUND_PAD = -1.0  # the code's look-around fill (keys and values) outside the sequence
 REL_POS_BIASES = ("simple", "rotary", "none")
+# The keys a query block attends, [memory, packed tokens, ...] in time: keys, values, original
+# positions, validity.
+_Keys = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def trunc_normal_(t: Tensor, std: float) -> Tensor:
@@ -253,9 +256,9 @@ class CompressedAttention(nn.Module):
             (O (B, L', e), the new memory or None, (sum of mean spans over queries, number of
             queries) for the mean attention span in original positions).
         """
-        if (memory is not None or return_memory) and not self.causal:
-            raise ValueError("only causal attention can be streamed with a working memory")
         streamed = memory is not None or return_memory
+        if streamed and not self.causal:
+            raise ValueError("only causal attention can be streamed with a working memory")
         if streamed and self.mode == "local" and self.attention_activation == "laplace":
             raise ValueError(
                 "laplace in local mode weighs the masked slots of the code's look-around blocks "
@@ -269,11 +272,31 @@ class CompressedAttention(nn.Module):
             ).to(q.device)
             q = apply_rope(q, pos, inv_freq, interleaved=True)
             k = apply_rope(k, pos, inv_freq, interleaved=True)
+        if self.mode == "chunk" and not streamed:
+            o, span = self._chunked(q, k, v, valid, pos)
+            return o, None, span
+        # Every other mode attends over [memory, packed tokens]: a stateless pass starts from the
+        # empty memory, and a stream keeps the end of that sequence as its next memory.
+        mem = memory if memory is not None else self.empty_memory(q.shape[0], k, v.shape[-1])
         if self.mode == "local":
-            return self._local(q, k, v, valid, pos, memory, return_memory)
-        if self.mode == "chunk" and memory is None and not return_memory:
-            return self._chunked(q, k, v, valid, pos)
-        return self._dense(q, k, v, valid, pos, memory, return_memory)
+            o, span, keys = self._local(q, k, v, valid, pos, mem, streamed)
+        else:
+            o, span, keys = self._dense(q, k, v, valid, pos, mem)
+        return o, self._next_memory(mem, keys, valid) if return_memory else None, span
+
+    def _next_memory(self, mem: WorkingMemory, keys: _Keys, valid: Tensor) -> WorkingMemory:
+        """The memory after a segment: the last `memory_size` slots (all of them in full mode)
+        of [memory, packed tokens], whose keys, values, positions and validity `keys` holds
+        (more slots may follow); slots before the stream's start stay invalid."""
+        M = mem.key.shape[1]
+        r_new = valid.sum(dim=1)
+        keep = self.memory_size
+        if keep is None:  # full attention remembers every activated token
+            keep = M + valid.shape[1]
+        idx = (M + r_new - keep).unsqueeze(1) + torch.arange(keep, device=valid.device)
+        inside = idx >= 0
+        K, V, KP, KV = (_gather_time(t, idx.clamp(min=0)) for t in keys)
+        return WorkingMemory(K, V, KP, KV & inside, mem.count + r_new)
 
     def _attend(
         self,
@@ -327,10 +350,11 @@ class CompressedAttention(nn.Module):
         v: Tensor,
         valid: Tensor,
         pos: Tensor,
-        memory: WorkingMemory | None,
-        return_memory: bool,
-    ) -> tuple[Tensor, WorkingMemory | None, tuple[Tensor, Tensor]]:
-        """Sliding window on packed indices, in look-around blocks of W queries.
+        mem: WorkingMemory,
+        streamed: bool,
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], _Keys]:
+        """Sliding window on packed indices, in look-around blocks of W queries: (O, span
+        statistics, the keys' tensors for the next memory).
 
         The keys are [W memory slots (a stream's memory, or empty), the packed tokens, W empty
         slots (bidirectional)]; query block b (packed queries bW .. bW + W − 1, key index W + ·)
@@ -342,12 +366,11 @@ class CompressedAttention(nn.Module):
         pad = nb * W - Lq
         q, k, v, pos = (_pad_time(t, pad) for t in (q, k, v, pos))
         valid = _pad_time(valid, pad)
-        mem = memory if memory is not None else self.empty_memory(B, k, v.shape[-1])
         # Outside the sequence the code's look-around holds −1: only laplace and a query with
         # no key in its window (uniform softmax) see these values. A stream's memory is kept.
-        outside = LOOK_AROUND_PAD if memory is None and not return_memory else 0.0
+        outside = 0.0 if streamed else LOOK_AROUND_PAD
         keys = [mem.key, k]
-        values = [mem.value if memory is not None else torch.full_like(mem.value, outside), v]
+        values = [mem.value if streamed else torch.full_like(mem.value, outside), v]
         kpos = [mem.pos, pos]
         kvalid = [mem.valid, valid]
         n_look = 2
@@ -381,20 +404,12 @@ class CompressedAttention(nn.Module):
                 bias = self.rel_pos_bias(kpb.unsqueeze(2) - pos.unflatten(1, (nb, W)).unsqueeze(-1))
         relu_scale = W if self.causal else 2 * W  # the code's constant, not the key count
         o = self._attend(qb, kb, vb, allowed, bias, relu_scale).flatten(1, 2)[:, :Lq]
-        span = _window_span(pos, valid, KP, KV, W, self.causal)
-        new_memory = None
-        if return_memory:
-            r_new = valid.sum(dim=1)
-            idx = r_new.unsqueeze(1) + torch.arange(W, device=q.device)  # last W of [mem, new]
-            new_memory = WorkingMemory(  # type: ignore[call-arg]  # mypy drops the count field
-                *(_gather_time(t, idx) for t in (K, V, KP, KV)), mem.count + r_new
-            )
-        return o, new_memory, span
+        return o, _window_span(pos, valid, KP, KV, W, self.causal), (K, V, KP, KV)
 
     def _chunked(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, pos: Tensor
-    ) -> tuple[Tensor, None, tuple[Tensor, Tensor]]:
-        """Non-overlapping chunks of C packed tokens (stateless pass)."""
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Non-overlapping chunks of C packed tokens (stateless pass): (O, span statistics)."""
         B, Lq = q.shape[:2]
         C = self.chunk_size
         nb = max(1, -(-Lq // C))
@@ -412,20 +427,13 @@ class CompressedAttention(nn.Module):
             bias = self.rel_pos_bias(offset)
         relu_scale = allowed.sum(dim=-1, keepdim=True).clamp(min=1)
         o = self._attend(q, k, v, allowed, bias, relu_scale).flatten(1, 2)[:, :Lq]
-        span = _mask_span(rel, allowed, validb)
-        return o, None, span
+        return o, _mask_span(rel, allowed, validb)
 
     def _dense(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        valid: Tensor,
-        pos: Tensor,
-        memory: WorkingMemory | None,
-        return_memory: bool,
-    ) -> tuple[Tensor, WorkingMemory | None, tuple[Tensor, Tensor]]:
-        """Full attention (and chunk mode on a stream): every query against [memory, packed].
+        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, pos: Tensor, mem: WorkingMemory
+    ) -> tuple[Tensor, tuple[Tensor, Tensor], _Keys]:
+        """Full attention (and chunk mode on a stream): every query against [memory, packed];
+        (O, span statistics, the keys' tensors for the next memory).
 
         Queries run in blocks of about `DENSE_BLOCK_ELEMENTS` / (B · keys) rows, so no
         (B, L', L') tensor (mask, offsets, bias, weights) exists at once; with several blocks
@@ -434,7 +442,6 @@ class CompressedAttention(nn.Module):
         16K packed tokens). One block, as at LRA lengths or below, is the plain computation.
         """
         B, Lq = q.shape[:2]
-        mem = memory if memory is not None else self.empty_memory(B, k, v.shape[-1])
         M = mem.key.shape[1]
         K, V = torch.cat([mem.key, k], 1), torch.cat([mem.value, v], 1)
         KP, KV = torch.cat([mem.pos, pos], 1), torch.cat([mem.valid, valid], 1)
@@ -466,18 +473,7 @@ class CompressedAttention(nn.Module):
         if len(outs) > 1:
             o = torch.cat(outs, dim=1)
             span = (sum(t[0] for t in spans), sum(t[1] for t in spans))  # type: ignore[assignment]
-        new_memory = None
-        if return_memory:
-            r_new = valid.sum(dim=1)
-            keep = self.memory_size
-            if keep is None:  # full attention remembers every activated token
-                keep = M + Lq
-            idx = (M + r_new - keep).unsqueeze(1) + torch.arange(keep, device=q.device)
-            inside = idx >= 0
-            idx = idx.clamp(min=0)
-            K_, V_, KP_, KV_ = (_gather_time(t, idx) for t in (K, V, KP, KV))
-            new_memory = WorkingMemory(K_, V_, KP_, KV_ & inside, mem.count + r_new)
-        return o, new_memory, span
+        return o, span, (K, V, KP, KV)
 
     def _dense_block(
         self,
