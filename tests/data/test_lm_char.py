@@ -10,7 +10,14 @@ import pytest
 
 from megalab.data.download import DatasetMissingError
 from megalab.data.files import file_digest
-from megalab.data.lm.char import ENWIK8_URL, Enwik8DataModule, Text8DataModule
+from megalab.data.lm.char import (
+    ENWIK8_SHA256,
+    ENWIK8_URL,
+    TEXT8_SHA256,
+    TEXT8_URL,
+    Enwik8DataModule,
+    Text8DataModule,
+)
 from megalab.testing.lm import CHAR_SPLIT, enwik8_bytes, text8_bytes, zip_member
 
 
@@ -124,3 +131,12 @@ def test_cli_prepares_with_the_data_config(
     err = capsys.readouterr().err
     assert "enwik8.zip" in err and "--root" in err and "paths.data_dir" not in err
     assert "Traceback" not in err
+
+
+def test_each_corpus_defaults_to_its_official_zip_and_vocabulary(tmp_path: Path) -> None:
+    enwik, text8 = Enwik8DataModule(tmp_path, 16), Text8DataModule(tmp_path, 16)
+    assert (enwik.url, enwik.sha256, enwik.vocab_size) == (ENWIK8_URL, ENWIK8_SHA256, 256)
+    assert (text8.url, text8.sha256, text8.vocab_size) == (TEXT8_URL, TEXT8_SHA256, 27)
+    assert not enwik.drop_newlines
+    mirror = Text8DataModule(tmp_path, 16, "file:///text8.zip", None, vocab_size=30)
+    assert (mirror.url, mirror.sha256, mirror.vocab_size) == ("file:///text8.zip", None, 30)

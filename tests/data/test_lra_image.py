@@ -91,3 +91,17 @@ def test_offline_without_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     msg = str(info.value)
     assert "uoft-cs/cifar10" in msg and "megalab-data cifar10" in msg and "offline" in msg
     assert "test-00000-of-00001.parquet" in msg
+
+
+def test_hub_settings_and_their_defaults(tmp_path: Path) -> None:
+    dm = CIFAR10DataModule(tmp_path)
+    assert dm.hub_id == dm.source.repo == "uoft-cs/cifar10"
+    assert (dm.val_fraction, dm.split_seed) == (0.1, 42)
+    assert dm.download and dm.hf_cache_dir is None
+    other = CIFAR10DataModule(
+        tmp_path, hub_id="me/cifar", download=False, hf_cache_dir="hf", split_seed=1
+    )
+    assert (other.source.repo, other.download, other.hf_cache_dir) == ("me/cifar", False, "hf")
+    assert other.split_seed == 1
+    with pytest.raises(ValueError, match=r"val_fraction must be in \(0, 1\)"):
+        CIFAR10DataModule(tmp_path, val_fraction=1.0)

@@ -195,3 +195,12 @@ def test_online_fetch_stores_hub_parquet(
     monkeypatch.setattr(datasets, "load_dataset", unreachable)
     with pytest.raises(DatasetMissingError, match="fetching from the Hub failed: ConnectionError"):
         IMDBDataModule(tmp_path / "nowhere").prepare_data()
+
+
+def test_hub_settings_and_their_defaults(tmp_path: Path) -> None:
+    dm = IMDBDataModule(tmp_path)
+    assert dm.hub_id == dm.source.repo == "stanfordnlp/imdb" and dm.val_source == "test"
+    assert (dm.val_fraction, dm.split_seed, dm.download, dm.hf_cache_dir) == (0.1, 42, True, None)
+    other = IMDBDataModule(tmp_path, 64, hub_id="me/imdb", download=False, val_fraction=2.0)
+    assert (other.max_len, other.source.repo, other.download) == (64, "me/imdb", False)
+    assert other.val_fraction == 2.0, "checked only when validation is held out of train"

@@ -96,44 +96,41 @@ def cached_sequences(
     its files and of `sources` (`megalab.data.cache`); a load checks the headers, the offsets,
     and that token ids are below `vocab_size` and labels below `num_classes`.
     """
-    from megalab.data.cache import (
-        cache_dir,
-        check_npy,
-        check_offsets,
-        check_range,
-        mark_prepared,
-        prepared,
-        read_marker,
-    )
+    from megalab.data import cache
 
-    path = cache_dir(cache_root, name, params)
+    path = cache.cache_dir(cache_root, name, params)
     names = ("tokens", "offsets", "labels", "tokens2", "offsets2")
-    if not prepared(path):
+    if not cache.prepared(path):
         ds = build()
         for key in names:
             value = getattr(ds, key)
             if value is not None:
                 np.save(path / f"{key}.npy", np.asarray(value))
         info = {"sequences": len(ds), "truncated": int(ds.truncated)}
-        mark_prepared(path, info, sources=sources)
+        cache.mark_prepared(path, info, sources=sources)
         return ds
     arrays: dict[str, Any] = {}
     for key in names:
         file = path / f"{key}.npy"
         if file.exists():
-            check_npy(file, ndim=1, cache=path)
+            cache.check_npy(file, ndim=1, cache=path)
             arrays[key] = np.load(file, mmap_mode="r")
         else:
             arrays[key] = None
     for tokens, offsets in (("tokens", "offsets"), ("tokens2", "offsets2")):
         if arrays[tokens] is not None:
-            check_offsets(arrays[offsets], len(arrays[tokens]), path / f"{offsets}.npy", path)
-            if vocab_size is not None:
-                check_range(arrays[tokens], 0, vocab_size, "token id", path / f"{tokens}.npy", path)
+            cache.check_tokens(
+                arrays[tokens],
+                arrays[offsets],
+                vocab_size,
+                path / f"{tokens}.npy",
+                path / f"{offsets}.npy",
+                path,
+            )
     if num_classes is not None:
-        check_range(arrays["labels"], 0, num_classes, "label", path / "labels.npy", path)
+        cache.check_range(arrays["labels"], 0, num_classes, "label", path / "labels.npy", path)
     ds = TokenSequences(**arrays)
-    ds.truncated = int(read_marker(path).get("truncated", 0))
+    ds.truncated = int(cache.read_marker(path).get("truncated", 0))
     return ds
 
 

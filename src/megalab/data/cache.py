@@ -362,6 +362,21 @@ def check_offsets(offsets: np.ndarray, total: int, path: Path, cache: Path | Non
         )
 
 
+def check_tokens(
+    tokens: np.ndarray,
+    offsets: np.ndarray,
+    vocab_size: int | None,
+    tokens_path: Path,
+    offsets_path: Path,
+    cache: Path | None = None,
+) -> None:
+    """Flat token sequences: `offsets` index `tokens` (`check_offsets`), and the token ids are
+    below `vocab_size` when one is given (`check_range`)."""
+    check_offsets(offsets, len(tokens), offsets_path, cache)
+    if vocab_size is not None:
+        check_range(tokens, 0, vocab_size, "token id", tokens_path, cache)
+
+
 def check_arrays(cache: Path) -> None:
     """The `.npy` headers of every array in a cache parse and fit their files."""
     for path in sorted(cache.glob("*.npy")):

@@ -202,6 +202,11 @@ class Layout:
     world_size: int = 1
     accumulate: int = 1
 
+    def first_row(self, group: int, rows: int) -> int:
+        """Global number of this process's first row in stream group `group` when every
+        process takes `rows` rows of each group (groups first, then ranks)."""
+        return (group * self.world_size + self.rank) * rows
+
 
 def _batch(
     stream: TokenStream,
@@ -304,7 +309,7 @@ class StreamBatches(_TrainingBatches):
 
     def row_ids(self, group: int) -> np.ndarray:
         """Global row numbers of this rank's rows in stream group `group`."""
-        first = (group * self.layout.world_size + self.layout.rank) * self.rows
+        first = self.layout.first_row(group, self.rows)
         return np.arange(first, first + self.rows)
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
@@ -464,7 +469,7 @@ class RandomWindowBatches(_TrainingBatches):
         rows = self.rows * (self.seq_len // length)
         total = rows * self.layout.world_size * self.layout.accumulate
         starts = rng.integers(0, len(self.stream) - length, size=total)
-        first = (group * self.layout.world_size + self.layout.rank) * rows
+        first = self.layout.first_row(group, rows)
         index = starts[first : first + rows, None] + np.arange(length)[None, :]
         valid = np.ones(index.shape, dtype=bool)
         return _batch(self.stream, index, index + 1, valid, valid, True, group, words=False)

@@ -34,20 +34,18 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from megalab.data.base import SequenceDataModule
 from megalab.data.cache import (
     CacheError,
     cache_dir,
     check_npy,
     check_range,
     mark_prepared,
-    prepared,
     rebuild_hint,
 )
 from megalab.data.hub import HubDataset
 from megalab.data.lra import release
 from megalab.data.lra.release import LRAFormatError
-from megalab.data.lra.text import hub_columns, refresh_hub_cache
+from megalab.data.lra.text import LRAHubDataModule, hub_columns
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +147,10 @@ def decode_gray(data: bytes, side: int, where: str) -> np.ndarray:
     return np.asarray(gray, dtype=np.uint8).reshape(-1)
 
 
-class CIFAR10DataModule(SequenceDataModule):
-    """LRA Image: 10-way classification of grayscale CIFAR-10 as 1024-pixel sequences."""
+class CIFAR10DataModule(LRAHubDataModule):
+    """LRA Image: 10-way classification of grayscale CIFAR-10 as 1024-pixel sequences.
+
+    Takes `LRAHubDataModule`'s arguments and the pixel normalisation (`mean`, `std`)."""
 
     def __init__(
         self,
@@ -158,15 +158,11 @@ class CIFAR10DataModule(SequenceDataModule):
         max_len: int = SIDE * SIDE,
         mean: float = MEAN,
         std: float = STD,
-        val_fraction: float = 0.1,
-        split_seed: int = 42,
-        hub_id: str = HUB_ID,
-        download: bool = True,
-        hf_cache_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         kwargs.setdefault("d_input", 1)
         kwargs.setdefault("num_classes", NUM_CLASSES)
+        kwargs.setdefault("hub_id", HUB_ID)
         super().__init__(data_dir=data_dir, max_len=max_len, **kwargs)
         if max_len != SIDE * SIDE:
             raise ValueError(f"LRA Image has {SIDE * SIDE} pixels per image, config says {max_len}")
@@ -174,19 +170,17 @@ class CIFAR10DataModule(SequenceDataModule):
             raise ValueError("LRA Image inputs are real-valued with d_input=1 (no vocab_size)")
         if self.spec.num_classes != NUM_CLASSES:
             raise ValueError(f"CIFAR-10 has {NUM_CLASSES} classes, config says {self.num_classes}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {self.val_fraction}")
         self.mean, self.std = mean, std
-        self.val_fraction, self.split_seed = val_fraction, split_seed
-        self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
-        self.source = hub_dataset(self.data_dir, hub_id)
+        self.source = hub_dataset(self.data_dir, self.hub_id)
 
     def cache_path(self) -> Path:
         params = {"dataset": self.hub_id, "sources": self.source.fingerprint()}
         return cache_dir(self.cache_root, "cifar10", params, version=_CACHE_VERSION)
 
     def prepare_data(self) -> None:
-        cache = refresh_hub_cache(self.source, self.cache_path, self.download, self.hf_cache_dir)
+        cache = self.cache_to_prepare()
         if cache is None:
             return
         sizes = {}
@@ -209,9 +203,7 @@ class CIFAR10DataModule(SequenceDataModule):
         log.info("CIFAR-10 pixels prepared in %s (%s)", cache, sizes)
 
     def build_datasets(self) -> dict[str, PixelSequences]:
-        if not prepared(self.cache_path()):
-            self.prepare_data()  # may fetch the sources, which changes the cache key
-        cache = self.cache_path()
+        cache = self.prepared_cache()
         train_px, train_y = load_pixels(cache, "train", NUM_CLASSES)
         n = len(train_y)
         n_train = int(n * (1.0 - self.val_fraction))

@@ -43,8 +43,8 @@ from megalab.data.cache import (
     CacheError,
     cache_dir,
     check_npy,
-    check_offsets,
     check_range,
+    check_tokens,
     mark_prepared,
     prepared,
     read_marker,
@@ -161,9 +161,7 @@ def load_token_split(
         offsets_path = cache / f"{split}.{offsets_name}.npy"
         check_npy(offsets_path, np.int64, 1, cache)
         offsets = np.load(offsets_path)
-        check_offsets(offsets, len(tokens), offsets_path, cache)
-        if vocab_size is not None:
-            check_range(tokens, 0, vocab_size, "token id", path, cache)
+        check_tokens(tokens, offsets, vocab_size, path, offsets_path, cache)
         return tokens, offsets
 
     tokens, offsets = tokens_and_offsets("tokens", "offsets")
@@ -250,31 +248,67 @@ class ByteDataModule(SequenceDataModule):
         encode_bytes(b"", max_len, append_eos, prepend_cls)  # fail early on an impossible length
 
 
-class IMDBDataModule(ByteDataModule):
-    """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes).
+class LRAHubDataModule(SequenceDataModule):
+    """The LRA tasks prepared from a Hub dataset of train and test splits (Text, Image).
 
-    Takes `ByteDataModule`'s arguments, and where the validation split comes from: `val_source`
-    "test" (LRA's choice) or "train" (a `val_fraction` held out with `split_seed`)."""
+    Args (besides the `SequenceDataModule` ones):
+        val_fraction, split_seed: the part of the training split held out for validation and
+            the seed of its draw.
+        hub_id: the Hub dataset, read from `data_dir` (each task defaults to its own).
+        download: fetch missing files from the Hub when online.  hf_cache_dir: the `datasets`
+            cache used for it.
 
-    task = "LRA Text"
+    Subclasses set `source` (the `HubDataset` of `hub_id`) and key `cache_path` by its
+    fingerprint, which fetching changes."""
+
+    source: HubDataset
 
     def __init__(
         self,
         *args: Any,
-        val_source: str = "test",
         val_fraction: float = 0.1,
         split_seed: int = 42,
-        hub_id: str = HUB_ID,
+        hub_id: str,
         download: bool = True,
         hf_cache_dir: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.val_fraction, self.split_seed = val_fraction, split_seed
+        self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
+
+    def cache_path(self) -> Path:
+        """The prepared cache of the current source files and settings."""
+        raise NotImplementedError
+
+    def cache_to_prepare(self) -> Path | None:
+        """Fetch the source where needed; None when its cache is prepared, else the cache
+        folder, emptied for the preparation."""
+        return refresh_hub_cache(self.source, self.cache_path, self.download, self.hf_cache_dir)
+
+    def prepared_cache(self) -> Path:
+        """The prepared cache, preparing it first when needed."""
+        if not prepared(self.cache_path()):
+            self.prepare_data()  # may fetch the sources, which changes the cache key
+        return self.cache_path()
+
+
+class IMDBDataModule(LRAHubDataModule, ByteDataModule):
+    """LRA Text: byte-level binary sentiment classification of IMDB reviews (up to 4K bytes).
+
+    Takes the arguments of `ByteDataModule` and `LRAHubDataModule`, and where the validation
+    split comes from: `val_source` "test" (LRA's choice) or "train" (a `val_fraction` held out
+    with `split_seed`)."""
+
+    task = "LRA Text"
+
+    def __init__(self, *args: Any, val_source: str = "test", **kwargs: Any) -> None:
+        kwargs.setdefault("hub_id", HUB_ID)
+        super().__init__(*args, **kwargs)
         if val_source not in ("test", "train"):
             raise ValueError(f"val_source must be 'test' or 'train', got {val_source!r}")
-        self.val_source, self.val_fraction, self.split_seed = val_source, val_fraction, split_seed
-        self.hub_id, self.download, self.hf_cache_dir = hub_id, download, hf_cache_dir
-        self.source = hub_dataset(self.data_dir, hub_id)
+        self.val_source = val_source
+        self.source = hub_dataset(self.data_dir, self.hub_id)
 
     def cache_path(self) -> Path:
         params = {
@@ -287,7 +321,7 @@ class IMDBDataModule(ByteDataModule):
         return cache_dir(self.cache_root, "imdb", params, version=_CACHE_VERSION)
 
     def prepare_data(self) -> None:
-        cache = refresh_hub_cache(self.source, self.cache_path, self.download, self.hf_cache_dir)
+        cache = self.cache_to_prepare()
         if cache is None:
             return
         sizes, truncated = {}, {}
@@ -314,9 +348,7 @@ class IMDBDataModule(ByteDataModule):
         log.info("IMDB tokens prepared in %s (%s)", cache, json.dumps(sizes))
 
     def build_datasets(self) -> dict[str, Dataset]:
-        if not prepared(self.cache_path()):
-            self.prepare_data()  # may fetch the sources, which changes the cache key
-        cache = self.cache_path()
+        cache = self.prepared_cache()
         train = load_token_split(cache, "train", VOCAB_SIZE, NUM_CLASSES)
         test = load_token_split(cache, "test", VOCAB_SIZE, NUM_CLASSES)
         report_truncation(cache, "LRA Text (IMDB)", self.max_len, self.truncate)

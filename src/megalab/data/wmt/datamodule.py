@@ -13,28 +13,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
+import megalab.data.wmt.batching as batching
+import megalab.data.wmt.text as text
 from megalab.data.base import SequenceDataModule
 from megalab.data.cache import cache_dir, check_npy, mark_prepared, prepared
 from megalab.data.hub import HubDataset, HubFormatError
-from megalab.data.wmt.batching import (
-    ParallelSentences,
-    TokenBatchSampler,
-    TranslationCollator,
-    batch_by_size,
-    ordered_indices,
-)
-from megalab.data.wmt.text import (
-    BOS_ID,
-    BPE,
-    EOS_ID,
-    PAD_ID,
-    SPECIALS,
-    UNK_ID,
-    TextPipeline,
-    build_dictionary,
-    learn_bpe,
-    moses_lines,
-)
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +119,10 @@ class WMT16EnDeDataModule(SequenceDataModule):
         workers: int | None = None,
         download: bool = True,
         hf_cache_dir: str | None = None,
-        pad_id: int = PAD_ID,
-        eos_id: int = EOS_ID,
-        bos_id: int = BOS_ID,
-        unk_id: int = UNK_ID,
+        pad_id: int = text.PAD_ID,
+        eos_id: int = text.EOS_ID,
+        bos_id: int = text.BOS_ID,
+        unk_id: int = text.UNK_ID,
         **kwargs: Any,
     ) -> None:
         kwargs.pop("num_classes", None)
@@ -147,7 +130,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
         super().__init__(data_dir=data_dir, max_len=max_len, batch_size=batch_size,
                          eval_batch_size=eval_batch_size, vocab_size=vocab_size, pad_id=pad_id,
                          **kwargs)  # fmt: skip
-        if (pad_id, eos_id, bos_id, unk_id) != (PAD_ID, EOS_ID, BOS_ID, UNK_ID):
+        if (pad_id, eos_id, bos_id, unk_id) != (text.PAD_ID, text.EOS_ID, text.BOS_ID, text.UNK_ID):
             raise ValueError(
                 "the fairseq dictionary has <s>=0, <pad>=1, </s>=2, <unk>=3; the config says "
                 f"bos_id={bos_id}, pad_id={pad_id}, eos_id={eos_id}, unk_id={unk_id}"
@@ -156,7 +139,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
             raise ValueError(
                 f"WMT'16 En-De translates en->de or de->en, got {source_lang}->{target_lang}"
             )
-        if vocab_size <= len(SPECIALS):
+        if vocab_size <= len(text.SPECIALS):
             raise ValueError(f"vocab_size={vocab_size} leaves no room beside the specials")
         self.source_lang, self.target_lang, self.hub_config = source_lang, target_lang, hub_config
         self.bpe_merges, self.clean = bpe_merges, (clean_min_len, clean_max_len, clean_ratio)
@@ -166,7 +149,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
         self.workers = workers if workers is not None else (os.cpu_count() or 1)
         self.download, self.hf_cache_dir = download, hf_cache_dir
         self.train_source, self.eval_source = hub_sources(self.data_dir, hub_config)
-        self._pipeline: TextPipeline | None = None
+        self._pipeline: text.TextPipeline | None = None
 
     # -- preparation ------------------------------------------------------------------------
     def cache_path(self) -> Path:
@@ -210,9 +193,9 @@ class WMT16EnDeDataModule(SequenceDataModule):
             return
         log.info("preparing WMT'16 En-De in %s (Moses, BPE, dictionary)", cache)
         train = self._pairs(self.train_source, "train", self.max_train_pairs)
-        tok = {lang: moses_lines(train.pop(lang), lang, True, self.workers) for lang in LANGS}
-        bpe_json = learn_bpe([*tok["en"], *tok["de"]], self.bpe_merges)
-        bpe = BPE(bpe_json)
+        tok = {lang: text.moses_lines(train.pop(lang), lang, True, self.workers) for lang in LANGS}
+        bpe_json = text.learn_bpe([*tok["en"], *tok["de"]], self.bpe_merges)
+        bpe = text.BPE(bpe_json)
         # Two passes over chunks (the subwords of 9M sentences do not fit in memory): count the
         # subwords of the pairs that survive cleaning, then write their ids.
         lo, hi, ratio = self.clean
@@ -225,8 +208,8 @@ class WMT16EnDeDataModule(SequenceDataModule):
                     keep[start + j] = True
                     counts.update(e)
                     counts.update(d)
-        symbols = build_dictionary(counts, int(self.spec.vocab_size or 0))
-        pipeline = TextPipeline(self.source_lang, self.target_lang, bpe_json, symbols)
+        symbols = text.build_dictionary(counts, int(self.spec.vocab_size or 0))
+        pipeline = text.TextPipeline(self.source_lang, self.target_lang, bpe_json, symbols)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {lang: [] for lang in LANGS}
         for start, en, de in self._chunks(bpe, tok):
             rows = [j for j in range(len(en)) if keep[start + j]]
@@ -241,12 +224,12 @@ class WMT16EnDeDataModule(SequenceDataModule):
             raw = self._pairs(self.eval_source, split)
             for lang in LANGS:
                 _save_ids(cache, split, lang, *_flat(pipeline.encode(raw[lang], lang)))
-                text = "".join(line.replace("\n", " ") + "\n" for line in raw[lang])
-                (cache / f"{split}.raw.{lang}").write_text(text, encoding="utf-8")
+                lines = "".join(line.replace("\n", " ") + "\n" for line in raw[lang])
+                (cache / f"{split}.raw.{lang}").write_text(lines, encoding="utf-8")
             sizes[split] = len(raw["en"])
         (cache / "bpe.json").write_text(bpe_json, encoding="utf-8")
         (cache / "dict.txt").write_text(
-            "".join(f"{s} {counts.get(s, 0)}\n" for s in symbols[len(SPECIALS) :]),
+            "".join(f"{s} {counts.get(s, 0)}\n" for s in symbols[len(text.SPECIALS) :]),
             encoding="utf-8",
         )
         mark_prepared(cache, {"sizes": sizes, "types": len(counts)})
@@ -254,7 +237,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
 
     @staticmethod
     def _chunks(
-        bpe: BPE, tok: dict[str, list[str]], size: int = 100_000
+        bpe: text.BPE, tok: dict[str, list[str]], size: int = 100_000
     ) -> Iterator[tuple[int, list[list[str]], list[list[str]]]]:
         """(first index, English subwords, German subwords) of consecutive chunks."""
         for start in range(0, len(tok["en"]), size):
@@ -265,15 +248,15 @@ class WMT16EnDeDataModule(SequenceDataModule):
             )
 
     # -- loading ----------------------------------------------------------------------------
-    def pipeline(self) -> TextPipeline:
+    def pipeline(self) -> text.TextPipeline:
         """The text pipeline of the prepared data (preparing it first if needed)."""
         if self._pipeline is None:
             cache = self._ready()
-            symbols = [*SPECIALS] + [
+            symbols = [*text.SPECIALS] + [
                 line.rsplit(" ", 1)[0]
                 for line in (cache / "dict.txt").read_text(encoding="utf-8").splitlines()
             ]
-            self._pipeline = TextPipeline(
+            self._pipeline = text.TextPipeline(
                 self.source_lang,
                 self.target_lang,
                 (cache / "bpe.json").read_text(encoding="utf-8"),
@@ -318,7 +301,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
                 for side, lang in (("src", self.source_lang), ("tgt", self.target_lang))
                 for suffix, name in (("", "ids"), ("_offsets", "offsets"))
             }
-            ds = ParallelSentences(**arrays)
+            ds = batching.ParallelSentences(**arrays)
             longest = int(ds.lengths().max()) if len(ds) else 0
             if longest > self.max_len:
                 raise ValueError(
@@ -329,23 +312,23 @@ class WMT16EnDeDataModule(SequenceDataModule):
         return out
 
     def collate_fn(self, split: str = "train") -> Callable:
-        return TranslationCollator(PAD_ID, self.left_pad_source)
+        return batching.TranslationCollator(text.PAD_ID, self.left_pad_source)
 
     def _batches(self, split: str, train: bool, indices: np.ndarray | None = None) -> list:
         ds = self.datasets[split]
-        assert isinstance(ds, ParallelSentences)
+        assert isinstance(ds, batching.ParallelSentences)
         if indices is None:
-            indices = ordered_indices(ds, shuffle=train, seed=self.seed)
+            indices = batching.ordered_indices(ds, shuffle=train, seed=self.seed)
         if train:
             tokens = self.per_device_batch_size(self.max_tokens)
             sentences = self.per_device_batch_size(self.batch_size)
         else:
             tokens, sentences = self.eval_max_tokens, self.eval_batch_size or self.batch_size
-        return batch_by_size(indices, ds.lengths(), tokens, sentences, self.batch_multiple)
+        return batching.batch_by_size(indices, ds.lengths(), tokens, sentences, self.batch_multiple)
 
     def _token_loader(self, split: str, train: bool, batches: list) -> DataLoader:
         rank, world = self.rank_and_world()
-        sampler = TokenBatchSampler(
+        sampler = batching.TokenBatchSampler(
             batches, shuffle=train, seed=self.seed, rank=rank, world_size=world,
             position=self.resumed_batches if train else None,
         )  # fmt: skip
@@ -363,7 +346,7 @@ class WMT16EnDeDataModule(SequenceDataModule):
             self.setup()
         if indices is not None:  # a subset, still batched by length
             ds = self.datasets[split]
-            assert isinstance(ds, ParallelSentences)
+            assert isinstance(ds, batching.ParallelSentences)
             indices = indices[np.argsort(ds.lengths()[indices], kind="mergesort")]
         return self._token_loader(split, False, self._batches(split, False, indices))
 
