@@ -34,13 +34,13 @@ import torch.nn.functional as F
 
 
 def build(kind: str, vocab: int, device: str) -> torch.nn.Module:
-    from megalab.models.mega.translation import MegaEncoderDecoder
-    from megalab.models.transformer.translation import TransformerEncoderDecoder
+    from megalab.models.mega.translation import MegaEncoderDecoderConfig
+    from megalab.models.transformer.translation import TransformerEncoderDecoderConfig
 
     torch.manual_seed(0)
     if kind == "mega":
-        return MegaEncoderDecoder(vocab, 1, dropout=0.0).to(device)
-    return TransformerEncoderDecoder(vocab, 1, dropout=0.0).to(device)
+        return MegaEncoderDecoderConfig(vocab, 1, dropout=0.0).build().to(device)
+    return TransformerEncoderDecoderConfig(vocab, 1, dropout=0.0).build().to(device)
 
 
 def batch(B: int, L: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,10 +65,16 @@ def train_case(model: torch.nn.Module, src: torch.Tensor, tgt: torch.Tensor) -> 
 
 
 def decode_case(model, src: torch.Tensor, T: int, how: str) -> Callable:
-    from megalab.generation.beam import GenerationConfig, beam_search, greedy_search
+    from megalab.generation.beam import (
+        GenerationConfig,
+        SpecialTokens,
+        beam_search,
+        greedy_search,
+    )
 
     model.eval()
     cfg = GenerationConfig(beam=5 if how == "beam5" else 1, max_len_b=T, min_len=T)
+    special = SpecialTokens(eos=2, pad=1, unk=3)
 
     @torch.no_grad()
     def naive() -> None:
@@ -82,8 +88,8 @@ def decode_case(model, src: torch.Tensor, T: int, how: str) -> Callable:
     if how == "greedy_naive":
         return naive
     if how == "greedy":
-        return lambda: greedy_search(model, src, None, cfg, 2, 1, 3)
-    return lambda: beam_search(model, src, None, cfg, 2, 1, 3)
+        return lambda: greedy_search(model, src, None, cfg, special)
+    return lambda: beam_search(model, src, None, cfg, special)
 
 
 def timed(cases: dict[str, Callable], rounds: int, sync: Callable[[], None]) -> dict:

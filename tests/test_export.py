@@ -179,6 +179,37 @@ def test_an_export_that_names_the_backbone_class_still_loads(compose_cfg, tmp_pa
     _same_outputs(task, loaded, cfg)
 
 
+@pytest.mark.parametrize("model", SEQ2SEQ)
+def test_an_export_that_names_the_encoder_decoder_class_still_loads(
+    compose_cfg, tmp_path: Path, model: str
+) -> None:
+    """An export written before the encoder-decoders took their config object names the model
+    class with its options beside it: it loads as the config class, with a warning, and
+    translates as before (same weights, same logits)."""
+    cfg = compose_cfg(*_model_overrides(compose_cfg, model))
+    task = _fake_run(cfg, tmp_path / "run")
+    out = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last",
+                     with_tokenizer=False)  # fmt: skip
+    record = json.loads((out / "config.json").read_text())
+    new = record["task"]["model"]["_target_"]
+    assert new.endswith("EncoderDecoderConfig")
+    old = new.removesuffix("Config")
+    record["task"]["model"]["_target_"] = old
+    (out / "config.json").write_text(json.dumps(record))
+    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {new}`"):
+        loaded = from_pretrained(out)
+    assert type(loaded.model) is type(task.model) and loaded.model.config == task.model.config
+    _same_outputs(task, loaded, cfg)
+    g, vocab = torch.Generator().manual_seed(1), task.model.vocab_size
+    src = torch.randint(4, vocab, (2, 9), generator=g)
+    tgt = torch.randint(4, vocab, (2, 7), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(src, mask, tgt), task.model(src, mask, tgt),
+                                   rtol=0, atol=0)  # fmt: skip
+
+
 def test_hub_id_resolves_from_the_cache_offline(
     compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

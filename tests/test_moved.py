@@ -1,6 +1,7 @@
 """Modules that moved into the model folders keep their old names, with a deprecation warning
 (`megalab.utils.moved`): imports, config targets, `python -m` and saved carried state; and
-runs that name a backbone class with its options beside it build from its config class."""
+runs that name a backbone or encoder-decoder class with its options beside it build from its
+config class."""
 
 from __future__ import annotations
 
@@ -110,6 +111,55 @@ def test_a_run_that_names_the_backbone_class_with_flat_options_still_loads(
     assert type(backbone).__name__ == old.rsplit(".", 1)[1]
     assert backbone.config.num_layers == 1
     assert all(getattr(backbone.config, k) == v for k, v in options.items())
+
+
+OLD_ENCODER_DECODERS = {
+    "megalab.models.mega.translation.MegaEncoderDecoder": (
+        "megalab.models.mega.translation.MegaEncoderDecoderConfig",
+        {"z_dim": 8, "v_dim": 16, "ffn_dim": 16, "ema_dim": 2, "dropout": 0.3},
+    ),
+    "megalab.models.transformer.translation.TransformerEncoderDecoder": (
+        "megalab.models.transformer.translation.TransformerEncoderDecoderConfig",
+        {"num_heads": 2, "ffn_dim": 16, "dropout": 0.3},
+    ),
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_ENCODER_DECODERS))
+def test_a_run_that_names_the_encoder_decoder_class_with_flat_options_still_loads(
+    old: str, tmp_path: Path
+) -> None:
+    """A translation run saved before the encoder-decoders took their config object names the
+    model class with its options beside it; it is read as the config class, with a warning that
+    names it, and builds the model those options describe, weight for weight."""
+    import hydra
+    import yaml
+
+    from megalab.tasks import Seq2SeqTask
+    from megalab.utils.safe_config import check_targets, load_run_config
+
+    new, options = OLD_ENCODER_DECODERS[old]
+    flat = {"_target_": old, "vocab_size": 20, "pad_id": 1, "d_model": 8, "encoder_layers": 1,
+            "decoder_layers": 1, **options}  # fmt: skip
+    saved = {
+        "model": {"d_model": 8, "encoder_decoder": flat},
+        "task": {"_target_": "megalab.tasks.Seq2SeqTask", "model": "${model.encoder_decoder}"},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {new}`"):
+        cfg = load_run_config(path)
+    assert cfg.model.encoder_decoder._target_ == new and cfg.task.model._target_ == new
+    check_targets(cfg.task, str(path))
+    torch.manual_seed(0)
+    task = hydra.utils.instantiate(cfg.task)
+    assert isinstance(task, Seq2SeqTask) and type(task.model).__name__ == old.rsplit(".", 1)[1]
+    assert all(getattr(task.model.config, k) == v for k, v in options.items())
+    torch.manual_seed(0)
+    reference = type(task.model).from_options({k: v for k, v in flat.items() if k != "_target_"})
+    for (name, a), (_, b) in zip(task.model.state_dict().items(),
+                                 reference.state_dict().items(), strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
 
 
 def test_a_current_config_is_left_as_it_is() -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from megalab.cli.train import train
 from megalab.cli.translate import CheckpointError, load_translator
 from megalab.cli.translate import main as translate_main
-from megalab.generation.beam import GenerationConfig, beam_search
+from megalab.generation.beam import GenerationConfig, SpecialTokens, beam_search
 from megalab.tasks.seq2seq import Seq2SeqTask, decoder_inputs
 from megalab.utils.checkpointing import write_checkpoint
 
@@ -92,7 +92,7 @@ def test_trains_reports_bleu_and_translates_a_file(
     model, pipeline = load_translator(ckpt)
     src = torch.tensor(pipeline.encode(["The house is big."]))
     cfg = GenerationConfig(beam=5, len_penalty=0.5, max_len_b=20)
-    best = beam_search(model, src, None, cfg, eos_id=2, pad_id=1, unk_id=3)[0][0]
+    best = beam_search(model, src, None, cfg, SpecialTokens(eos=2, pad=1, unk=3))[0][0]
     assert lines[0] == pipeline.detokenize(pipeline.decode(best.tokens.tolist()))
 
 
@@ -149,3 +149,55 @@ def test_translate_refuses_checkpoints_naming_other_classes(tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match="task=seq2seq"):
         load_translator(bad)
     assert translate_main(["--checkpoint", str(bad), "--input", "-"]) == 2
+
+
+def test_the_task_builds_the_model_from_its_config_with_overrides(compose_cfg) -> None:
+    """`model.encoder_decoder` names the model's config class; an override reaches its field
+    and the task builds the model from it."""
+    import hydra
+
+    from megalab.models.transformer.translation import (
+        TransformerEncoderDecoder,
+        TransformerEncoderDecoderConfig,
+    )
+
+    cfg = compose_cfg("experiment=transformer/wmt16_en_de", *SMALL["transformer/wmt16_en_de"],
+                      *FIXTURE, "model.encoder_decoder.dropout=0.3")  # fmt: skip
+    config = hydra.utils.instantiate(cfg.model.encoder_decoder)
+    assert isinstance(config, TransformerEncoderDecoderConfig) and config.dropout == 0.3
+    task = hydra.utils.instantiate(cfg.task)
+    assert isinstance(task.model, TransformerEncoderDecoder) and task.model.config == config
+    assert task.model.dropout.p == 0.3
+
+
+def test_a_checkpoint_that_stores_the_old_keyword_arguments_translates_the_same(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """Checkpoints store the model's options by name (`seq2seq_model.config`), the names the
+    constructors took as keyword arguments before their config objects: one written then
+    loads into the same model and translates the same; options that build nothing are
+    refused by name."""
+    record, _ = run(compose_cfg, "transformer/wmt16_en_de")
+    ckpt = torch.load(record["best_checkpoint"], map_location="cpu", weights_only=True)
+    spec = ckpt["seq2seq_model"]
+    assert spec["class"] == "TransformerEncoderDecoder"
+    old_names = ["vocab_size", "pad_id", "d_model", "num_heads", "ffn_dim", "encoder_layers",
+                 "decoder_layers", "dropout", "attention_dropout", "activation_dropout",
+                 "activation", "prenorm", "max_source_positions", "max_target_positions",
+                 "share_all_embeddings"]  # fmt: skip
+    assert sorted(spec["config"]) == sorted(old_names)
+    old = tmp_path / "old.ckpt"
+    ckpt["seq2seq_model"] = {"class": spec["class"],
+                             "config": {k: spec["config"][k] for k in old_names}}  # fmt: skip
+    write_checkpoint(ckpt, old)
+    model, pipeline = load_translator(record["best_checkpoint"])
+    model_old, _ = load_translator(old)
+    assert model_old.config == model.config
+    src = torch.tensor(pipeline.encode(["The house is big."]))
+    tgt = torch.tensor([[2, 5, 6, 7, 8]])
+    with torch.no_grad():
+        assert torch.equal(model_old(src, None, tgt), model(src, None, tgt))
+    ckpt["seq2seq_model"]["config"]["heads"] = 4
+    write_checkpoint(ckpt, old)
+    with pytest.raises(CheckpointError, match=r"old\.ckpt: its TransformerEncoderDecoder options"):
+        load_translator(old)

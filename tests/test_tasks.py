@@ -244,3 +244,46 @@ def test_corpus_bleu_is_computed_on_its_states_device() -> None:
     bleu.update(["a b c d"], ["a b c d"])
     score = bleu.compute()
     assert score.device == bleu.correct.device and float(score) == pytest.approx(100.0)
+
+
+def test_every_task_takes_the_shared_options_and_compiles_its_own_module() -> None:
+    """`optim`, `scheduler`, `check_finite` and `compile` reach `TaskBase` from every task;
+    `compile` wraps the task's backbone (the seq2seq task's model) for training only."""
+    from megalab.models.transformer.translation import TransformerEncoderDecoderConfig
+    from megalab.tasks import LanguageModelingTask, Seq2SeqTask
+    from megalab.tasks.base import TaskBase
+    from megalab.tasks.language_modeling import LinearLMHead
+
+    def scheduler(optimizer: object, total_steps: int) -> None:
+        return None
+
+    encoder, backbone, head = _parts()
+    lm_backbone = TransformerConfig(d_model=8, num_layers=1, num_heads=2, ffn_dim=16,
+                                    causal=True).build()  # fmt: skip
+    model = TransformerEncoderDecoderConfig(12, 1, d_model=8, num_heads=2, ffn_dim=16,
+                                            encoder_layers=1, decoder_layers=1).build()  # fmt: skip
+    options = {"optim": {"optimizer": None}, "scheduler": scheduler, "check_finite": False}
+    tasks = [
+        (ClassificationTask(encoder, backbone, head, num_classes=3, **options, compile=True),
+         "backbone"),
+        (RetrievalTask(*_parts(), num_classes=3, **options, compile=True), "backbone"),
+        (LanguageModelingTask(SequenceEncoder(8, vocab_size=12), lm_backbone,
+                              LinearLMHead(8, 12), loss_scale=0.5, **options, compile=True),
+         "backbone"),
+        (Seq2SeqTask(model, **options, compile=True), "model"),
+    ]  # fmt: skip
+    for task, target in tasks:
+        assert task.optim_cfg == options["optim"] and task.scheduler_fn is scheduler
+        assert task.check_finite is False and task.compile_target == target
+        module = getattr(task, target)
+        task.setup("validate")
+        assert getattr(task, target) is module
+        task.setup("fit")
+        assert getattr(task, target)._orig_mod is module, type(task).__name__
+    plain = ClassificationTask(*_parts(), num_classes=3)
+    assert plain.check_finite and not plain.compile_for_fit and plain.optim_cfg is None
+    module = plain.backbone
+    plain.setup("fit")
+    assert plain.backbone is module
+    with pytest.raises(ValueError, match="no module to compile"):
+        TaskBase(compile=True)

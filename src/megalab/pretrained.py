@@ -156,7 +156,7 @@ def build_task(task_cfg: Mapping[str, Any], source: str = "config.json") -> nn.M
 
     _check_plain(task_cfg, f"{source} task")
     cfg = OmegaConf.create(dict(task_cfg))
-    upgrade_backbone_targets(cfg, source)  # an export from before backbones took their config
+    upgrade_backbone_targets(cfg, source)  # an export from before the models took their config
     check_targets(cfg, f"{source} (task)")
     return hydra.utils.instantiate(cfg)
 

@@ -10,24 +10,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalab.generation.beam import GenerationConfig, beam_search, greedy_search
-from megalab.models.mega.translation import MegaEncoderDecoder
-from megalab.models.transformer.translation import TransformerEncoderDecoder
+from megalab.generation.beam import (
+    GenerationConfig,
+    SpecialTokens,
+    beam_search,
+    generate,
+    greedy_search,
+)
+from megalab.models.mega.translation import MegaEncoderDecoderConfig
+from megalab.models.transformer.translation import TransformerEncoderDecoderConfig
 
 PAD, EOS, UNK = 1, 2, 3
+SPECIAL = SpecialTokens(eos=EOS, pad=PAD, unk=UNK)
 
 
 def tiny_model(kind: str, vocab: int, seed: int = 0):
     torch.manual_seed(seed)
     if kind == "mega":
-        model = MegaEncoderDecoder(
+        model = MegaEncoderDecoderConfig(
             vocab, PAD, d_model=16, encoder_layers=1, decoder_layers=2, z_dim=8, v_dim=16,
             ffn_dim=16, ema_dim=4, max_source_positions=32, max_target_positions=32,
-        )  # fmt: skip
+        ).build()  # fmt: skip
     else:
-        model = TransformerEncoderDecoder(
+        model = TransformerEncoderDecoderConfig(
             vocab, PAD, d_model=16, num_heads=2, ffn_dim=32, encoder_layers=1, decoder_layers=2
-        )
+        ).build()
     model = model.double().eval()
     with torch.no_grad():  # sharpen the distributions: the init makes them near uniform
         for name, p in model.named_parameters():
@@ -53,8 +60,8 @@ def test_beam_one_is_greedy(kind: str) -> None:
     model = tiny_model(kind, 30)
     src, mask = sources(30)
     cfg = GenerationConfig(beam=1, len_penalty=0.5, max_len_b=12)
-    beams = beam_search(model, src, mask, cfg, EOS, PAD, UNK)
-    greedy = greedy_search(model, src, mask, cfg, EOS, PAD, UNK)
+    beams = beam_search(model, src, mask, cfg, SPECIAL)
+    greedy = greedy_search(model, src, mask, cfg, SPECIAL)
     for nbest, g in zip(beams, greedy):
         assert len(nbest) == 1
         assert torch.equal(nbest[0].tokens, g.tokens)
@@ -91,7 +98,7 @@ def test_wide_beam_returns_the_best_of_all_outputs(kind: str, len_penalty: float
     model = tiny_model(kind, vocab, seed=3)
     src, mask = sources(vocab, seed=4)
     cfg = GenerationConfig(beam=64, len_penalty=len_penalty, max_len_b=max_len)
-    nbest = beam_search(model, src[:1], mask[:1], cfg, EOS, PAD, UNK)[0]
+    nbest = beam_search(model, src[:1], mask[:1], cfg, SPECIAL)[0]
     ranking = exhaustive(model, src[:1], mask[:1], vocab, max_len, len_penalty)
     assert len(nbest) == len(ranking) == 39
     assert nbest[0].tokens.tolist() == ranking[0][1]
@@ -107,11 +114,11 @@ def test_batched_beam_search_equals_one_sentence_at_a_time(kind: str) -> None:
     model = tiny_model(kind, 30, seed=13)
     src, mask = sources(30, seed=6)
     cfg = GenerationConfig(beam=4, len_penalty=0.5, max_len_a=1.0, max_len_b=3)
-    batched = beam_search(model, src, mask, cfg, EOS, PAD, UNK)
+    batched = beam_search(model, src, mask, cfg, SPECIAL)
     for b in range(src.shape[0]):
         n = int(mask[b].sum())
         # Same padded width as the batch, so that max_len (from S) is the same.
-        alone = beam_search(model, src[b : b + 1], mask[b : b + 1], cfg, EOS, PAD, UNK)[0]
+        alone = beam_search(model, src[b : b + 1], mask[b : b + 1], cfg, SPECIAL)[0]
         assert [h.tokens.tolist() for h in alone] == [h.tokens.tolist() for h in batched[b]]
         for a, c in zip(alone, batched[b]):
             assert math.isclose(a.score, c.score, rel_tol=1e-6), n
@@ -123,10 +130,49 @@ def test_batched_beam_search_equals_one_sentence_at_a_time(kind: str) -> None:
 def test_max_len_forces_the_end_and_min_len_delays_it() -> None:
     model = tiny_model("mega", 30)
     src, mask = sources(30)
-    out = beam_search(model, src, mask, GenerationConfig(beam=3, max_len_b=2, min_len=2),
-                      EOS, PAD, UNK)  # fmt: skip
+    out = beam_search(model, src, mask, GenerationConfig(beam=3, max_len_b=2, min_len=2), SPECIAL)
     for nbest in out:
         for h in nbest:
             assert h.tokens[-1] == EOS and 3 <= len(h.tokens) <= 3
     with pytest.raises(ValueError, match="beam"):
         GenerationConfig(beam=0)
+
+
+def _flat(out: list) -> list:
+    """Every hypothesis of a search's output (n-best lists or one per sentence)."""
+    return [h for item in out for h in (item if isinstance(item, list) else [item])]
+
+
+def _same(a: list, b: list) -> bool:
+    return all(
+        torch.equal(x.tokens, y.tokens)
+        and x.score == y.score
+        and torch.equal(x.positional_scores, y.positional_scores)
+        for x, y in zip(_flat(a), _flat(b), strict=True)
+    )
+
+
+def test_separate_ids_still_accepted_with_a_future_warning() -> None:
+    """The earlier spelling `eos_id, pad_id, unk_id[, bos_id]` (positional or keyword) decodes
+    as `SpecialTokens` does, and warns."""
+    model = tiny_model("mega", 30)
+    src, mask = sources(30)
+    cfg = GenerationConfig(beam=2, max_len_b=4)
+    for search in (beam_search, greedy_search, generate):
+        expected = search(model, src, mask, cfg, SPECIAL)
+        assert _same(search(model, src, mask, cfg, special=SPECIAL), expected)
+        with pytest.warns(FutureWarning, match="SpecialTokens"):
+            positional = search(model, src, mask, cfg, EOS, PAD, UNK)
+        with pytest.warns(FutureWarning, match="SpecialTokens"):
+            keyword = search(model, src, mask, cfg, eos_id=EOS, pad_id=PAD, unk_id=UNK)
+        assert _same(positional, expected) and _same(keyword, expected), search.__name__
+    with pytest.warns(FutureWarning, match="SpecialTokens"):
+        started = greedy_search(model, src, mask, cfg, EOS, PAD, UNK, 0)
+    assert _same(started, greedy_search(model, src, mask, cfg, SpecialTokens(EOS, PAD, UNK, 0)))
+    with pytest.raises(TypeError, match="special"):
+        beam_search(model, src, mask, cfg, pad_id=PAD)
+
+
+def test_decoding_starts_from_bos_or_else_eos() -> None:
+    assert SpecialTokens(eos=2, pad=1).start == 2
+    assert SpecialTokens(eos=2, pad=1, bos=0).start == 0

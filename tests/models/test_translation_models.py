@@ -1,7 +1,11 @@
 """The encoder-decoders: incremental decoding == the full decoder pass, beam reordering of the
-state, padding, parameter counts, and the authors' MT checkpoint names onto ours."""
+state, padding, parameter counts, their config dataclasses, and the authors' MT checkpoint names
+onto ours."""
 
 from __future__ import annotations
+
+import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -10,10 +14,14 @@ from megalab.models.mega.convert import (
     convert_mega_translation,
     mega_translation_kwargs_from_fairseq,
 )
-from megalab.models.mega.translation import MegaEncoderDecoder
-from megalab.models.seq2seq import EncoderDecoder
-from megalab.models.transformer.translation import TransformerEncoderDecoder
+from megalab.models.mega.translation import MegaEncoderDecoder, MegaEncoderDecoderConfig
+from megalab.models.seq2seq import EncoderDecoder, EncoderDecoderConfig
+from megalab.models.transformer.translation import (
+    TransformerEncoderDecoder,
+    TransformerEncoderDecoderConfig,
+)
 from megalab.nn.state import select_state
+from megalab.utils.options import declared, option_rules
 
 V, PAD, EOS = 40, 1, 2
 TINY_MEGA = dict(d_model=16, encoder_layers=2, decoder_layers=2, z_dim=8, v_dim=32, ffn_dim=24,
@@ -25,10 +33,10 @@ def tiny(kind: str, **kw) -> EncoderDecoder:
     """A float64 model with non-trivial weights (the authors' init makes gates ≈ 0.5, Q ≈ K ≈ 0)."""
     torch.manual_seed(0)
     if kind == "transformer":
-        model: EncoderDecoder = TransformerEncoderDecoder(V, PAD, **{**TINY_XFM, **kw})
+        config: EncoderDecoderConfig = TransformerEncoderDecoderConfig(V, PAD, **TINY_XFM | kw)
     else:
-        model = MegaEncoderDecoder(V, PAD, **{**TINY_MEGA, **kw})
-    model = model.double().eval()
+        config = MegaEncoderDecoderConfig(V, PAD, **TINY_MEGA | kw)
+    model = config.build().double().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" not in name:
@@ -154,10 +162,11 @@ def test_parameter_counts_mega_wmt_en_de_and_big() -> None:
     """mega_wmt_en_de with the 33,000-word joint dictionary (--nwordssrc 33000): 63.26M, the
     notes' ≈63M; the paper's Table 10 says 67M for a dictionary size it does not give (67M
     would need about 40K words). mega_wmt_en_de_big: d 1024, z 256, v = d_FFN 2048."""
-    base = MegaEncoderDecoder(33000, PAD)
+    base = MegaEncoderDecoder(MegaEncoderDecoderConfig(33000, PAD))
     n = sum(p.numel() for p in base.parameters())
     assert n == mega_formula(33000, 512, 128, 1024, 1024, 16, 1024, 6) == 63_255_534
-    big = MegaEncoderDecoder(33000, PAD, d_model=1024, z_dim=256, v_dim=2048, ffn_dim=2048)
+    big = MegaEncoderDecoderConfig(33000, PAD, d_model=1024, z_dim=256, v_dim=2048,
+                                   ffn_dim=2048).build()  # fmt: skip
     n_big = sum(p.numel() for p in big.parameters())
     assert n_big == mega_formula(33000, 1024, 256, 2048, 2048, 16, 1024, 6)
 
@@ -165,7 +174,7 @@ def test_parameter_counts_mega_wmt_en_de_and_big() -> None:
 def test_parameter_count_transformer_base() -> None:
     """Transformer-base with one shared 33,000-word table: 61.03M (Table 10 says 65M, the
     Vaswani et al. figure for their 37K vocabulary)."""
-    model = TransformerEncoderDecoder(33000, PAD)
+    model = TransformerEncoderDecoder(TransformerEncoderDecoderConfig(33000, PAD))
     d, F, L = 512, 2048, 6
     attn, ffn, ln = 4 * (d * d + d), 2 * d * F + F + d, 2 * d
     expected = 33000 * d + L * (attn + ffn + 2 * ln) + L * (2 * attn + ffn + 3 * ln)
@@ -248,7 +257,7 @@ def test_authors_mt_checkpoint_loads_strictly() -> None:
     }  # fmt: skip
     kwargs = mega_translation_kwargs_from_fairseq(args)
     assert kwargs["truncation"] is None and kwargs["share_all_embeddings"]
-    model = MegaEncoderDecoder(V, PAD, **kwargs).double()
+    model = MegaEncoderDecoderConfig(V, PAD, **kwargs).build().double()
     converted = convert_mega_translation(sd)
     # The shared table appears under both embedding names; the tied output has no weight.
     model.load_state_dict(converted, strict=True)
@@ -266,3 +275,121 @@ def test_authors_mt_checkpoint_loads_strictly() -> None:
     sd["decoder.layers.0.cross_attn.unexpected"] = torch.zeros(1)
     with pytest.raises(KeyError, match="unexpected"):
         convert_mega_translation(sd)
+
+
+# -- the config dataclasses -------------------------------------------------------------------
+KINDS = [
+    pytest.param(MegaEncoderDecoder, MegaEncoderDecoderConfig, TINY_MEGA, id="mega"),
+    pytest.param(TransformerEncoderDecoder, TransformerEncoderDecoderConfig, TINY_XFM,
+                 id="transformer"),
+]  # fmt: skip
+# The keyword arguments of the constructors before they took their config object: what
+# checkpoints written then store by name (`seq2seq_model.config`).
+KEYWORD_ARGUMENTS = {
+    MegaEncoderDecoder: [
+        "vocab_size", "pad_id", "d_model", "encoder_layers", "decoder_layers", "z_dim", "v_dim",
+        "ffn_dim", "ema_dim", "encoder_chunk_size", "decoder_chunk_size", "truncation",
+        "attention_activation", "rel_pos_bias", "max_source_positions", "max_target_positions",
+        "norm_type", "prenorm", "dropout", "attention_dropout", "hidden_dropout",
+        "activation_dropout", "activation", "share_all_embeddings",
+        "share_decoder_input_output_embed",
+    ],
+    TransformerEncoderDecoder: [
+        "vocab_size", "pad_id", "d_model", "num_heads", "ffn_dim", "encoder_layers",
+        "decoder_layers", "dropout", "attention_dropout", "activation_dropout", "activation",
+        "prenorm", "max_source_positions", "max_target_positions", "share_all_embeddings",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("model_class", "config_class", "small"), KINDS)
+def test_every_option_is_declared_with_a_meaning_and_a_schema_rule(
+    model_class: type, config_class: type, small: dict
+) -> None:
+    undocumented = [k for k, (_, s) in declared(config_class).items() if s is None or not s.doc]
+    assert not undocumented
+    rules = option_rules(config_class)
+    for options in (config_class(V, PAD).options(), config_class(V, PAD, **small).options()):
+        assert [k for k, v in options.items() if not rules[k].check(v)] == []
+
+
+@pytest.mark.parametrize(("model_class", "config_class", "small"), KINDS)
+def test_a_model_takes_its_config_keeps_it_and_reads_its_sizes_from_it(
+    model_class: type[EncoderDecoder], config_class: type, small: dict
+) -> None:
+    assert list(inspect.signature(model_class.__init__).parameters) == ["self", "config"]
+    assert model_class.config_class() is config_class
+    config = config_class(V, PAD, **small)
+    model = config.build()
+    assert type(model) is model_class and model.config is config
+    sizes = (model.vocab_size, model.pad_id, model.d_model, model.max_source_len,
+             model.max_target_len)  # fmt: skip
+    assert sizes == (V, PAD, small["d_model"], config.max_source_positions,
+                     config.max_target_positions)  # fmt: skip
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.dropout = 0.3
+    with pytest.raises(TypeError):
+        config_class(pad_id=PAD)  # the vocabulary has no default
+
+
+@pytest.mark.parametrize(("model_class", "config_class", "small"), KINDS)
+def test_options_stored_as_the_old_keyword_arguments_build_the_same_model(
+    model_class: type[EncoderDecoder], config_class: type, small: dict
+) -> None:
+    """The config's fields are the constructor's former keyword arguments, by name, so the
+    options a checkpoint stored then build the same model, to the last weight and output."""
+    config = config_class(V, PAD, **small)
+    assert sorted(config.options()) == sorted(KEYWORD_ARGUMENTS[model_class])
+    torch.manual_seed(0)
+    model = config.build().eval()
+    old = {k: getattr(config, k) for k in KEYWORD_ARGUMENTS[model_class]}
+    torch.manual_seed(0)
+    rebuilt = model_class.from_options(old).eval()
+    assert rebuilt.config == config
+    for (name, a), (other, b) in zip(model.state_dict().items(), rebuilt.state_dict().items(),
+                                     strict=True):  # fmt: skip
+        assert name == other and torch.equal(a, b), name
+    src, mask, tgt = batch()
+    with torch.no_grad():
+        assert torch.equal(model(src, mask, tgt), rebuilt(src, mask, tgt))
+    with pytest.raises(TypeError, match="unknown"):
+        model_class.from_options({**old, "unknown": 1})
+
+
+@pytest.mark.parametrize(
+    ("config_class", "change", "message"),
+    [
+        (MegaEncoderDecoderConfig, {"pad_id": V}, "pad_id must be an id of the vocabulary"),
+        (MegaEncoderDecoderConfig, {"encoder_chunk_size": 0},
+         r"encoder_chunk_size must be >= 1, or -1 \(no chunking\), got 0"),
+        (MegaEncoderDecoderConfig, {"hidden_dropout": 1.0}, r"hidden_dropout must be in \[0, 1\)"),
+        (MegaEncoderDecoderConfig, {"ema_dim": -1}, "ema_dim must be >= 0"),
+        (TransformerEncoderDecoderConfig, {"num_heads": 3}, "not divisible by num_heads=3"),
+        (TransformerEncoderDecoderConfig, {"decoder_layers": 0}, "decoder_layers must be >= 1"),
+        (TransformerEncoderDecoderConfig, {"dropout": -0.1}, r"dropout must be in \[0, 1\)"),
+    ],
+)  # fmt: skip
+def test_a_config_refuses_an_option_out_of_range_by_name(
+    config_class: type, change: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_class(**{"vocab_size": V, "pad_id": PAD, **change})
+
+
+@pytest.mark.parametrize("name", ["mega", "transformer"])
+def test_the_model_configs_target_the_config_classes_with_their_fields(name: str) -> None:
+    from omegaconf import OmegaConf
+
+    from megalab.utils.paths import CONFIG_DIR
+    from megalab.utils.safe_config import megalab_object
+
+    yaml = OmegaConf.load(CONFIG_DIR / "model" / "seq2seq" / f"{name}.yaml")
+    node = OmegaConf.to_container(yaml.encoder_decoder, resolve=False)
+    assert isinstance(node, dict)
+    config_class = megalab_object(node["_target_"])
+    assert config_class in (MegaEncoderDecoderConfig, TransformerEncoderDecoderConfig)
+    assert sorted(k for k in node if k != "_target_") == sorted(declared(config_class))
+    defaults = config_class(V, PAD).options()
+    data = ("_target_", "vocab_size", "pad_id", "d_model")  # the target and interpolations
+    shipped = {k: v for k, v in node.items() if k not in data}
+    assert shipped == {k: defaults[k] for k in shipped}  # the YAML repeats the defaults

@@ -3,7 +3,7 @@
     megalab-translate --checkpoint logs/train/.../checkpoints/best-....ckpt \
         --input newstest2014.en --output newstest2014.hyp.de [--beam 5 --lenpen 0.5]
 
-The checkpoint carries everything: the model's class and arguments, its weights and the text
+The checkpoint carries everything: the model's class and options, its weights and the text
 pipeline (Moses tokenizer, joint BPE, dictionary) the run was trained with. Each input line is
 one raw sentence in the source language; it is tokenized and segmented like the test data,
 translated with beam search (the paper's beam 5, length penalty 0.5 by default) and written
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from megalab.generation.beam import GenerationConfig, beam_search
+from megalab.generation.beam import GenerationConfig, SpecialTokens, beam_search
 from megalab.models.mega.translation import MegaEncoderDecoder
 from megalab.models.seq2seq import EncoderDecoder
 from megalab.models.transformer.translation import TransformerEncoderDecoder
@@ -78,7 +78,13 @@ def load_translator(path: str | Path, device: str = "cpu") -> tuple[EncoderDecod
         raise CheckpointError(
             f"{path}: text_pipeline.source_lang/target_lang are {langs}, not language codes"
         )
-    model = cls(**spec["config"])
+    options = spec.get("config")
+    if not isinstance(options, dict):
+        raise CheckpointError(f"{path}: seq2seq_model.config is not a mapping of options")
+    try:
+        model = cls.from_options(options)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{path}: its {cls.__name__} options do not build ({err})") from None
     state = {}
     for name, tensor in ckpt["state_dict"].items():
         if name.startswith("model."):
@@ -119,6 +125,7 @@ def translate(
     """Translations of raw source sentences, in input order."""
     from megalab.data.wmt import EOS_ID, PAD_ID, UNK_ID
 
+    special = SpecialTokens(eos=EOS_ID, pad=PAD_ID, unk=UNK_ID)
     ids = pipeline.encode(list(sentences))
     device = next(model.parameters()).device
     out: list[str] = [""] * len(ids)
@@ -130,7 +137,7 @@ def translate(
             n = len(ids[i])
             cols = slice(width - n, width) if left_pad_source else slice(0, n)
             src[row, cols], mask[row, cols] = torch.tensor(ids[i]), True
-        nbest = beam_search(model, src.to(device), mask.to(device), cfg, EOS_ID, PAD_ID, UNK_ID)
+        nbest = beam_search(model, src.to(device), mask.to(device), cfg, special)
         for i, hyps in zip(batch, nbest):
             text = pipeline.decode(hyps[0].tokens.tolist())
             out[i] = text if tokenized else pipeline.detokenize(text)

@@ -3,9 +3,9 @@
 `beam_search` is fairseq's `SequenceGenerator` with `BeamSearch` (v0.10, what the Mega authors'
 `generate.py --beam 5 --lenpen 0.5` runs), step for step:
 
-- decoding starts from `bos_id` (fairseq: the end-of-sentence id) and feeds one token per step
-  to `model.step`, which carries the incremental state; the state (encoder keys/values
-  included) is reordered with `megalab.nn.state.select_state` after every step;
+- decoding starts from `SpecialTokens.bos` (fairseq: the end-of-sentence id) and feeds one
+  token per step to `model.step`, which carries the incremental state; the state (encoder
+  keys/values included) is reordered with `megalab.nn.state.select_state` after every step;
 - log-probabilities are taken in float32; padding is never generated; `unk_penalty` is
   subtracted from the unknown word; end-of-sentence is forbidden before `min_len` tokens and
   forced after `max_len = min(max_len_a · S + max_len_b, max_target_len − 1)` tokens (S: the
@@ -23,8 +23,11 @@ hypothesis, i.e. it is exhaustive (tested against enumerating all outputs of a t
 
 from __future__ import annotations
 
+import functools
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,26 @@ class GenerationConfig:
             raise ValueError(f"min_len must be >= 0, got {self.min_len}")
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The dictionary's ids that decoding treats apart.
+
+    eos: ends a hypothesis.  pad: never generated.  unk: the unknown word, which
+    `GenerationConfig.unk_penalty` penalises (None: no penalty).  bos: the first decoder input
+    (None: `eos`, as fairseq starts decoding from the end-of-sentence id).
+    """
+
+    eos: int
+    pad: int
+    unk: int | None = None
+    bos: int | None = None
+
+    @property
+    def start(self) -> int:
+        """The first decoder input."""
+        return self.eos if self.bos is None else self.bos
+
+
 @dataclass
 class Hypothesis:
     """A finished output: `tokens` (generated ids ending with EOS), its length-normalised
@@ -77,42 +100,94 @@ def max_output_len(model: EncoderDecoder, src_len: int, cfg: GenerationConfig) -
     return n
 
 
-def _mask_lprobs(
-    lprobs: Tensor, step: int, max_len: int, cfg: GenerationConfig, eos: int, pad: int, unk: Any
-) -> None:
+_SEPARATE_IDS = ("eos_id", "pad_id", "unk_id", "bos_id")
+_Search = TypeVar("_Search", bound=Callable[..., Any])
+
+
+def _separate_ids_accepted(search: _Search) -> _Search:
+    """Let `search(model, src, src_mask, cfg, special)` also be called with the ids as
+    separate arguments `eos_id, pad_id[, unk_id[, bos_id]]` (positional or keyword), the
+    earlier spelling: a FutureWarning names `SpecialTokens`."""
+
+    @functools.wraps(search)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        positional = args[4:] if len(args) > 4 and not isinstance(args[4], SpecialTokens) else ()
+        ids = dict(zip(_SEPARATE_IDS, positional))
+        ids.update((name, kwargs.pop(name)) for name in _SEPARATE_IDS if name in kwargs)
+        if not ids:
+            return search(*args, **kwargs)
+        if len(positional) > len(_SEPARATE_IDS) or "eos_id" not in ids or "pad_id" not in ids:
+            raise TypeError(
+                f"{search.__name__}() takes its special ids as `special` (SpecialTokens)"
+            )
+        warnings.warn(
+            f"{search.__name__}(..., eos_id, pad_id, unk_id, bos_id) is deprecated: pass "
+            "special=SpecialTokens(eos=..., pad=..., unk=..., bos=...) instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        special = SpecialTokens(ids["eos_id"], ids["pad_id"], ids.get("unk_id"), ids.get("bos_id"))
+        return search(*args[: len(args) - len(positional)], special=special, **kwargs)
+
+    return cast(_Search, wrapper)
+
+
+def _start(
+    model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, cfg: GenerationConfig, beam: int
+) -> tuple[int, Any]:
+    """The output length limit and the decoder's first state, whose rows are each sentence's
+    encoder output `beam` times in a row."""
+    B, S = src.shape
+    max_len = max_output_len(model, S, cfg)
+    enc = model.encode(src, src_mask)
+    if beam > 1:
+        enc = select_state(enc, torch.arange(B, device=src.device).repeat_interleave(beam))
+    return max_len, model.initial_state(enc)
+
+
+def _next_lprobs(
+    model: EncoderDecoder,
+    prev: Tensor,
+    state: Any,
+    step: int,
+    max_len: int,
+    cfg: GenerationConfig,
+    special: SpecialTokens,
+) -> tuple[Tensor, Any]:
+    """One decoder step from the tokens `prev` (rows, 1): the float32 log-probabilities of the
+    next token, masked as fairseq masks them (`step` of at most `max_len`), and the new state."""
+    logits, state = model.step(prev, state)
+    lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
     lprobs[lprobs != lprobs] = NEG_INF
-    lprobs[:, pad] = NEG_INF
-    if unk is not None and cfg.unk_penalty:
-        lprobs[:, unk] -= cfg.unk_penalty
+    lprobs[:, special.pad] = NEG_INF
+    if special.unk is not None and cfg.unk_penalty:
+        lprobs[:, special.unk] -= cfg.unk_penalty
     if step >= max_len:
-        lprobs[:, :eos] = NEG_INF
-        lprobs[:, eos + 1 :] = NEG_INF
+        lprobs[:, : special.eos] = NEG_INF
+        lprobs[:, special.eos + 1 :] = NEG_INF
     elif step < cfg.min_len:
-        lprobs[:, eos] = NEG_INF
+        lprobs[:, special.eos] = NEG_INF
+    return lprobs, state
 
 
+@_separate_ids_accepted
 @torch.no_grad()
 def beam_search(
     model: EncoderDecoder,
     src: Tensor,
     src_mask: Tensor | None,
     cfg: GenerationConfig,
-    eos_id: int,
-    pad_id: int,
-    unk_id: int | None = None,
-    bos_id: int | None = None,
+    special: SpecialTokens,
 ) -> list[list[Hypothesis]]:
     """The finished hypotheses of every source sentence, best first (at most `cfg.beam`)."""
-    B, S = src.shape
+    B = src.shape[0]
     beam = cfg.beam
     device = src.device
-    max_len = max_output_len(model, S, cfg)
-    enc = model.encode(src, src_mask)
-    enc = select_state(enc, torch.arange(B, device=device).repeat_interleave(beam))
-    state = model.initial_state(enc)
+    eos_id, pad_id = special.eos, special.pad
+    max_len, state = _start(model, src, src_mask, cfg, beam)
 
     tokens = torch.full((B * beam, max_len + 2), pad_id, dtype=torch.long, device=device)
-    tokens[:, 0] = eos_id if bos_id is None else bos_id
+    tokens[:, 0] = special.start
     scores = torch.zeros(B * beam, max_len + 1, dtype=torch.float32, device=device)
     finalized: list[list[Hypothesis]] = [[] for _ in range(B)]
     finished = [False] * B
@@ -132,9 +207,9 @@ def beam_search(
                 shift = batch_idxs - torch.arange(batch_idxs.numel(), device=device)
                 reorder = (reorder.view(-1, beam) + shift.unsqueeze(-1) * beam).view(-1)
             state = select_state(state, reorder)
-        logits, state = model.step(tokens[:, step : step + 1], state)
-        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
-        _mask_lprobs(lprobs, step, max_len, cfg, eos_id, pad_id, unk_id)
+        lprobs, state = _next_lprobs(
+            model, tokens[:, step : step + 1], state, step, max_len, cfg, special
+        )
         V = lprobs.shape[-1]
 
         # BeamSearch.step: the 2·beam best continuations of each sentence.
@@ -237,34 +312,29 @@ def _finalize(
     return newly
 
 
+@_separate_ids_accepted
 @torch.no_grad()
 def greedy_search(
     model: EncoderDecoder,
     src: Tensor,
     src_mask: Tensor | None,
     cfg: GenerationConfig,
-    eos_id: int,
-    pad_id: int,
-    unk_id: int | None = None,
-    bos_id: int | None = None,
+    special: SpecialTokens,
 ) -> list[Hypothesis]:
     """The most probable next token at every step (the same masks and limits as the beam)."""
-    B, S = src.shape
-    max_len = max_output_len(model, S, cfg)
-    state = model.initial_state(model.encode(src, src_mask))
-    prev = src.new_full((B, 1), eos_id if bos_id is None else bos_id)
-    out = src.new_full((B, max_len + 1), pad_id)
+    B = src.shape[0]
+    max_len, state = _start(model, src, src_mask, cfg, 1)
+    prev = src.new_full((B, 1), special.start)
+    out = src.new_full((B, max_len + 1), special.pad)
     logp = torch.zeros(B, max_len + 1, dtype=torch.float32, device=src.device)
     length = torch.full((B,), max_len + 1, dtype=torch.long, device=src.device)
     for step in range(max_len + 1):
-        logits, state = model.step(prev, state)
-        lprobs = F.log_softmax(logits[:, -1].float(), dim=-1)
-        _mask_lprobs(lprobs, step, max_len, cfg, eos_id, pad_id, unk_id)
+        lprobs, state = _next_lprobs(model, prev, state, step, max_len, cfg, special)
         best, prev = lprobs.max(dim=-1, keepdim=True)
         running = length > step
         out[:, step] = torch.where(running, prev[:, 0], out[:, step])
         logp[:, step] = torch.where(running, best[:, 0], logp[:, step])
-        length = torch.where(running & prev[:, 0].eq(eos_id), step + 1, length)
+        length = torch.where(running & prev[:, 0].eq(special.eos), step + 1, length)
         if not bool((length > step + 1).any()):
             break
     hyps = []
@@ -275,15 +345,14 @@ def greedy_search(
     return hyps
 
 
+@_separate_ids_accepted
 def generate(
     model: EncoderDecoder,
     src: Tensor,
     src_mask: Tensor | None,
     cfg: GenerationConfig,
-    eos_id: int,
-    pad_id: int,
-    unk_id: int | None = None,
+    special: SpecialTokens,
 ) -> list[Hypothesis]:
     """The best hypothesis of each sentence by beam search (`cfg.beam`)."""
-    nbest = beam_search(model, src, src_mask, cfg, eos_id, pad_id, unk_id)
+    nbest = beam_search(model, src, src_mask, cfg, special)
     return [h[0] for h in nbest]

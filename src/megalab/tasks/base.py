@@ -11,7 +11,7 @@ import random
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 
 import lightning as L
 import numpy as np
@@ -24,6 +24,9 @@ from megalab.models.base import Backbone, BackboneConfig, BackboneOutput, Backbo
 from megalab.optim import build_optimizer, describe_groups
 from megalab.utils.distributed import gather_from_ranks
 from megalab.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +53,53 @@ class NonFiniteLossError(UserError, RuntimeError):
     """The training loss became NaN or infinite."""
 
 
+class TaskOptions(TypedDict, total=False):
+    """The keyword arguments every task passes on to `TaskBase` (`task.optim`, `task.scheduler`,
+    `task.check_finite` and `task.compile` in the Hydra configs)."""
+
+    optim: Mapping[str, Any] | None
+    scheduler: Callable[..., Any] | None
+    check_finite: bool
+    compile: bool
+
+
 class TaskBase(L.LightningModule):
     """What every task shares, whatever its model: optimizer and schedule from config,
-    throughput, loud failures and exact resume.
+    throughput, loud failures, compilation and exact resume.
 
     `optim` is the `optim` config group, instantiated: `optimizer` (a partial taking parameter
     groups) and `param_groups` (rules, see `megalab.optim`). `scheduler` is a partial taking
-    `(optimizer, total_steps)`; total steps come from the trainer.
+    `(optimizer, total_steps)`; total steps come from the trainer. `check_finite` stops training
+    at a NaN or infinite loss. `compile` runs the submodule named by `compile_target` through
+    `torch.compile` for training.
     """
+
+    #: The attribute holding the module `compile=True` compiles (set by each kind of task).
+    compile_target: ClassVar[str | None] = None
 
     def __init__(
         self,
         optim: Mapping[str, Any] | None = None,
         scheduler: Callable[..., Any] | None = None,
         check_finite: bool = True,
+        compile: bool = False,
     ) -> None:
         super().__init__()
+        if compile and self.compile_target is None:
+            raise ValueError(f"{type(self).__name__} has no module to compile (compile_target)")
         self.optim_cfg = optim
         self.scheduler_fn = scheduler
         self.check_finite = check_finite
+        # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
+        self.compile_for_fit = compile
         self._t_last: float | None = None
         self._pending_metric_states: dict[str, Any] | None = None
+
+    def setup(self, stage: str) -> None:
+        if self.compile_for_fit and stage == "fit" and self.compile_target is not None:
+            # torch.compile of a Module returns an OptimizedModule wrapping it.
+            module = getattr(self, self.compile_target)
+            setattr(self, self.compile_target, torch.compile(module))
 
     # -- optimisation ---------------------------------------------------------------------------
     def configure_optimizers(self) -> Any:
@@ -222,17 +251,15 @@ class SequenceTask(TaskBase):
     # Any module that meets `BackboneProtocol` (checked in __init__), typed as the base class
     # that spells the contract out (initial_state, max_len, causal and nn.Module's methods).
     backbone: Backbone
+    compile_target = "backbone"
 
     def __init__(
         self,
         encoder: nn.Module,
         backbone: nn.Module | BackboneConfig,
-        optim: Mapping[str, Any] | None = None,
-        scheduler: Callable[..., Any] | None = None,
-        check_finite: bool = True,
-        compile: bool = False,
+        **options: Unpack[TaskOptions],
     ) -> None:
-        super().__init__(optim, scheduler, check_finite)
+        super().__init__(**options)
         backbone = built(backbone)
         if not isinstance(backbone, BackboneProtocol):
             raise TypeError(
@@ -242,15 +269,8 @@ class SequenceTask(TaskBase):
             )
         self.encoder = encoder
         self.backbone = cast(Backbone, backbone)
-        # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
-        self.compile_backbone = compile
 
     # -- model ----------------------------------------------------------------------------------
-    def setup(self, stage: str) -> None:
-        if self.compile_backbone and stage == "fit":
-            # torch.compile's stub returns a Callable; for a Module it returns an OptimizedModule.
-            self.backbone = torch.compile(self.backbone)  # type: ignore[assignment]
-
     def configure_model(self) -> None:
         """Under Lightning's `ModelParallelStrategy` (`trainer=model_parallel`): FSDP2 with one
         unit per backbone block (`megalab.parallel.fsdp2`). Lightning may call it again (fit,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +14,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from megalab.batch import Batch
 from megalab.models.base import BackboneConfig, BackboneOutput
 from megalab.nn.heads import POOLING_MODES, combine_pair, pair_width, pool
-from megalab.tasks.base import SequenceTask
+from megalab.tasks.base import SequenceTask, TaskOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 SPLITS = ("train", "val", "test")
 
@@ -35,12 +38,9 @@ class ClassificationTask(SequenceTask):
         num_classes: int,
         pooling: str = "mean",
         label_smoothing: float = 0.0,
-        optim: Mapping[str, Any] | None = None,
-        scheduler: Callable[..., Any] | None = None,
-        check_finite: bool = True,
-        compile: bool = False,
+        **options: Unpack[TaskOptions],
     ) -> None:
-        super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
+        super().__init__(encoder, backbone, **options)
         if pooling not in POOLING_MODES:
             raise ValueError(f"unknown pooling {pooling!r}; choose one of {POOLING_MODES}")
         self.head = head if isinstance(head, nn.Module) else head(d_in=self.head_input_width())

@@ -19,9 +19,9 @@ when batches carry `num_words`, `word_ppl` = exp(total NLL / number of words).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -32,8 +32,11 @@ from megalab.batch import Batch
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
 from megalab.nn.adaptive import AdaptiveSoftmax
 from megalab.nn.state import detach_state, pack_state, state_to, unpack_state
-from megalab.tasks.base import NonFiniteLossError, SequenceTask
+from megalab.tasks.base import NonFiniteLossError, SequenceTask, TaskOptions
 from megalab.utils.distributed import gather_from_ranks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 SPLITS = ("train", "val", "test")
 _STATE_KEY = "lm_train_state"
@@ -130,13 +133,11 @@ class LanguageModelingTask(SequenceTask):
         head: nn.Module,
         tie_weights: bool = False,
         carry_state: bool = False,
-        optim: Mapping[str, Any] | None = None,
-        scheduler: Callable[..., Any] | None = None,
-        check_finite: bool = True,
-        compile: bool = False,
+        *,
         loss_scale: float = 1.0,
+        **options: Unpack[TaskOptions],
     ) -> None:
-        super().__init__(encoder, backbone, optim, scheduler, check_finite, compile)
+        super().__init__(encoder, backbone, **options)
         check_causal(self.backbone)
         # The optimised loss is loss_scale x the mean NLL (the logged train/loss is not scaled).
         # 0.5 reproduces the LaMemo code's `(loss + mem_loss) / 2` with mem_loss = 0: half the

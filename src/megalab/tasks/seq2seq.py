@@ -24,16 +24,16 @@ forcing).
   `<output_dir>/translations/test.{hyp,hyp.tok}.<lang>` in corpus order.
 
 The text pipeline (Moses, BPE, dictionary) comes from the datamodule (`pipeline()`); checkpoints
-store it with the model's class and arguments, so a checkpoint alone translates
+store it with the model's class and options, so a checkpoint alone translates
 (`megalab-translate`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -41,11 +41,15 @@ from torch import Tensor, nn
 from torchmetrics import SumMetric
 
 from megalab.batch import Batch
-from megalab.generation.beam import GenerationConfig, beam_search
+from megalab.generation.beam import GenerationConfig, SpecialTokens, beam_search
 from megalab.generation.bleu import CorpusBLEU, sacrebleu_score
 from megalab.models.base import unwrap
-from megalab.models.seq2seq import EncoderDecoder
-from megalab.tasks.base import TaskBase
+from megalab.models.seq2seq import EncoderDecoder, EncoderDecoderConfig
+from megalab.tasks.base import TaskBase, TaskOptions
+from megalab.utils.distributed import gather_from_ranks
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +65,16 @@ def decoder_inputs(targets: Tensor, target_mask: Tensor, eos_id: int) -> Tensor:
     return torch.where(target_mask, shifted, targets)
 
 
-def _gather(obj: Any) -> list[Any]:
-    """`obj` from every process (a one-element list without distributed training)."""
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
-    return [obj]
-
-
 class Seq2SeqTask(TaskBase):
     """Teacher-forced training and beam-search evaluation of an encoder-decoder.
 
+    A `TaskBase`, not a `SequenceTask`: the model is one encoder-decoder, not an encoder and a
+    backbone; `compile` compiles it.
+
     Args:
-        model: an `EncoderDecoder` (e.g. `MegaEncoderDecoder`, `TransformerEncoderDecoder`).
+        model: an `EncoderDecoder` (e.g. `MegaEncoderDecoder`, `TransformerEncoderDecoder`), or
+            its config (`MegaEncoderDecoderConfig`, ...: what `model.encoder_decoder` builds),
+            from which the model is built here.
         pad_id, eos_id, unk_id: the dictionary's special ids.
         label_smoothing: ε of the training loss (0.1 in Table 10).
         generation: test decoding (`GenerationConfig` fields: beam, len_penalty, max_len_a,
@@ -83,11 +82,14 @@ class Seq2SeqTask(TaskBase):
         val_generation: validation decoding for `val/bleu`.
         val_bleu: compute validation BLEU (False: loss only).
         save_translations: write the test translations into the run directory.
+        optim, scheduler, check_finite, compile: as `TaskBase` takes them (`TaskOptions`).
     """
+
+    compile_target = "model"
 
     def __init__(
         self,
-        model: EncoderDecoder,
+        model: EncoderDecoder | EncoderDecoderConfig,
         pad_id: int = 1,
         eos_id: int = 2,
         unk_id: int = 3,
@@ -96,12 +98,11 @@ class Seq2SeqTask(TaskBase):
         val_generation: Mapping[str, Any] | None = None,
         val_bleu: bool = True,
         save_translations: bool = True,
-        optim: Mapping[str, Any] | None = None,
-        scheduler: Callable[..., Any] | None = None,
-        check_finite: bool = True,
-        compile: bool = False,
+        **options: Unpack[TaskOptions],
     ) -> None:
-        super().__init__(optim, scheduler, check_finite)
+        super().__init__(**options)
+        if isinstance(model, EncoderDecoderConfig):
+            model = model.build()
         if not isinstance(model, EncoderDecoder):
             raise TypeError(
                 f"{type(model).__name__} is not an encoder-decoder: the seq2seq task needs a "
@@ -118,7 +119,6 @@ class Seq2SeqTask(TaskBase):
         self.val_generation = GenerationConfig(**dict(val_generation or {}))
         self.val_bleu_enabled = val_bleu
         self.save_translations = save_translations
-        self.compile_model = compile
         self.pipeline: Any = None  # megalab.data.wmt.TextPipeline
         self.sums = nn.ModuleDict(
             {
@@ -137,16 +137,16 @@ class Seq2SeqTask(TaskBase):
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
         if self.pipeline is None and callable(getattr(datamodule, "pipeline", None)):
             self.pipeline = datamodule.pipeline()  # type: ignore[union-attr]
-        if self.compile_model and stage == "fit":
-            self.model = torch.compile(self.model)  # type: ignore[assignment]
+        super().setup(stage)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
         if self.pipeline is not None:
             checkpoint[_PIPELINE_KEY] = self.pipeline.state()
-        # What `megalab-translate` rebuilds the model from (an allow-listed class name).
+        # What `megalab-translate` rebuilds the model from: an allow-listed class name and its
+        # config's fields (`EncoderDecoder.from_options`).
         model = cast(EncoderDecoder, unwrap(self.model))
-        checkpoint[MODEL_KEY] = {"class": type(model).__name__, "config": dict(model.config)}
+        checkpoint[MODEL_KEY] = {"class": type(model).__name__, "config": model.config.options()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -221,7 +221,8 @@ class Seq2SeqTask(TaskBase):
         self, src: Tensor, mask: Tensor | None, cfg: GenerationConfig
     ) -> list[Tensor]:
         """The best output ids (ending with `</s>`) of each source sentence."""
-        nbest = beam_search(self.model, src, mask, cfg, self.eos_id, self.pad_id, self.unk_id)
+        special = SpecialTokens(eos=self.eos_id, pad=self.pad_id, unk=self.unk_id)
+        nbest = beam_search(self.model, src, mask, cfg, special)
         return [h[0].tokens for h in nbest]
 
     def _bleu_update(self, batch: Batch) -> None:
@@ -277,7 +278,7 @@ class Seq2SeqTask(TaskBase):
         if self.test_bleu.update_called:
             self.log("test/bleu", self.test_bleu.compute().float())
             self.test_bleu.reset()
-        outputs = sorted({i: (tok, detok) for part in _gather(self._test_outputs)
+        outputs = sorted({i: (tok, detok) for part in gather_from_ranks(self._test_outputs)
                           for i, tok, detok in part}.items())  # fmt: skip
         datamodule = getattr(self._trainer, "datamodule", None) if self._trainer else None
         if not outputs or not callable(getattr(datamodule, "references", None)):

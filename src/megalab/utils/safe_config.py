@@ -212,8 +212,9 @@ def _tag_message(path: Path, text: str, err: yaml.MarkedYAMLError) -> str:
 def load_run_config(path: str | os.PathLike[str]) -> DictConfig:
     """A run folder's saved config (`.hydra/config.yaml`): safe YAML, a mapping, and no
     resolver outside `SAFE_RESOLVERS`. Its targets are checked by the caller, on the groups it
-    builds (`check_targets`); a backbone class named with its options beside it, as runs from
-    before backbones took their config object do, is read as its config class (with a warning)."""
+    builds (`check_targets`); a model class named with its options beside it, as runs from
+    before the models took their config object do, is read as its config class (with a
+    warning)."""
     path = Path(path)
     text = path.read_text(encoding="utf-8")
     try:
@@ -230,14 +231,18 @@ def load_run_config(path: str | os.PathLike[str]) -> DictConfig:
 
 
 def upgrade_backbone_targets(cfg: Any, source: str = "the config") -> None:
-    """Rewrite, in place, each `_target_` that names a backbone class with its options beside it
-    (`_target_: megalab.models.mega.Mega`, `chunk_size: 128`) to name the backbone's config
-    class (`megalab.models.mega.MegaConfig`), which the task builds the backbone from.
+    """Rewrite, in place, each `_target_` that names a model class with its options beside it
+    (`_target_: megalab.models.mega.Mega`, `chunk_size: 128`) to name the model's config class
+    (`megalab.models.mega.MegaConfig`), which the task builds the model from. The same holds for
+    the encoder-decoders (`megalab.models.mega.translation.MegaEncoderDecoder` ->
+    `MegaEncoderDecoderConfig`): every class under `megalab.models` whose constructor takes a
+    config dataclass.
 
-    Backbones take their config object since megalab's model folders; configs and saved runs
-    written before keep working, with a FutureWarning that names the new target. The options
-    keep their names (`model.backbone.chunk_size`). Interpolated targets are left to their
-    source; only megalab's own classes are looked up (`megalab_object`).
+    Backbones take their config object since megalab's model folders, the encoder-decoders
+    since after; configs, saved runs and exports written before keep working, with a
+    FutureWarning that names the new target. The options keep their names
+    (`model.backbone.chunk_size`, `model.encoder_decoder.dropout`). Interpolated targets are
+    left to their source; only megalab's own classes are looked up (`megalab_object`).
     """
     from megalab.utils.options import config_class_of
 
@@ -254,7 +259,7 @@ def upgrade_backbone_targets(cfg: Any, source: str = "the config") -> None:
         if megalab_object(new) is not config_class:
             new = f"{config_class.__module__}.{config_class.__qualname__}"
         warnings.warn(
-            f"{source}: `_target_: {target}` with the backbone's options beside it is "
+            f"{source}: `_target_: {target}` with the model's options beside it is "
             f"deprecated; name its config class instead, `_target_: {new}` (the options keep "
             "their names). It was read as that.",
             FutureWarning,

@@ -46,11 +46,12 @@ from megalab.models.mega.model import (
     MovingAverageGatedAttention,
     mega_ffn,
 )
-from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
+from megalab.models.seq2seq import EncoderDecoder, EncoderDecoderConfig, EncoderOut
 from megalab.nn.embedding import TokenEmbedding
 from megalab.nn.masking import zero_pads
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.state import register_state
+from megalab.utils.options import option, rate
 
 
 @register_state
@@ -109,105 +110,117 @@ class MegaDecoderLayer(nn.Module):
         return x, new_state
 
 
-class MegaEncoderDecoder(EncoderDecoder):
-    """The Mega encoder-decoder (`mega_wmt_en_de`: the defaults; `_big`: d 1024, z 256, v 2048).
-
-    Args:
-        vocab_size: the (joint) vocabulary.  pad_id: its padding id.
-        d_model: d.  encoder_layers, decoder_layers: number of layers.
-        z_dim: z.  v_dim: v.  ffn_dim: d_FFN (≤ 0: no FFN).  ema_dim: h.
-        encoder_chunk_size, decoder_chunk_size: attention chunks (-1: full attention, as MT).
-        truncation: EMA kernel length (None: untruncated, see the module docstring).
-        attention_activation: softmax | laplace | relu2 (Table 6: Mega-softmax, Mega-laplace).
-        rel_pos_bias: simple | rotary.
-        max_source_positions, max_target_positions: longest source/target (the 'simple' bias
-            tables; fairseq's default 1024).
-        norm_type, prenorm: as `Mega` (WMT: layernorm, post-norm).
-        dropout, attention_dropout, hidden_dropout, activation_dropout: as `Mega`; `dropout`
-            also acts on the embeddings.
-        activation: for V, Ĥ and the FFN (silu).
-        share_all_embeddings: one table for source, target and output (`--share-all-
-            embeddings`, which needs a joint vocabulary).
-        share_decoder_input_output_embed: tie the output projection to the target embedding
-            (implied by `share_all_embeddings`); otherwise a Linear N(0, d^-½) without bias.
+@dataclass(frozen=True)
+class MegaEncoderDecoderConfig(EncoderDecoderConfig):
+    """Every option of the Mega encoder-decoder: the shared ones (`EncoderDecoderConfig`) and
+    the Mega layers' (as `MegaConfig`'s). The defaults are the authors' `mega_wmt_en_de`;
+    `mega_wmt_en_de_big` is d_model 1024, z_dim 256, v_dim = ffn_dim 2048 (dropout 0.3).
     """
 
-    def __init__(
-        self,
-        vocab_size: int,
-        pad_id: int,
-        d_model: int = 512,
-        encoder_layers: int = 6,
-        decoder_layers: int = 6,
-        z_dim: int = 128,
-        v_dim: int = 1024,
-        ffn_dim: int = 1024,
-        ema_dim: int = 16,
-        encoder_chunk_size: int = -1,
-        decoder_chunk_size: int = -1,
-        truncation: int | None = None,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        max_source_positions: int = 1024,
-        max_target_positions: int = 1024,
-        norm_type: str = "layernorm",
-        prenorm: bool = False,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.1,
-        hidden_dropout: float = 0.1,
-        activation_dropout: float = 0.1,
-        activation: str = "silu",
-        share_all_embeddings: bool = True,
-        share_decoder_input_output_embed: bool = True,
-    ) -> None:
-        super().__init__(constructor_arguments(locals()))
-        common = dict(
-            d_model=d_model,
-            z_dim=z_dim,
-            v_dim=v_dim,
-            ffn_dim=ffn_dim,
-            ema_dim=ema_dim,
-            truncation=truncation,
-            attention_activation=attention_activation,
-            rel_pos_bias=rel_pos_bias,
-            norm_type=norm_type,
-            prenorm=prenorm,
-            dropout=dropout,
-            attention_dropout=attention_dropout,
-            hidden_dropout=hidden_dropout,
-            activation_dropout=activation_dropout,
-            activation=activation,
+    z_dim: int = option(128, ge=1, doc="z, the shared Q/K width (--encoder-z-dim)")
+    v_dim: int = option(1024, ge=1, doc="v, the value width (--encoder-hidden-dim)")
+    ffn_dim: int = option(1024, doc="d_FFN (<= 0: no FFN)", note=" (<= 0: no FFN)")
+    ema_dim: int = option(
+        16, ge=0, doc="h, the EMA expansion (--encoder-n-dim)", note=" (0 removes the EMA)"
+    )
+    encoder_chunk_size: int = option(
+        -1, ge=1, also={-1: "no chunking"}, doc="the encoder's attention chunk (-1: full, as MT)"
+    )
+    decoder_chunk_size: int = option(
+        -1, ge=1, also={-1: "no chunking"}, doc="the decoder's attention chunk (-1: full, as MT)"
+    )
+    truncation: int | None = option(
+        None,
+        doc="EMA kernel length (None: untruncated; the README's --truncation-length 0 is read "
+        "as None, see the module docstring)",
+    )
+    attention_activation: str = option(
+        "softmax", doc="softmax | laplace | relu2 (Table 6: Mega-softmax, Mega-laplace)"
+    )
+    rel_pos_bias: str = option(
+        "simple",
+        doc="simple | rotary; the 'simple' tables have max_source_positions / "
+        "max_target_positions entries, the cross-attention's the larger of the two",
+    )
+    norm_type: str = option(
+        "layernorm",
+        doc="layernorm | scalenorm | rmsnorm | batchnorm | syncbatchnorm (WMT: layernorm)",
+    )
+    attention_dropout: float = rate(0.1, doc="on the attention weights")
+    hidden_dropout: float = rate(0.1, doc="on V (--hidden-dropout)")
+    activation_dropout: float = rate(0.1, doc="on the FFN hidden layer (--activation-dropout)")
+    activation: str = option("silu", doc="for V, Ĥ and the FFN: silu | gelu | gelu_accurate | relu")
+    share_decoder_input_output_embed: bool = option(
+        True,
+        doc="tie the output projection to the target embedding (implied by "
+        "share_all_embeddings); otherwise a Linear N(0, d^-½) without bias",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.stack_config(causal=False)  # the layers' own checks, before anything is built
+        self.stack_config(causal=True)
+
+    def stack_config(self, causal: bool) -> MegaConfig:
+        """The `MegaConfig` of the encoder's layers (`causal=False`: bidirectional EMA) or of the
+        decoder's MAGA and NFFN (`causal=True`)."""
+        return MegaConfig(
+            d_model=self.d_model,
+            num_layers=self.decoder_layers if causal else self.encoder_layers,
+            z_dim=self.z_dim,
+            v_dim=self.v_dim,
+            ffn_dim=self.ffn_dim,
+            ema_dim=self.ema_dim,
+            chunk_size=self.decoder_chunk_size if causal else self.encoder_chunk_size,
+            truncation=self.truncation,
+            attention_activation=self.attention_activation,
+            rel_pos_bias=self.rel_pos_bias,
+            max_positions=self.max_target_positions if causal else self.max_source_positions,
+            norm_type=self.norm_type,
+            prenorm=self.prenorm,
+            causal=causal,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            hidden_dropout=self.hidden_dropout,
+            activation_dropout=self.activation_dropout,
+            activation=self.activation,
         )
-        self.encoder_config = MegaConfig(
-            num_layers=encoder_layers,
-            chunk_size=encoder_chunk_size,
-            max_positions=max_source_positions,
-            causal=False,
-            **common,  # type: ignore[arg-type]
-        )
-        self.decoder_config = MegaConfig(
-            num_layers=decoder_layers,
-            chunk_size=decoder_chunk_size,
-            max_positions=max_target_positions,
-            causal=True,
-            **common,  # type: ignore[arg-type]
-        )
-        self.embed_src = mt_embedding(vocab_size, d_model, pad_id, dropout)
+
+    def build(self) -> MegaEncoderDecoder:
+        """The `MegaEncoderDecoder` this config describes."""
+        return MegaEncoderDecoder(self)
+
+
+class MegaEncoderDecoder(EncoderDecoder):
+    """The Mega encoder-decoder, built from its `MegaEncoderDecoderConfig` (whose fields
+    document the options; the defaults are `mega_wmt_en_de`). `dropout` also acts on the
+    embeddings; `share_all_embeddings` needs a joint vocabulary."""
+
+    config: MegaEncoderDecoderConfig
+
+    def __init__(self, config: MegaEncoderDecoderConfig) -> None:
+        super().__init__(config)
+        d_model = config.d_model
+        self.encoder_config = config.stack_config(causal=False)
+        self.decoder_config = config.stack_config(causal=True)
+        self.embed_src = mt_embedding(config.vocab_size, d_model, config.pad_id, config.dropout)
         self.embed_tgt = (
             self.embed_src
-            if share_all_embeddings
-            else mt_embedding(vocab_size, d_model, pad_id, dropout)
+            if config.share_all_embeddings
+            else mt_embedding(config.vocab_size, d_model, config.pad_id, config.dropout)
         )
         self.encoder = Mega(self.encoder_config)
-        cross_max = max(max_source_positions, max_target_positions)
+        cross_max = max(config.max_source_positions, config.max_target_positions)
         self.decoder_layers = nn.ModuleList(
-            MegaDecoderLayer(self.decoder_config, cross_max) for _ in range(decoder_layers)
+            MegaDecoderLayer(self.decoder_config, cross_max) for _ in range(config.decoder_layers)
         )
-        self.decoder_final_norm = SequenceNorm(norm_type, d_model) if prenorm else None
-        self.tied_output = share_all_embeddings or share_decoder_input_output_embed
+        self.decoder_final_norm = (
+            SequenceNorm(config.norm_type, d_model) if config.prenorm else None
+        )
+        self.tied_output = config.share_all_embeddings or config.share_decoder_input_output_embed
         self.output_proj: nn.Linear | None = None
         if not self.tied_output:
-            self.output_proj = nn.Linear(d_model, vocab_size, bias=False)
+            self.output_proj = nn.Linear(d_model, config.vocab_size, bias=False)
             nn.init.normal_(self.output_proj.weight, mean=0.0, std=d_model**-0.5)
 
     # -- encoder --------------------------------------------------------------------------------

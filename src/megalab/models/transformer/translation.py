@@ -40,12 +40,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.models.mega.translation import mt_embedding
-from megalab.models.seq2seq import EncoderDecoder, EncoderOut, constructor_arguments
+from megalab.models.seq2seq import EncoderDecoder, EncoderDecoderConfig, EncoderOut
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import get_activation
 from megalab.nn.masking import zero_pads
 from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
 from megalab.nn.state import register_state
+from megalab.utils.options import option, rate
 
 
 def fairseq_sinusoidal_positions(positions: Tensor, d_model: int) -> Tensor:
@@ -212,57 +213,61 @@ class TransformerDecoderState:
     position: int
 
 
+@dataclass(frozen=True)
+class TransformerEncoderDecoderConfig(EncoderDecoderConfig):
+    """Every option of the Transformer encoder-decoder: the shared ones (`EncoderDecoderConfig`;
+    `dropout` acts on the embeddings, the attention outputs and the FFN outputs) and its own.
+    The defaults are fairseq's `transformer_wmt_en_de` (Transformer-base)."""
+
+    num_heads: int = option(8, ge=1, doc="attention heads (a divisor of d_model)")
+    ffn_dim: int = option(2048, ge=1, doc="the FFN hidden width")
+    attention_dropout: float = rate(0.0, doc="on the attention weights")
+    activation_dropout: float = rate(0.0, doc="on the FFN hidden layer")
+    activation: str = option("relu", doc="of the FFN hidden layer (fairseq's default relu)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+            )
+
+    def layer_spec(self) -> LayerSpec:
+        """What every encoder and decoder layer is built from."""
+        return LayerSpec(self.d_model, self.num_heads, self.ffn_dim, self.dropout,
+                         self.attention_dropout, self.activation_dropout, self.activation,
+                         self.prenorm)  # fmt: skip
+
+    def build(self) -> TransformerEncoderDecoder:
+        """The `TransformerEncoderDecoder` this config describes."""
+        return TransformerEncoderDecoder(self)
+
+
 class TransformerEncoderDecoder(EncoderDecoder):
-    """fairseq's Transformer (`transformer_wmt_en_de`: the defaults) for translation.
+    """fairseq's Transformer for translation, built from its `TransformerEncoderDecoderConfig`
+    (whose fields document the options; the defaults are `transformer_wmt_en_de`)."""
 
-    Args:
-        vocab_size, pad_id: the joint vocabulary and its padding id.
-        d_model: model width.  num_heads: attention heads.  ffn_dim: FFN hidden width.
-        encoder_layers, decoder_layers: stack depths.
-        dropout: on embeddings, attention outputs and FFN outputs.
-        attention_dropout: on attention weights.  activation_dropout: on the FFN hidden layer.
-        activation: relu (fairseq's default).
-        prenorm: fairseq's `--encoder/decoder-normalize-before` (False in Transformer-base).
-        max_source_positions, max_target_positions: longest source/target (fairseq 1024).
-        share_all_embeddings: one table for source, target and output projection.
-    """
+    config: TransformerEncoderDecoderConfig
 
-    def __init__(
-        self,
-        vocab_size: int,
-        pad_id: int,
-        d_model: int = 512,
-        num_heads: int = 8,
-        ffn_dim: int = 2048,
-        encoder_layers: int = 6,
-        decoder_layers: int = 6,
-        dropout: float = 0.1,
-        attention_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        activation: str = "relu",
-        prenorm: bool = False,
-        max_source_positions: int = 1024,
-        max_target_positions: int = 1024,
-        share_all_embeddings: bool = True,
-    ) -> None:
-        super().__init__(constructor_arguments(locals()))
-        spec = LayerSpec(d_model, num_heads, ffn_dim, dropout, attention_dropout,
-                         activation_dropout, activation, prenorm)  # fmt: skip
+    def __init__(self, config: TransformerEncoderDecoderConfig) -> None:
+        super().__init__(config)
+        spec = config.layer_spec()
+        d_model, vocab_size, pad_id = config.d_model, config.vocab_size, config.pad_id
         self.embed_src = mt_embedding(vocab_size, d_model, pad_id, dropout=0.0)
         self.embed_tgt = (
             self.embed_src
-            if share_all_embeddings
+            if config.share_all_embeddings
             else mt_embedding(vocab_size, d_model, pad_id, dropout=0.0)
         )
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(config.dropout)
         self.encoder_layers = nn.ModuleList(
-            TransformerEncoderLayer(spec) for _ in range(encoder_layers)
+            TransformerEncoderLayer(spec) for _ in range(config.encoder_layers)
         )
         self.decoder_layers = nn.ModuleList(
-            TransformerDecoderLayer(spec) for _ in range(decoder_layers)
+            TransformerDecoderLayer(spec) for _ in range(config.decoder_layers)
         )
-        self.encoder_norm = nn.LayerNorm(d_model) if prenorm else None
-        self.decoder_norm = nn.LayerNorm(d_model) if prenorm else None
+        self.encoder_norm = nn.LayerNorm(d_model) if config.prenorm else None
+        self.decoder_norm = nn.LayerNorm(d_model) if config.prenorm else None
 
     def _embed(self, embed: nn.Module, tokens: Tensor, mask: Tensor | None, start: int) -> Tensor:
         """√d E[tokens] + P[positions] then dropout; positions from pad_id + 1 + `start`."""
