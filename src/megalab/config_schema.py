@@ -130,29 +130,39 @@ RULES: dict[str, Rule] = {
     "scheduler.min_lr_ratio": number(0.0, 1.0),
     "scheduler.warmup_power": number(0.0, lo_open=True),
     "scheduler.decay_steps": integer(1, null=True),
-    # the model's width (the backbone's options: `backbone_rules`)
+    # the model's width (the backbone's options: `model_rules`)
     "model.d_model": integer(1),
     # checkpoints
     "callbacks.last_checkpoint.every_n_train_steps": integer(1, null=True),
     "callbacks.last_checkpoint.every_n_minutes": number(0.0, lo_open=True, null=True),
 }
+# The parts of `model` built from a config dataclass, whose fields give their own rules.
+MODEL_PARTS = ("backbone", "encoder_decoder")
 # Dropout rates anywhere else in the model (encoder, head): probabilities.
 _DROPOUT = number(0.0, 1.0, hi_open=True)
 
 
+def model_rules(cfg: DictConfig) -> dict[str, Rule]:
+    """`model.<part>.<field>` -> rule, for every field of the config dataclass that
+    `model.backbone._target_` (or a translation model's `model.encoder_decoder._target_`)
+    names (`megalab.utils.options`); none for a target that is not one of megalab's models
+    built from a config dataclass."""
+    rules: dict[str, Rule] = {}
+    for part in MODEL_PARTS:
+        try:
+            target = OmegaConf.select(cfg, f"model.{part}._target_")
+        except OmegaConfBaseException:
+            continue
+        model = megalab_object(target) if isinstance(target, str) else None
+        config_class = config_class_of(model) if isinstance(model, type) else None
+        if config_class is not None:
+            rules.update({f"model.{part}.{k}": r for k, r in option_rules(config_class).items()})
+    return rules
+
+
 def backbone_rules(cfg: DictConfig) -> dict[str, Rule]:
-    """`model.backbone.<field>` -> rule, for every field of the config dataclass of the backbone
-    that `model.backbone._target_` names (`megalab.utils.options`); none for a target that is
-    not one of megalab's backbones built from a config dataclass."""
-    try:
-        target = OmegaConf.select(cfg, "model.backbone._target_")
-    except OmegaConfBaseException:
-        return {}
-    backbone = megalab_object(target) if isinstance(target, str) else None
-    config_class = config_class_of(backbone) if isinstance(backbone, type) else None
-    if config_class is None:
-        return {}
-    return {f"model.backbone.{k}": rule for k, rule in option_rules(config_class).items()}
+    """The `model_rules` of `model.backbone` alone."""
+    return {k: r for k, r in model_rules(cfg).items() if k.startswith("model.backbone.")}
 
 
 def _value(cfg: DictConfig, key: str) -> tuple[bool, Any]:
@@ -189,7 +199,7 @@ def _dropouts(cfg: DictConfig) -> list[str]:
 def problems(cfg: DictConfig) -> list[str]:
     """One line per key whose value does not fit its rule."""
     out = []
-    derived = backbone_rules(cfg)
+    derived = model_rules(cfg)
     dropouts = ((k, _DROPOUT) for k in _dropouts(cfg) if k not in derived)
     checks = [*RULES.items(), *derived.items(), *dropouts]
     for key, rule in checks:

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from megalab.config_schema import ConfigError, backbone_rules, problems, validate
+from megalab.config_schema import ConfigError, backbone_rules, model_rules, problems, validate
 from megalab.models.mega import MegaConfig
 from megalab.models.megalodon import MegalodonConfig
 from megalab.models.s4d import S4DConfig
@@ -189,3 +189,16 @@ def test_the_dataclasses_take_numpy_scalars_as_before() -> None:
     assert MegaConfig(num_layers=np.int64(2), dropout=np.float64(0.1)).num_layers == 2
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
         MegaConfig(num_layers=np.int64(0))
+
+
+@pytest.mark.parametrize("name", ["seq2seq/mega", "seq2seq/transformer"])
+def test_translation_model_options_get_their_declared_rules(name: str) -> None:
+    cfg = run_config(name)
+    cls = config_class_of(megalab_object(cfg.model.encoder_decoder._target_))
+    assert cls is not None
+    fields = {f"model.encoder_decoder.{f.name}" for f in dataclasses.fields(cls) if f.init}
+    assert fields <= set(model_rules(cfg))
+    assert problems(cfg) == []
+    with pytest.raises(ConfigError) as err:
+        validate(run_config(name, "model.encoder_decoder.decoder_layers=0"))
+    assert "model.encoder_decoder.decoder_layers=0: expected an integer >= 1" in str(err.value)

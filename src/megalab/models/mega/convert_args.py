@@ -3,7 +3,7 @@ megalab's: each option is mapped, known to have no effect, or refused with the r
 
     mega_kwargs_from_fairseq              LRAModel's args        -> `MegaConfig(**kwargs)`
     maga_config_from_reference            a reference layer's kwargs -> `MegaConfig`
-    mega_translation_kwargs_from_fairseq  MegaModel's (MT) args  -> `MegaEncoderDecoder(**kwargs)`
+    mega_translation_kwargs_from_fairseq  MegaModel's (MT) args  -> `MegaEncoderDecoderConfig(...)`
 
 (`megalab.models.mega.convert` converts the weights and re-exports these.)
 """
@@ -299,7 +299,7 @@ def check_fairseq_translation_args(args: Mapping[str, Any]) -> None:
 
 
 def mega_translation_kwargs_from_fairseq(args: Mapping[str, Any] | Any) -> dict[str, Any]:
-    """`MegaEncoderDecoder(...)` keyword arguments (without vocab_size/pad_id) from the
+    """`MegaEncoderDecoderConfig(...)` keyword arguments (without vocab_size/pad_id) from the
     arguments of a fairseq `mega` translation checkpoint (after its arch defaults).
 
     The namespace is checked first (`check_fairseq_translation_args`): an option megalab cannot
