@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from golden import rel_err
 from megalab.models.mega.convert import convert_gated_cross_attention
 from megalab.models.mega.cross_attention import GatedCrossAttention
+from megalab.models.mega.model import MegaConfig
 
 D, Z, M = 16, 8, 24  # d_model, z_dim, bias table size (max positions)
 TOL = 1e-12
@@ -112,9 +113,8 @@ def code_params(seed: int) -> dict[str, torch.Tensor]:
 
 
 def ours(activation: str, prenorm: bool, params: dict[str, torch.Tensor]) -> GatedCrossAttention:
-    module = GatedCrossAttention(
-        D, Z, attention_activation=activation, max_positions=M, prenorm=prenorm
-    ).double()
+    cfg = MegaConfig(d_model=D, z_dim=Z, attention_activation=activation, prenorm=prenorm)
+    module = GatedCrossAttention(cfg, max_positions=M).double()
     state = {k: v.detach().clone() for k, v in convert_gated_cross_attention(params).items()}
     module.load_state_dict(state, strict=True)
     return module.eval()
@@ -201,6 +201,6 @@ def test_bias_positions_are_tensor_indices() -> None:
 
 
 def test_too_long_for_the_bias_table_fails_clearly() -> None:
-    module = GatedCrossAttention(D, Z, max_positions=4)
+    module = GatedCrossAttention(MegaConfig(d_model=D, z_dim=Z), max_positions=4)
     with pytest.raises(ValueError, match="relative position bias size 4"):
         module(torch.randn(1, 5, D), torch.randn(1, 3, D))

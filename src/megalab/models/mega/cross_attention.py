@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.kernels.attention_functions import check_attention_function, laplace, relu2
+from megalab.models.mega.model import MegaConfig
 from megalab.nn.attention import (
     SimpleRelativePositionalBias,
     relative_position_bias,
@@ -65,48 +66,31 @@ class CrossAttentionCache(NamedTuple):
 class GatedCrossAttention(nn.Module):
     """Mega's decoder-to-encoder attention with update and reset gates, (B, T, D) tensors.
 
-    Args:
-        d_model: d, the width of decoder states, encoder outputs, V and Ĥ.
-        z_dim: z, the width of Q and K (softmax scale z^-½).
-        attention_activation: softmax | laplace | relu2.
-        rel_pos_bias: simple | rotary.
-        max_positions: M of the 'simple' table: the longest source or target (the code uses
-            max(max_source_positions, max_target_positions)).
-        norm_type: see `megalab.nn.norms.NORM_TYPES`.  prenorm: normalise the query input
-            (True) or the output (False).
-        dropout: on Ĥ.  attention_dropout: on A.  hidden_dropout: on V.
-        activation: for V and Ĥ (silu in every Mega config).
+    Built from the decoder's `MegaConfig`, as the MAGA layer beside it: d_model d (decoder
+    states, encoder outputs, V and Ĥ), z_dim z (Q and K, softmax scale z^-½),
+    attention_activation, rel_pos_bias, norm_type and prenorm (normalise the query input, or
+    the output), dropout (on Ĥ), attention_dropout (on A), hidden_dropout (on V) and activation
+    (for V and Ĥ). `max_positions` is M of the 'simple' table: the longest source or target
+    (the code uses max(max_source_positions, max_target_positions)).
     """
 
-    def __init__(
-        self,
-        d_model: int,
-        z_dim: int,
-        attention_activation: str = "softmax",
-        rel_pos_bias: str = "simple",
-        max_positions: int = 1024,
-        norm_type: str = "layernorm",
-        prenorm: bool = True,
-        dropout: float = 0.0,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.0,
-        activation: str = "silu",
-    ) -> None:
+    def __init__(self, cfg: MegaConfig, max_positions: int) -> None:
         super().__init__()
-        check_attention_function(attention_activation)
+        check_attention_function(cfg.attention_activation)
+        d_model, z_dim = cfg.d_model, cfg.z_dim
         self.d_model, self.z_dim = d_model, z_dim
-        self.attention_activation = attention_activation
-        self.prenorm = prenorm
-        self.act = get_activation(activation)
-        self.norm = SequenceNorm(norm_type, d_model)
+        self.attention_activation = cfg.attention_activation
+        self.prenorm = cfg.prenorm
+        self.act = get_activation(cfg.activation)
+        self.norm = SequenceNorm(cfg.norm_type, d_model)
         self.k_proj = nn.Linear(d_model, z_dim)
         self.v_proj = nn.Linear(d_model, d_model)
         self.q_proj = nn.Linear(d_model, 2 * d_model + z_dim)
         self.h_proj = nn.Linear(d_model, d_model)
-        self.rel_pos_bias = relative_position_bias(rel_pos_bias, max_positions, z_dim)
-        self.dropout = nn.Dropout(dropout)
-        self.hidden_dropout = nn.Dropout(hidden_dropout)
-        self.attention_dropout = attention_dropout
+        self.rel_pos_bias = relative_position_bias(cfg.rel_pos_bias, max_positions, z_dim)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.attention_dropout = cfg.attention_dropout
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -79,19 +79,7 @@ class MegaDecoderLayer(nn.Module):
     def __init__(self, cfg: MegaConfig, cross_max_positions: int) -> None:
         super().__init__()
         self.maga = MovingAverageGatedAttention(cfg)
-        self.cross_attn = GatedCrossAttention(
-            cfg.d_model,
-            cfg.z_dim,
-            attention_activation=cfg.attention_activation,
-            rel_pos_bias=cfg.rel_pos_bias,
-            max_positions=cross_max_positions,
-            norm_type=cfg.norm_type,
-            prenorm=cfg.prenorm,
-            dropout=cfg.dropout,
-            attention_dropout=cfg.attention_dropout,
-            hidden_dropout=cfg.hidden_dropout,
-            activation=cfg.activation,
-        )
+        self.cross_attn = GatedCrossAttention(cfg, cross_max_positions)
         self.ffn = mega_ffn(cfg) if cfg.ffn_dim > 0 else None
 
     def forward(
