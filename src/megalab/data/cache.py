@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -381,3 +382,10 @@ def check_arrays(cache: Path) -> None:
     """The `.npy` headers of every array in a cache parse and fit their files."""
     for path in sorted(cache.glob("*.npy")):
         check_npy(path, cache=cache)
+
+
+def fresh_cache(cache: Path) -> None:
+    """Empty a cache directory left half-written by an interrupted preparation."""
+    for p in cache.iterdir():
+        if p.name != "params.json":
+            shutil.rmtree(p) if p.is_dir() else p.unlink()

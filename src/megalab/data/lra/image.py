@@ -44,8 +44,8 @@ from megalab.data.cache import (
 )
 from megalab.data.hub import HubDataset
 from megalab.data.lra import release
+from megalab.data.lra.hub import LRAHubDataModule, hub_columns
 from megalab.data.lra.release import LRAFormatError
-from megalab.data.lra.text import LRAHubDataModule, hub_columns
 
 log = logging.getLogger(__name__)
 

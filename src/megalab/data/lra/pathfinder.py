@@ -47,7 +47,7 @@ from PIL import Image
 from tqdm.auto import tqdm
 
 from megalab.data.base import SequenceDataModule
-from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, fresh_cache, mark_prepared, prepared
 from megalab.data.download import require_files
 from megalab.data.lra.image import PixelSequences, load_pixels, random_split_indices
 from megalab.data.lra.release import (
@@ -57,7 +57,6 @@ from megalab.data.lra.release import (
     data_root_of,
     release_how,
 )
-from megalab.data.lra.text import fresh_cache
 
 log = logging.getLogger(__name__)
 

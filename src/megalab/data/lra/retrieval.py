@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from megalab.data.base import TokenSequences
-from megalab.data.cache import cache_dir, mark_prepared, prepared
+from megalab.data.cache import cache_dir, fresh_cache, mark_prepared, prepared
 from megalab.data.download import require_files
 from megalab.data.lra.release import LRAFormatError, binary_label, data_root_of, release_how
 from megalab.data.lra.text import (
@@ -35,7 +35,6 @@ from megalab.data.lra.text import (
     VOCAB_SIZE,
     ByteDataModule,
     encode_bytes,
-    fresh_cache,
     load_token_split,
     report_truncation,
     save_token_split,
