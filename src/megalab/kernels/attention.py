@@ -52,6 +52,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from megalab.kernels import use_kernel
+from megalab.kernels.attention_functions import key_counts
 
 try:
     import triton  # type: ignore[import-untyped]
@@ -371,14 +372,9 @@ def mega_attention_kernel(
     # Q τ⁻¹ (softmax, τ = √z) or Q / n (laplace, relu2: n keys per row), then S = Q Kᵀ + b.
     if fn == "softmax":
         q = q * (z**-0.5 if scale is None else scale)
-    elif causal:
-        n = torch.arange(q_offset + 1, q_offset + Cq + 1, device=q.device, dtype=torch.float32)
-        q = (q.float() / n.unsqueeze(1)).to(dtype)
-    elif valid is not None:
-        n = valid.sum(dim=-1).clamp(min=1).to(torch.float32)
-        q = (q.float() / n[:, None, None]).to(dtype)
     else:
-        q = q / Ck
+        n = key_counts(q_offset, q_offset + Cq, Ck, causal, valid, torch.float32, q.device)
+        q = q / n if isinstance(n, float) else (q.float() / n).to(dtype)
     w = None
     if kind == "toeplitz":
         w = b1

@@ -38,3 +38,23 @@ def laplace(x: Tensor, mu: float = LAPLACE_MU, sigma: float = LAPLACE_SIGMA) -> 
 def relu2(x: Tensor) -> Tensor:
     """relu(x)²."""
     return F.relu(x).square()
+
+
+def key_counts(
+    q_start: int,
+    q_end: int,
+    num_keys: int,
+    causal: bool,
+    valid: Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor | float:
+    """n, the number of keys each query averages over under laplace and relu² (their τ, in
+    place of softmax's √z; App. C): a causal query at position i (q_start ≤ i < q_end) sees
+    i + 1 keys, (q_end − q_start, 1); otherwise the real keys of each row of `valid` (N, Ck),
+    (N, 1, 1); otherwise all `num_keys`."""
+    if causal:
+        return torch.arange(q_start + 1, q_end + 1, device=device).unsqueeze(1).to(dtype)
+    if valid is not None:
+        return valid.sum(dim=-1).clamp(min=1).to(dtype)[..., None, None]
+    return float(num_keys)

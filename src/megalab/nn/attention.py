@@ -35,7 +35,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.kernels.attention_functions import check_attention_function, laplace, relu2
+from megalab.kernels.attention_functions import (
+    check_attention_function,
+    key_counts,
+    laplace,
+    relu2,
+)
 from megalab.nn.positions import sinusoid_frequencies
 from megalab.nn.rope import apply_rope
 from megalab.nn.state import register_state
@@ -341,13 +346,9 @@ class ChunkedAttention(nn.Module):
             )
         # laplace / relu2: τ = #non-padded keys (or i + 1 under a causal mask), no row sums.
         scores = q @ k.transpose(-1, -2)
-        n: Tensor | float
-        if causal is not None:
-            n = (torch.arange(Cq, device=q.device) + (q_offset + 1)).unsqueeze(1).to(scores.dtype)
-        elif valid is not None:
-            n = valid.sum(dim=-1).clamp(min=1).to(scores.dtype)[..., None, None]
-        else:
-            n = float(Ck)
+        n = key_counts(
+            q_offset, q_offset + Cq, Ck, causal is not None, valid, scores.dtype, q.device
+        )
         logits = (scores / n + bias).to(torch.promote_types(scores.dtype, torch.float32))
         attn = laplace(logits) if self.attention_activation == "laplace" else relu2(logits)
         if valid is not None:

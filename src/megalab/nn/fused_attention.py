@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megalab.kernels.attention_functions import LAPLACE_MU, LAPLACE_SIGMA, laplace
+from megalab.kernels.attention_functions import LAPLACE_MU, LAPLACE_SIGMA, key_counts, laplace
 
 BIAS_KINDS = ("dense", "toeplitz", "lowrank")
 # Elements of one block's (samples, rows, Ck) logits: 2^20 floats = 4 MiB in float32. Whole
@@ -164,14 +164,12 @@ def _allowed(
     return allowed
 
 
-def _divisor(spec: _Spec, valid: Tensor | None, i0: int, i1: int, ck: int, like: Tensor) -> Any:
+def _divisor(
+    spec: _Spec, valid: Tensor | None, i0: int, i1: int, ck: int, like: Tensor
+) -> Tensor | float:
     """laplace/relu2: n, the number of keys a row averages over: (rows, 1), (N, 1, 1) or Ck."""
-    if spec.causal:
-        return torch.arange(i0 + spec.q_offset + 1, i1 + spec.q_offset + 1, dtype=like.dtype,
-                            device=like.device).unsqueeze(1)  # fmt: skip
-    if valid is not None:
-        return valid.sum(dim=-1).clamp(min=1).to(like.dtype)[:, None, None]
-    return float(ck)
+    start = i0 + spec.q_offset
+    return key_counts(start, i1 + spec.q_offset, ck, spec.causal, valid, like.dtype, like.device)
 
 
 def _laplace_grad(x: Tensor) -> Tensor:
