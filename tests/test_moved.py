@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -83,6 +84,21 @@ OLD_BACKBONES = {
 }
 
 
+def load_old_run(tmp_path: Path, saved: dict[str, Any], old: str, new: str) -> Any:
+    """The run config `saved` (naming the class `old`) as a run folder reads it: with a warning
+    that names its config class `new`, and passing the allow-list of targets."""
+    import yaml
+
+    from megalab.utils.safe_config import check_targets, load_run_config
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {new}`"):
+        cfg = load_run_config(path)
+    check_targets(cfg.task, str(path))
+    return cfg
+
+
 @pytest.mark.parametrize("old", sorted(OLD_BACKBONES))
 def test_a_run_that_names_the_backbone_class_with_flat_options_still_loads(
     old: str, tmp_path: Path
@@ -90,10 +106,8 @@ def test_a_run_that_names_the_backbone_class_with_flat_options_still_loads(
     """A run saved before backbones took their config object names the backbone class with
     its options beside it; it is read as the config class, with a warning that names it."""
     import hydra
-    import yaml
 
     from megalab.models.base import built
-    from megalab.utils.safe_config import check_targets, load_run_config
 
     new, options = OLD_BACKBONES[old]
     saved = {
@@ -101,12 +115,8 @@ def test_a_run_that_names_the_backbone_class_with_flat_options_still_loads(
         "task": {"backbone": "${model.backbone}"},
     }
     saved["model"]["backbone"].update(options)  # type: ignore[index]
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(saved))
-    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {new}`"):
-        cfg = load_run_config(path)
+    cfg = load_old_run(tmp_path, saved, old, new)
     assert cfg.model.backbone._target_ == new and cfg.task.backbone._target_ == new
-    check_targets(cfg.task, str(path))
     backbone = built(hydra.utils.instantiate(cfg.task.backbone))
     assert type(backbone).__name__ == old.rsplit(".", 1)[1]
     assert backbone.config.num_layers == 1
@@ -133,10 +143,8 @@ def test_a_run_that_names_the_encoder_decoder_class_with_flat_options_still_load
     model class with its options beside it; it is read as the config class, with a warning that
     names it, and builds the model those options describe, weight for weight."""
     import hydra
-    import yaml
 
     from megalab.tasks import Seq2SeqTask
-    from megalab.utils.safe_config import check_targets, load_run_config
 
     new, options = OLD_ENCODER_DECODERS[old]
     flat = {"_target_": old, "vocab_size": 20, "pad_id": 1, "d_model": 8, "encoder_layers": 1,
@@ -145,12 +153,8 @@ def test_a_run_that_names_the_encoder_decoder_class_with_flat_options_still_load
         "model": {"d_model": 8, "encoder_decoder": flat},
         "task": {"_target_": "megalab.tasks.Seq2SeqTask", "model": "${model.encoder_decoder}"},
     }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(saved))
-    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {new}`"):
-        cfg = load_run_config(path)
+    cfg = load_old_run(tmp_path, saved, old, new)
     assert cfg.model.encoder_decoder._target_ == new and cfg.task.model._target_ == new
-    check_targets(cfg.task, str(path))
     torch.manual_seed(0)
     task = hydra.utils.instantiate(cfg.task)
     assert isinstance(task, Seq2SeqTask) and type(task.model).__name__ == old.rsplit(".", 1)[1]
