@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +176,24 @@ def test_an_export_that_names_the_backbone_class_still_loads(compose_cfg, tmp_pa
     record["task"]["backbone"]["_target_"] = "megalab.models.mega.Mega"
     (out / "config.json").write_text(json.dumps(record))
     with pytest.warns(FutureWarning, match="name its config class instead.*MegaConfig"):
+        loaded = from_pretrained(out)
+    _same_outputs(task, loaded, cfg)
+
+
+def test_exporting_an_old_run_writes_the_config_class(compose_cfg, tmp_path: Path) -> None:
+    """A run folder from before backbones took their config object exports with the config
+    class as its target, so the export loads without the deprecation warning."""
+    cfg = compose_cfg("model=mega", *SMALL)
+    task = _fake_run(cfg, tmp_path / "run")
+    saved = tmp_path / "run" / ".hydra" / "config.yaml"
+    saved.write_text(saved.read_text().replace("megalab.models.mega.MegaConfig",
+                                               "megalab.models.mega.Mega"))  # fmt: skip
+    with pytest.warns(FutureWarning, match="name its config class instead.*MegaConfig"):
+        out = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last")
+    record = json.loads((out / "config.json").read_text())
+    assert record["task"]["backbone"]["_target_"] == "megalab.models.mega.MegaConfig"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
         loaded = from_pretrained(out)
     _same_outputs(task, loaded, cfg)
 

@@ -178,6 +178,38 @@ def test_a_current_config_is_left_as_it_is() -> None:
     assert cfg.backbone._target_ == "megalab.models.mega.MegaConfig"
 
 
+def test_a_model_class_given_its_config_object_is_left_as_it_is() -> None:
+    import hydra
+    from omegaconf import OmegaConf
+
+    from megalab.models.mega import Mega
+    from megalab.utils.safe_config import upgrade_backbone_targets
+
+    config = {"_target_": "megalab.models.mega.MegaConfig", "d_model": 8, "num_layers": 1}
+    cfg = OmegaConf.create({"backbone": {"_target_": "megalab.models.mega.Mega", "config": config}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        upgrade_backbone_targets(cfg)
+    assert cfg.backbone._target_ == "megalab.models.mega.Mega"
+    backbone = hydra.utils.instantiate(cfg.backbone)
+    assert isinstance(backbone, Mega) and backbone.config.num_layers == 1
+
+
+def test_a_command_without_the_run_config_reads_an_old_target_too(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """megalab-eval and megalab-generate compose the model themselves with
+    use_run_config=false: an old class target there is read as its config class as well."""
+    from megalab.run_loading import merge_run_config
+
+    old = "megalab.models.transformer.Transformer"
+    cfg = compose_cfg(f"ckpt_path={tmp_path / 'last.ckpt'}", "use_run_config=false",
+                      f"model.backbone._target_={old}", config="eval")  # fmt: skip
+    with pytest.warns(FutureWarning, match=f"`_target_: {old}`.*`_target_: {old}Config`"):
+        merged = merge_run_config(cfg, [])
+    assert merged.model.backbone._target_ == f"{old}Config"
+
+
 def test_from_config_still_builds_with_a_warning() -> None:
     from megalab.models.mega import Mega, MegaConfig
 

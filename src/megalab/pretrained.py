@@ -68,13 +68,14 @@ class ExportError(UserError):
 
 # ------------------------------------------------------------------------------------ reading
 def run_config(run_dir: Path) -> DictConfig:
-    """A run folder's saved config, its task and data checked against the allow-list."""
-    from megalab.utils.safe_config import check_targets
+    """A run folder's saved config (read as `load_run_config` reads it: safe YAML and
+    resolvers, old model targets upgraded), its task and data checked against the allow-list."""
+    from megalab.utils.safe_config import check_targets, load_run_config
 
     for candidate in (run_dir / ".hydra" / "config.yaml", run_dir / "config.yaml"):
         if candidate.is_file():
-            cfg = OmegaConf.load(candidate)
-            if not isinstance(cfg, DictConfig) or "task" not in cfg:
+            cfg = load_run_config(candidate)
+            if "task" not in cfg:
                 raise ExportError(f"{candidate} is not a megalab run config (no `task` group)")
             for key in ("task", "data"):
                 node = cfg.get(key)

@@ -26,6 +26,7 @@ from megalab.utils.safe_config import (
     check_targets,
     data_settings_from_command_line,
     load_run_config,
+    upgrade_backbone_targets,
 )
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     the command line does not ask for."""
     run_cfg_path = find_run_config(Path(cfg.ckpt_path))
     if run_cfg_path is None or not cfg.get("use_run_config", True):
+        upgrade_backbone_targets(cfg)  # composed here: an old model target reads as its config
         data_settings_from_command_line(cfg, overrides)
         return cfg
     log.info("using the run config %s", run_cfg_path)

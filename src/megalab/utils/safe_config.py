@@ -254,6 +254,10 @@ def upgrade_backbone_targets(cfg: Any, source: str = "the config") -> None:
         config_class = config_class_of(obj)
         if config_class is None or config_class is obj:
             continue
+        parent = where.rpartition(".")[0]
+        node = OmegaConf.select(cfg, parent) if parent else cfg
+        if isinstance(node, DictConfig) and "config" in node:
+            continue  # the model class given its config object: today's spelling
         module, _, _ = target.rpartition(".")
         new = f"{module}.{config_class.__name__}"
         if megalab_object(new) is not config_class:
