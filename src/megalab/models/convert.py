@@ -1,8 +1,9 @@
 """What every converter shares: safe loading of the authors' checkpoints, layouts, name helpers.
 
-Each converter writes where the authors' entries go as tables (exact names and prefixes) read
-by `rename_entries`, converts layer stacks with `convert_layers`, and, for the fairseq
-`LRAModel` of Mega and SeqBoat, fills in `convert_lra_task` with its layer conversion.
+Mega's, SeqBoat's and Megalodon's layer converters write where the authors' entries go as
+tables (exact names and prefixes) read by `rename_entries`; stacks convert with
+`convert_layers`, and the fairseq `LRAModel` of Mega and SeqBoat fills in `convert_lra_task`
+with its layer conversion.
 
 The authors' code is time-first (L, B, D) with padding masks True at padding; megalab is
 batch-first with masks True at real tokens: `to_batch_first` and `mask_from_padding_mask` convert

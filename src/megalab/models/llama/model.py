@@ -204,6 +204,7 @@ class LlamaBlock(CarriedLayer[KVCache]):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
+        self.causal = cfg.causal
         self.input_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = LlamaAttention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)

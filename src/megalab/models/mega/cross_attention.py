@@ -40,7 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.kernels.attention_functions import check_attention_function, laplace, relu2
+from megalab.kernels.attention_functions import (
+    check_attention_function,
+    key_counts,
+    laplace,
+    relu2,
+)
 from megalab.models.mega.model import MegaConfig
 from megalab.nn.attention import (
     SimpleRelativePositionalBias,
@@ -176,9 +181,7 @@ class GatedCrossAttention(nn.Module):
             logits = (Q.to(cdt) * self.z_dim**-0.5) @ K.to(cdt).transpose(1, 2) + attn_mask
             attn = torch.softmax(logits, dim=-1)
         else:
-            n: Tensor | float = float(S)
-            if valid is not None:
-                n = valid.sum(dim=-1).clamp(min=1).to(Q.dtype).view(-1, 1, 1)
+            n = key_counts(0, T, S, False, valid, Q.dtype, Q.device)  # τ: the real sources
             logits = (Q @ K.transpose(1, 2)) / n + bias.to(Q.dtype)
             cdt = torch.promote_types(logits.dtype, torch.float32)
             logits = logits.to(cdt)

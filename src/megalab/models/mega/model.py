@@ -80,7 +80,7 @@ class MegaState:
 
 @dataclass(frozen=True)
 class MegaConfig(BackboneConfig):
-    """Every option of a Mega backbone, built once by `Mega` and handed to its blocks.
+    """Every option of a Mega backbone: the object `Mega` takes and hands to its blocks.
 
     Each option is declared here once with its range and meaning;
     `drop_path` is the rate of the last block, and each block receives its own rate beside this
@@ -180,9 +180,9 @@ class MegaConfig(BackboneConfig):
 class MovingAverageGatedAttention(CarriedLayer[MAGAState]):
     """The MAGA sub-layer (Mega eqs. 6-15) on (B, L, D) tensors.
 
-    Built from a `MegaConfig` (d_model d, z_dim z, v_dim v, ema_dim h, chunk_size c, ...; see
-    `Mega`); `drop_path` is this layer's stochastic-depth rate on Ĥ, before the gated residual
-    (mega-image).
+    Built from a `MegaConfig` (d_model d, z_dim z, v_dim v, ema_dim h, chunk_size c, ...; its
+    fields document them); `drop_path` is this layer's stochastic-depth rate on Ĥ, before the
+    gated residual (mega-image).
     """
 
     def __init__(self, cfg: MegaConfig, drop_path: float = 0.0) -> None:

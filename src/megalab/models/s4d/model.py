@@ -66,7 +66,7 @@ class S4DState:
 
 @dataclass(frozen=True)
 class S4DConfig(BackboneConfig):
-    """Every option of an S4D backbone (`S4DBackbone`'s arguments), each with its range and
+    """Every option of an S4D backbone (the object `S4DBackbone` takes), each with its range and
     meaning; built once and handed to the blocks."""
 
     d_model: int = option(256, ge=1, doc="D, the feature width (the repository's d_model, H)")
@@ -137,6 +137,7 @@ class S4DBlock(CarriedLayer[Tensor]):
 
     def __init__(self, cfg: S4DConfig) -> None:
         super().__init__()
+        self.causal = cfg.causal
         D = cfg.d_model
         self.prenorm = cfg.prenorm
         self.norm = SequenceNorm(cfg.norm_type, D)
