@@ -216,3 +216,14 @@ def test_make_reproduce_megalodon_vs_llama_smoke(tmp_path: Path) -> None:
         assert cells[3] == context and float(cells[8].replace(",", "")) > 0, row
     assert "**Smoke runs" in text
     assert (folder / "curves.png").stat().st_size > 20_000
+
+
+def test_a_model_keeps_one_label_before_and_after_it_took_its_config() -> None:
+    from megalab.reporting.curves import _model_name
+    from megalab.reporting.runs import Run
+
+    def label(target: str) -> str:
+        return _model_name(Run(None, 0, {}, {"model": {"backbone": {"_target_": target}}}))
+
+    assert label("megalab.models.s4d.S4DBackbone") == label("megalab.models.s4d.S4DConfig") == "S4D"
+    assert label("megalab.models.llama.Llama") == label("megalab.models.llama.LlamaConfig")

@@ -80,7 +80,7 @@ def load_translator(path: str | Path, device: str = "cpu") -> tuple[EncoderDecod
         )
     options = spec.get("config")
     if not isinstance(options, dict):
-        raise CheckpointError(f"{path}: seq2seq_model.config is not a mapping of options")
+        raise CheckpointError(f"{path}: {MODEL_KEY}.config is not a mapping of options")
     try:
         model = cls.from_options(options)
     except (TypeError, ValueError) as err:

@@ -98,8 +98,10 @@ def _model_name(run: Run) -> str:
     target = config_value(run.config, "model.backbone._target_") or config_value(
         run.config, "task.backbone._target_"
     )
-    # The backbone's config class since backbones take one (`LlamaConfig`), its class before.
-    return str(target).rsplit(".", 1)[-1].removesuffix("Config") if target else "?"
+    # The backbone's config class since backbones take one (`S4DConfig`), its class before
+    # (`S4DBackbone`): one label for both.
+    name = str(target).rsplit(".", 1)[-1].removesuffix("Config").removesuffix("Backbone")
+    return name if target else "?"
 
 
 def load_curves(paths: Sequence[str | Path]) -> list[Curve]:

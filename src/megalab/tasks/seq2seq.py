@@ -114,6 +114,7 @@ class Seq2SeqTask(TaskBase):
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         self.model = model
         self.pad_id, self.eos_id, self.unk_id = pad_id, eos_id, unk_id
+        self.special = SpecialTokens(eos=eos_id, pad=pad_id, unk=unk_id)
         self.label_smoothing = label_smoothing
         self.generation = GenerationConfig(**dict(generation or {}))
         self.val_generation = GenerationConfig(**dict(val_generation or {}))
@@ -221,8 +222,7 @@ class Seq2SeqTask(TaskBase):
         self, src: Tensor, mask: Tensor | None, cfg: GenerationConfig
     ) -> list[Tensor]:
         """The best output ids (ending with `</s>`) of each source sentence."""
-        special = SpecialTokens(eos=self.eos_id, pad=self.pad_id, unk=self.unk_id)
-        nbest = beam_search(self.model, src, mask, cfg, special)
+        nbest = beam_search(self.model, src, mask, cfg, self.special)
         return [h[0].tokens for h in nbest]
 
     def _bleu_update(self, batch: Batch) -> None:
