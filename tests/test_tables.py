@@ -534,3 +534,13 @@ def test_megalodon_tables_match_the_paper() -> None:
     assert BY_ID["megalodon/table5_pg19"].cell("megalodon", "test").metric == "test/word_ppl"
     for name in ("table1_short_context", "table2_scrolls", "table3_mt_bench"):
         assert not BY_ID[f"megalodon/{name}"].reproducible  # recorded, not reproducible here
+
+
+def test_another_tables_folder_checks_the_reproductions_of_its_tables(tmp_path: Path) -> None:
+    (tmp_path / "mega").mkdir()
+    text = (ROOT / "tables" / "mega" / "table4_sc.yaml").read_text(encoding="utf-8")
+    (tmp_path / "mega" / "table4_sc.yaml").write_text(
+        text.replace("id: s4_replicated", "id: s4_renamed"), encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match="experiment s4d/sc10: mega/table4_sc has no row"):
+        tb.load_tables(tmp_path)

@@ -197,12 +197,15 @@ def declared_reproductions(
     return tuple(out)
 
 
-def check_reproductions(tables: list[PaperTable]) -> None:
+def check_reproductions(tables: list[PaperTable], every_table: bool = True) -> None:
     """Raise where an experiment's `reproduces:` names a table, row or column that is not
-    there (a renamed row would otherwise silently lose its runs)."""
+    there (a renamed row would otherwise silently lose its runs). `every_table=False`: `tables`
+    is a selection (another tables folder), and only the entries of its tables are checked."""
     by_id = {t.id: t for t in tables}
     for r in declared_reproductions():
         table = by_id.get(r.table)
+        if table is None and not every_table:
+            continue
         if table is None or table.source.endswith(".csv"):
             raise ValueError(
                 f"experiment {r.experiment} reproduces {r.table!r}, which is no YAML table "
@@ -388,6 +391,5 @@ def load_tables(root: str | Path = TABLES_DIR) -> list[PaperTable]:
     root = Path(root)
     paths = [p for p in root.rglob("*") if p.suffix in (".yaml", ".yml", ".csv")]
     tables = sorted((load_table(p, root) for p in paths), key=lambda t: t.id)
-    if root.resolve() == TABLES_DIR.resolve():
-        check_reproductions(tables)
+    check_reproductions(tables, every_table=root.resolve() == TABLES_DIR.resolve())
     return tables

@@ -73,6 +73,8 @@ class LRAHubDataModule(SequenceDataModule):
 
     def prepared_cache(self) -> Path:
         """The prepared cache, preparing it first when needed."""
-        if not prepared(self.cache_path()):
+        cache = self.cache_path()
+        if not prepared(cache):
             self.prepare_data()  # may fetch the sources, which changes the cache key
-        return self.cache_path()
+            cache = self.cache_path()
+        return cache
