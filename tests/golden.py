@@ -93,6 +93,19 @@ def parameter_grads(
     return convert({k: v for k, v in prefixed(d, prefix).items() if k != "input"})
 
 
+def assert_grads_match(
+    params: dict[str, torch.Tensor],
+    ref: dict[str, Any],
+    check: Callable[[str, torch.Tensor, Any], None],
+) -> None:
+    """Every parameter has a reference gradient and a gradient of its own, and
+    `check(name, grad, reference)` holds for each (it asserts the model's tolerance)."""
+    assert set(ref) == set(params), "every parameter must have a reference gradient"
+    for name, p in params.items():
+        assert p.grad is not None, name
+        check(name, p.grad, ref[name])
+
+
 def lra_encoder_and_head(d: dict[str, Any]) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     """(encoder, head, fairseq args, case config) of the authors' `LRAModel`, which Mega's and
     SeqBoat's share: a token or pixel embedding and a one-layer classifier on mean pooling."""

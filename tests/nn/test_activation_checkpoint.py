@@ -11,20 +11,14 @@ from megalab.nn.activation_checkpoint import checkpoint_block
 
 MEGA = dict(d_model=16, num_layers=2, z_dim=8, v_dim=24, ffn_dim=20, ema_dim=4, chunk_size=8,
             max_positions=32, dropout=0.2, attention_dropout=0.1, hidden_dropout=0.1)  # fmt: skip
+TRANSFORMER = dict(d_model=16, num_layers=2, num_heads=2, ffn_dim=32, dropout=0.2, max_len=64)
 
 
 def _build(kind: str, checkpoint: bool, **extra) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "transformer":
         return TransformerConfig(
-            d_model=16,
-            num_layers=2,
-            num_heads=2,
-            ffn_dim=32,
-            dropout=0.2,
-            max_len=64,
-            checkpoint_activations=checkpoint,
-            **extra,
+            **{**TRANSFORMER, **extra}, checkpoint_activations=checkpoint
         ).build()
     return MegaConfig(**{**MEGA, **extra}, checkpoint_activations=checkpoint).build().double()
 

@@ -50,29 +50,35 @@ def test_a_layer_without_advance_says_so() -> None:
         CarriedLayer()(torch.zeros(B, L, D))
 
 
-def _llama_cache(layer: Any, like: Tensor) -> KVCache:
-    empty = like.new_zeros(B, 0, layer.num_kv_heads, layer.head_dim)
-    return KVCache(empty, empty, None)
-
-
 LLAMA = LlamaConfig(d_model=D, num_layers=1, num_heads=2, ffn_dim=16)
+
+
+def _initial(layer: Any, like: Tensor) -> Any:
+    return layer.initial_state(B, like)
+
+
+def _llama_cache(layer: Any, like: Tensor) -> KVCache:
+    """One layer's empty cache, as the Llama backbone starts a stream."""
+    return LLAMA.build().initial_state(B, like).layers[0]
+
+
 # name -> (the layer, its empty state for a batch like x)
 LAYERS: dict[str, tuple[Callable[[], CarriedLayer[Any]], Callable[[Any, Tensor], Any]]] = {
-    "DampedEMA": (lambda: DampedEMA(D, 4), lambda m, x: m.initial_state(B, x)),
-    "S4D": (lambda: S4D(D, 4), lambda m, x: m.initial_state(B, x)),
-    "ComplexEMA": (lambda: ComplexEMA(D, 4), lambda m, x: m.initial_state(B, x)),
+    "DampedEMA": (lambda: DampedEMA(D, 4), _initial),
+    "S4D": (lambda: S4D(D, 4), _initial),
+    "ComplexEMA": (lambda: ComplexEMA(D, 4), _initial),
     "S4DBlock": (
         lambda: S4DBlock(S4DConfig(d_model=D, state_dim=4, bidirectional=False)),
-        lambda m, x: m.initial_state(B, x),
+        _initial,
     ),
     "MAGA": (
         lambda: MovingAverageGatedAttention(
             MegaConfig(d_model=D, z_dim=4, v_dim=8, ema_dim=2, chunk_size=2, causal=True)
         ),
-        lambda m, x: m.initial_state(B, x),
+        _initial,
     ),
     "LlamaAttention": (lambda: LlamaAttention(LLAMA), _llama_cache),
-    "LlamaBlock": (lambda: LlamaBlock(LLAMA), lambda m, x: _llama_cache(m.attn, x)),
+    "LlamaBlock": (lambda: LlamaBlock(LLAMA), _llama_cache),
 }
 
 

@@ -11,6 +11,7 @@ exactly. Where the golden data is found, and when a missing one fails: `tests/go
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,6 +34,15 @@ OUT_TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 GRAD_TOL = {torch.float32: 5e-5, torch.float64: 1e-10}
 DTYPES = [torch.float32, torch.float64]
 IDS = ["fp32", "fp64"]
+
+
+def within(tol: float) -> Callable[[str, torch.Tensor, torch.Tensor], None]:
+    """A gradient check: relative error at most `tol`."""
+
+    def check(name: str, grad: torch.Tensor, ref: torch.Tensor) -> None:
+        assert rel_err(grad, ref) <= tol, name
+
+    return check
 
 
 def load_case(name: str) -> dict:
@@ -154,10 +164,7 @@ def test_layer_forward_and_gradients(dtype: torch.dtype) -> None:
     gtol = GRAD_TOL[dtype]
     assert rel_err(x.grad, d[key(dtype, "grad.x")]) <= gtol
     ref = convert_block(params_of(d, key(dtype, "grad.")))
-    params = dict(block.named_parameters())
-    assert set(ref) == set(params), "every parameter must have a reference gradient"
-    for name, p in params.items():
-        assert rel_err(p.grad, ref[name]) <= gtol, name
+    golden.assert_grads_match(dict(block.named_parameters()), ref, within(gtol))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
@@ -209,10 +216,7 @@ def test_model_logits_and_gradients(dtype: torch.dtype) -> None:
     assert rel_err(logits, d[key(dtype, "output.logits")]) <= OUT_TOL[dtype]
     (logits * d["grad_weight.logits"].to(dtype)).sum().backward()
     ref = convert_lm(params_of(d, key(dtype, "grad.")))
-    params = dict(task.named_parameters())
-    assert set(ref) == set(params), "every parameter must have a reference gradient"
-    for name, p in params.items():
-        assert rel_err(p.grad, ref[name]) <= GRAD_TOL[dtype], name
+    golden.assert_grads_match(dict(task.named_parameters()), ref, within(GRAD_TOL[dtype]))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
