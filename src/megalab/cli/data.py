@@ -20,6 +20,13 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+
+def _flags(args: argparse.Namespace, *names: str) -> dict[str, Any]:
+    """The named flags as keyword arguments: a subcommand's flags are named after the keywords of
+    the function it wraps (`--num-samples` is `num_samples=`)."""
+    return {name: getattr(args, name) for name in names}
 
 
 def _listops(args: argparse.Namespace) -> None:
@@ -31,9 +38,8 @@ def _listops(args: argparse.Namespace) -> None:
         args.num_train,
         args.num_val,
         args.num_test,
-        seed=args.seed,
-        workers=args.workers,
         settings=settings,
+        **_flags(args, "seed", "workers"),
     )
     print(f"ListOps written to {out}")
 
@@ -43,12 +49,9 @@ def _pathfinder(args: argparse.Namespace) -> None:
 
     out = generate_pathfinder(
         args.out,
-        resolution=args.resolution,
-        contour_length=args.contour_length,
-        num_samples=args.num_samples,
-        seed=args.seed,
-        workers=args.workers,
-        overwrite=args.overwrite,
+        **_flags(
+            args, "resolution", "contour_length", "num_samples", "seed", "workers", "overwrite"
+        ),
     )
     print(f"Pathfinder written to {out}")
 
@@ -68,10 +71,8 @@ def _lra(args: argparse.Namespace) -> None:
         folders = prepare_release(
             args.root,
             args.task,
-            url=args.url,
-            archive=args.archive,
-            sha256=args.sha256,
             keep_archive=not args.delete_archive,
+            **_flags(args, "url", "archive", "sha256"),
         )
     except DatasetMissingError:
         raise  # main() prints its message, with this command's flags
