@@ -36,7 +36,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -247,19 +247,28 @@ def extended_offsets(a: int, width: int, ext_len: int) -> np.ndarray:
     return np.arange(-min(ext_len, a), width)[None, :]
 
 
+@dataclass(eq=False)
 class _TrainingBatches(Dataset):
     """Training batches addressed by `(epoch, i)`: `rows_per_device` rows of up to `seq_len`
-    tokens of `stream` per process, in `layout`'s processes and accumulation groups."""
+    tokens of `stream` per process, in `layout`'s processes and accumulation groups.
 
-    def __init__(
-        self, stream: TokenStream, rows_per_device: int, seq_len: int, layout: Layout, seed: int
-    ) -> None:
-        self.stream, self.rows, self.seq_len, self.layout = stream, rows_per_device, seq_len, layout
-        self.seed = seed
-        #: The rows of one optimizer step, over every process and accumulation group.
-        self.total_rows = rows_per_device * layout.world_size * layout.accumulate
+    A dataclass so that subclasses declare only their own settings, and check them in
+    `__post_init__`; everything after `layout` is keyword-only.
+    """
+
+    stream: TokenStream
+    rows_per_device: int
+    seq_len: int
+    layout: Layout = Layout()
+    seed: int = field(default=0, kw_only=True)
+    #: The rows of one optimizer step, over every process and accumulation group.
+    total_rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.total_rows = self.rows_per_device * self.layout.world_size * self.layout.accumulate
 
 
+@dataclass(eq=False)
 class StreamBatches(_TrainingBatches):
     """Training batches in Transformer-XL order: B contiguous rows read in segments of L.
 
@@ -269,30 +278,25 @@ class StreamBatches(_TrainingBatches):
     unscored (see `extended_offsets`).
     """
 
-    def __init__(
-        self,
-        stream: TokenStream,
-        rows_per_device: int,
-        seq_len: int,
-        layout: Layout = Layout(),
-        roll: bool | str = True,
-        seed: int = 0,
-        ext_len: int = 0,
-    ) -> None:
-        if roll not in ROLLS:
-            raise ValueError(f"unknown roll {roll!r}: true (the stream), false or 'rows'")
-        if ext_len < 0:
-            raise ValueError(f"ext_len must be >= 0, got {ext_len}")
-        super().__init__(stream, rows_per_device, seq_len, layout, seed)
-        self.ext_len, self.roll = ext_len, roll
-        n_pred = len(stream) - 1
+    roll: bool | str = field(default=True, kw_only=True)
+    ext_len: int = field(default=0, kw_only=True)
+    row_len: int = field(init=False)
+    segments: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.roll not in ROLLS:
+            raise ValueError(f"unknown roll {self.roll!r}: true (the stream), false or 'rows'")
+        if self.ext_len < 0:
+            raise ValueError(f"ext_len must be >= 0, got {self.ext_len}")
+        super().__post_init__()
+        n_pred = len(self.stream) - 1
         self.row_len = n_pred // self.total_rows
         if self.row_len < 1:
             raise ValueError(
-                f"the {stream.name or 'training'} split has {n_pred} predictions, fewer than the "
-                f"{self.total_rows} rows of a global batch: lower data.batch_size"
+                f"the {self.stream.name or 'training'} split has {n_pred} predictions, fewer "
+                f"than the {self.total_rows} rows of a global batch: lower data.batch_size"
             )
-        self.segments = -(-self.row_len // seq_len)
+        self.segments = -(-self.row_len // self.seq_len)
 
     def __len__(self) -> int:
         return self.segments * self.layout.accumulate
@@ -309,8 +313,8 @@ class StreamBatches(_TrainingBatches):
 
     def row_ids(self, group: int) -> np.ndarray:
         """Global row numbers of this rank's rows in stream group `group`."""
-        first = self.layout.first_row(group, self.rows)
-        return np.arange(first, first + self.rows)
+        first = self.layout.first_row(group, self.rows_per_device)
+        return np.arange(first, first + self.rows_per_device)
 
     def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
         epoch, i = key
@@ -415,6 +419,7 @@ class EvalBatches(Dataset):
         return _batch(self.stream, index, index + 1, valid, scored, True, 0, self.words)
 
 
+@dataclass(eq=False)
 class RandomWindowBatches(_TrainingBatches):
     """Independent random windows (stateless training); every batch has `reset`.
 
@@ -423,33 +428,27 @@ class RandomWindowBatches(_TrainingBatches):
     each step holds about the same number of tokens (fairseq's max-tokens batching).
     """
 
-    def __init__(
-        self,
-        stream: TokenStream,
-        rows_per_device: int,
-        seq_len: int,
-        layout: Layout = Layout(),
-        seed: int = 0,
-        multiples: tuple[int, ...] | None = None,
-        unit: int | None = None,
-    ) -> None:
-        super().__init__(stream, rows_per_device, seq_len, layout, seed)
-        self.multiples, self.unit = multiples, unit
-        if multiples is not None:
-            lo, hi = multiples
-            if unit is None or not 1 <= lo <= hi or hi * unit > seq_len:
+    multiples: tuple[int, ...] | None = field(default=None, kw_only=True)
+    unit: int | None = field(default=None, kw_only=True)
+    steps: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.multiples is not None:
+            lo, hi = self.multiples
+            if self.unit is None or not 1 <= lo <= hi or hi * self.unit > self.seq_len:
                 raise ValueError(
-                    f"train_len_multiples={list(multiples)} with train_len_unit={unit} must "
-                    f"give windows of at most data.max_len={seq_len} tokens"
+                    f"train_len_multiples={list(self.multiples)} with train_len_unit={self.unit} "
+                    f"must give windows of at most data.max_len={self.seq_len} tokens"
                 )
-        n_pred = len(stream) - 1
-        longest = seq_len
+        n_pred = len(self.stream) - 1
+        longest = self.seq_len
         if n_pred < longest:
             raise ValueError(
-                f"the {stream.name or 'training'} split has {n_pred} predictions, fewer than one "
-                f"window of {longest}: lower data.max_len"
+                f"the {self.stream.name or 'training'} split has {n_pred} predictions, fewer "
+                f"than one window of {longest}: lower data.max_len"
             )
-        self.steps = max(1, n_pred // (self.total_rows * seq_len))
+        self.steps = max(1, n_pred // (self.total_rows * self.seq_len))
 
     def __len__(self) -> int:
         return self.steps * self.layout.accumulate
@@ -466,7 +465,7 @@ class RandomWindowBatches(_TrainingBatches):
         epoch, i = key
         step, group = divmod(i, self.layout.accumulate)
         length, rng = self.window(epoch, step)
-        rows = self.rows * (self.seq_len // length)
+        rows = self.rows_per_device * (self.seq_len // length)
         total = rows * self.layout.world_size * self.layout.accumulate
         starts = rng.integers(0, len(self.stream) - length, size=total)
         first = self.layout.first_row(group, rows)
@@ -632,11 +631,13 @@ class LMStreamDataModule(SequenceDataModule):
                 rows,
                 self.max_len,
                 layout,
-                self.seed,
-                self.train_len_multiples,
-                self.train_len_unit,
+                seed=self.seed,
+                multiples=self.train_len_multiples,
+                unit=self.train_len_unit,
             )
-        return StreamBatches(stream, rows, self.max_len, layout, self.roll, self.seed, self.ext_len)
+        return StreamBatches(
+            stream, rows, self.max_len, layout, seed=self.seed, roll=self.roll, ext_len=self.ext_len
+        )
 
     def _loader(self, split: str, train: bool) -> DataLoader:
         dataset = self.batches(split)
