@@ -32,6 +32,7 @@ from megalab.data.base import (
     check_truncation,
     file_key,
 )
+from megalab.data.dictionary import EOS_ID, PAD_ID, SPECIALS
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,8 @@ SPLITS = ("train", "val", "test")
 # The Mega code's fairseq dictionary: <s>=0, <pad>=1, </s>=2, <unk>=3, then the symbols, and
 # the task appends <CLS>. Parentheses are not tokens (LRA's tokenizer drops them). The order
 # of the symbols in the authors' dict.txt is not public; this fixed order is ours.
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
 SYMBOLS = (*VALUES, END, *OPERATORS)
 VOCAB = (*SPECIALS, *SYMBOLS, "<CLS>")
-PAD_ID, EOS_ID = 1, 2
 CLS_ID = len(VOCAB) - 1
 TOKEN_TO_ID = {tok: i for i, tok in enumerate(VOCAB)}
 

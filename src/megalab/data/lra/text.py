@@ -48,6 +48,7 @@ from megalab.data.cache import (
     read_marker,
     rebuild_hint,
 )
+from megalab.data.dictionary import EOS_ID, PAD_ID, SPECIALS
 from megalab.data.hub import HubDataset
 from megalab.data.lra import release
 from megalab.data.lra.hub import LRAHubDataModule, hub_columns
@@ -55,8 +56,6 @@ from megalab.data.lra.release import LRAFormatError
 
 log = logging.getLogger(__name__)
 
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 BYTE_OFFSET = len(SPECIALS)
 CLS_ID = BYTE_OFFSET + 256
 VOCAB_SIZE = CLS_ID + 1

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any
 
-SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")
-BOS_ID, PAD_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+from megalab.data.dictionary import BOS_ID, EOS_ID, PAD_ID, SPECIALS, UNK_ID
+
 BPE_CONT = "@@"  # subword-nmt's mark of a non-final piece
 _EOW = "</w>"  # the end-of-word suffix of the `tokenizers` BPE model
 
