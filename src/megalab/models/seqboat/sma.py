@@ -84,6 +84,17 @@ REL_POS_BIASES = ("simple", "rotary", "none")
 _Keys = tuple[Tensor, Tensor, Tensor, Tensor]
 
 
+class _Packed(NamedTuple):
+    """The packed tokens of one pass, as every attention mode takes them: q, k (B, L', z),
+    v (B, L', e), valid (B, L') bool and pos (B, L') int64, their original positions."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    valid: Tensor
+    pos: Tensor
+
+
 def trunc_normal_(t: Tensor, std: float) -> Tensor:
     """The code's init: N(0, std²) truncated at ±2 std."""
     return nn.init.trunc_normal_(t, mean=0.0, std=std, a=-2.0 * std, b=2.0 * std)
@@ -272,16 +283,17 @@ class CompressedAttention(nn.Module):
             ).to(q.device)
             q = apply_rope(q, pos, inv_freq, interleaved=True)
             k = apply_rope(k, pos, inv_freq, interleaved=True)
+        tokens = _Packed(q, k, v, valid, pos)
         if self.mode == "chunk" and not streamed:
-            o, span = self._chunked(q, k, v, valid, pos)
+            o, span = self._chunked(tokens)
             return o, None, span
         # Every other mode attends over [memory, packed tokens]: a stateless pass starts from the
         # empty memory, and a stream keeps the end of that sequence as its next memory.
         mem = memory if memory is not None else self.empty_memory(q.shape[0], k, v.shape[-1])
         if self.mode == "local":
-            o, span, keys = self._local(q, k, v, valid, pos, mem, streamed)
+            o, span, keys = self._local(tokens, mem, streamed)
         else:
-            o, span, keys = self._dense(q, k, v, valid, pos, mem)
+            o, span, keys = self._dense(tokens, mem)
         return o, self._next_memory(mem, keys, valid) if return_memory else None, span
 
     def _next_memory(self, mem: WorkingMemory, keys: _Keys, valid: Tensor) -> WorkingMemory:
@@ -344,14 +356,7 @@ class CompressedAttention(nn.Module):
         return attn @ v
 
     def _local(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        valid: Tensor,
-        pos: Tensor,
-        mem: WorkingMemory,
-        streamed: bool,
+        self, tokens: _Packed, mem: WorkingMemory, streamed: bool
     ) -> tuple[Tensor, tuple[Tensor, Tensor], _Keys]:
         """Sliding window on packed indices, in look-around blocks of W queries: (O, span
         statistics, the keys' tensors for the next memory).
@@ -360,12 +365,11 @@ class CompressedAttention(nn.Module):
         slots (bidirectional)]; query block b (packed queries bW .. bW + W − 1, key index W + ·)
         sees key blocks b, b + 1 (and b + 2): the code's look-around, exact window by mask.
         """
-        B, Lq = q.shape[:2]
+        B, Lq = tokens.q.shape[:2]
         W = self.chunk_size
         nb = max(1, -(-Lq // W))
         pad = nb * W - Lq
-        q, k, v, pos = (_pad_time(t, pad) for t in (q, k, v, pos))
-        valid = _pad_time(valid, pad)
+        q, k, v, valid, pos = (_pad_time(t, pad) for t in tokens)
         # Outside the sequence the code's look-around holds −1: only laplace and a query with
         # no key in its window (uniform softmax) see these values. A stream's memory is kept.
         outside = 0.0 if streamed else LOOK_AROUND_PAD
@@ -406,16 +410,13 @@ class CompressedAttention(nn.Module):
         o = self._attend(qb, kb, vb, allowed, bias, relu_scale).flatten(1, 2)[:, :Lq]
         return o, _window_span(pos, valid, KP, KV, W, self.causal), (K, V, KP, KV)
 
-    def _chunked(
-        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, pos: Tensor
-    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    def _chunked(self, tokens: _Packed) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         """Non-overlapping chunks of C packed tokens (stateless pass): (O, span statistics)."""
-        B, Lq = q.shape[:2]
+        B, Lq = tokens.q.shape[:2]
         C = self.chunk_size
         nb = max(1, -(-Lq // C))
         pad = nb * C - Lq
-        q, k, v, pos = (_pad_time(t, pad).unflatten(1, (nb, C)) for t in (q, k, v, pos))
-        validb = _pad_time(valid, pad).unflatten(1, (nb, C))
+        q, k, v, validb, pos = (_pad_time(t, pad).unflatten(1, (nb, C)) for t in tokens)
         allowed = validb.unsqueeze(2).expand(B, nb, C, C)
         r = torch.arange(C, device=q.device)
         if self.causal:
@@ -430,7 +431,7 @@ class CompressedAttention(nn.Module):
         return o, _mask_span(rel, allowed, validb)
 
     def _dense(
-        self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor, pos: Tensor, mem: WorkingMemory
+        self, tokens: _Packed, mem: WorkingMemory
     ) -> tuple[Tensor, tuple[Tensor, Tensor], _Keys]:
         """Full attention (and chunk mode on a stream): every query against [memory, packed];
         (O, span statistics, the keys' tensors for the next memory).
@@ -441,6 +442,7 @@ class CompressedAttention(nn.Module):
         the RNG state kept for dropout), so memory stays linear in L' (SeqBoat-full on Path-X:
         16K packed tokens). One block, as at LRA lengths or below, is the plain computation.
         """
+        q, k, v, valid, pos = tokens
         B, Lq = q.shape[:2]
         M = mem.key.shape[1]
         K, V = torch.cat([mem.key, k], 1), torch.cat([mem.value, v], 1)
