@@ -10,6 +10,7 @@ from megalab.models.convert import (
     checked,
     convert_layers,
     convert_lra_task,
+    convert_module,
     kept,
     layer_ids,
     lra_io_entry,
@@ -55,6 +56,19 @@ def test_rename_entries_rules_reshape_check_and_refuse() -> None:
 def test_rename_entries_refuses_an_unknown_name_with_the_module_kind() -> None:
     with pytest.raises(KeyError, match="unexpected SomeModule entry 'other'"):
         rename_entries({"fc1.weight": t(1), "other": t(1)}, "SomeModule", {}, kept("fc1."))
+
+
+def test_convert_module_converts_children_then_own_entries_and_refuses_the_rest() -> None:
+    def child(sd: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+        return {"weight": sd[prefix + "w"]}
+
+    children = {"sub.": ("child.", child)}
+    sd = {"m.own": t(1), "m.sub.w": t(2), "m.fc.bias": t(3), "other": t(4)}
+    out = convert_module(sd, "m.", "Parent", children, {"own": "mine"}, kept("fc."))
+    assert list(out) == ["child.weight", "mine", "fc.bias"]  # the children first
+    assert out["child.weight"] is sd["m.sub.w"]
+    with pytest.raises(KeyError, match=r"unexpected Parent entry 'fc\.bias'"):
+        convert_module(sd, "m.", "Parent", children, {"own": "mine"})  # fc. in no table
 
 
 def test_layer_ids_and_convert_layers_keep_layer_order_and_prefixes() -> None:

@@ -1,9 +1,9 @@
 """What every converter shares: safe loading of the authors' checkpoints, layouts, name helpers.
 
 Mega's, SeqBoat's and Megalodon's layer converters write where the authors' entries go as
-tables (exact names and prefixes) read by `rename_entries`; stacks convert with
-`convert_layers`, and the fairseq `LRAModel` of Mega and SeqBoat fills in `convert_lra_task`
-with its layer conversion.
+tables (exact names and prefixes) read by `rename_entries`; a module made of sub-modules
+converts with `convert_module`, stacks with `convert_layers`, and the fairseq `LRAModel` of
+Mega and SeqBoat fills in `convert_lra_task` with its layer conversion.
 
 The authors' code is time-first (L, B, D) with padding masks True at padding; megalab is
 batch-first with masks True at real tokens: `to_batch_first` and `mask_from_padding_mask` convert
@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 LayerConverter: TypeAlias = Callable[[Mapping[str, Tensor], str], dict[str, Tensor]]
-"""Converts the layer under a prefix of the authors' state dict: (sd, prefix) -> ours."""
+"""Converts the layer (or module) under a prefix of the authors' state dict: (sd, prefix) ->
+ours."""
 
 
 def _sub(sd: Mapping[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -113,6 +114,30 @@ def rename_entries(
         if entries is None:
             raise _unknown(kind, name)
         out.update(entries)
+    return out
+
+
+def convert_module(
+    sd: Mapping[str, Tensor],
+    prefix: str,
+    kind: str,
+    children: Mapping[str, tuple[str, LayerConverter]] | None = None,
+    names: Mapping[str, Target] | None = None,
+    prefixes: Mapping[str, Target] | None = None,
+) -> dict[str, Tensor]:
+    """The authors' module `kind` under `prefix` -> our state dict for its counterpart.
+
+    `children` maps each sub-module's prefix in the authors' names to (our prefix, its
+    converter), e.g. `{"move.": ("ema.", convert_ema)}`; the children's entries come first, then
+    the module's own entries through the tables `names` and `prefixes` (see `rename_entries`).
+    Any other entry is a KeyError naming `kind`, so no weight is lost.
+    """
+    sub = _sub(sd, prefix)
+    out: dict[str, Tensor] = {}
+    for theirs, (ours, convert) in (children or {}).items():
+        out.update({ours + k: v for k, v in convert(sub, theirs).items()})
+    own_prefixes: dict[str, Target] = {**(prefixes or {}), **dict.fromkeys(children or {})}
+    out.update(rename_entries(sub, kind, names or {}, own_prefixes))
     return out
 
 

@@ -48,6 +48,7 @@ from megalab.models.convert import (
     _unknown,
     convert_layers,
     convert_lra_task,
+    convert_module,
     kept,
     load_fairseq_checkpoint,
     mask_from_padding_mask,
@@ -137,36 +138,36 @@ def _rel_pos_bias_names(under: str) -> dict[str, Target]:
 # MAGA: the Q/K scale and offset `gamma`/`beta` are our `kappa`/`mu`; the EMA (`move.`) converts
 # with `convert_ema`.
 _MAGA_NAMES = {"gamma": "kappa", "beta": "mu", **_rel_pos_bias_names("attention.")}
-_MAGA_PREFIXES = {"move.": None, **kept(*_LINEARS, "norm.norm.")}
+_MAGA_PREFIXES = kept(*_LINEARS, "norm.norm.")
 
 
 def convert_maga(
     sd: Mapping[str, Tensor], prefix: str = "", ema_naming: str = "fairseq"
 ) -> dict[str, Tensor]:
     """`MovingAverageGatedAttention` entries under `prefix` -> our MAGA state dict."""
-    sub = _sub(sd, prefix)
-    out = {"ema." + k: v for k, v in convert_ema(sub, "move.", ema_naming).items()}
-    out.update(rename_entries(sub, "MovingAverageGatedAttention", _MAGA_NAMES, _MAGA_PREFIXES))
-    return out
+    ema = ("ema.", partial(convert_ema, naming=ema_naming))
+    return convert_module(
+        sd, prefix, "MovingAverageGatedAttention", {"move.": ema}, _MAGA_NAMES, _MAGA_PREFIXES
+    )
 
 
 def convert_ffn(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
     """`NormalizedFeedForwardNetwork` entries under `prefix` -> `NormalizedFFN` state dict."""
     prefixes = kept("fc1.", "fc2.", "norm.norm.")
-    return rename_entries(_sub(sd, prefix), "NormalizedFeedForwardNetwork", {}, prefixes)
+    return convert_module(sd, prefix, "NormalizedFeedForwardNetwork", prefixes=prefixes)
 
 
 def convert_encoder_layer(
     sd: Mapping[str, Tensor], prefix: str = "", ema_naming: str = "fairseq"
 ) -> dict[str, Tensor]:
     """`MegaSentenceEncoderLayer` (or mega-image `MegaLayer`) under `prefix` -> `MegaBlock`."""
-    sub = _sub(sd, prefix)
-    for name in sub:
-        if not name.startswith(("mega_layer.", "nffn.")):
-            raise _unknown("MegaSentenceEncoderLayer", name)
-    out = {"maga." + k: v for k, v in convert_maga(sub, "mega_layer.", ema_naming).items()}
-    out.update({"ffn." + k: v for k, v in convert_ffn(sub, "nffn.").items()})
-    return out
+    maga = partial(convert_maga, ema_naming=ema_naming)
+    return convert_module(
+        sd,
+        prefix,
+        "MegaSentenceEncoderLayer",
+        {"mega_layer.": ("maga.", maga), "nffn.": ("ffn.", convert_ffn)},
+    )
 
 
 def convert_lra_model(
@@ -288,23 +289,19 @@ def convert_gated_cross_attention(sd: Mapping[str, Tensor], prefix: str = "") ->
     The four linears and the norm keep their names; the relative position bias becomes
     `rel_pos_bias.weight` ('simple') or `rel_pos_bias.a` / `.b` ('rotary'), as in MAGA.
     """
-    return rename_entries(
-        _sub(sd, prefix), "GatedCrossAttention", _CROSS_NAMES, kept(*_CROSS_LINEARS, "norm.norm.")
+    return convert_module(
+        sd, prefix, "GatedCrossAttention", None, _CROSS_NAMES, kept(*_CROSS_LINEARS, "norm.norm.")
     )
 
 
 def convert_decoder_layer(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
     """`MegaDecoderLayer` under `prefix` -> our `MegaDecoderLayer` (maga, cross_attn, ffn)."""
-    sub = _sub(sd, prefix)
-    for name in sub:
-        if not name.startswith(("mega_layer.", "cross_attn.", "nffn.")):
-            raise _unknown("MegaDecoderLayer", name)
-    out = {"maga." + k: v for k, v in convert_maga(sub, "mega_layer.").items()}
-    out.update(
-        {"cross_attn." + k: v for k, v in convert_gated_cross_attention(sub, "cross_attn.").items()}
-    )
-    out.update({"ffn." + k: v for k, v in convert_ffn(sub, "nffn.").items()})
-    return out
+    children = {
+        "mega_layer.": ("maga.", convert_maga),
+        "cross_attn.": ("cross_attn.", convert_gated_cross_attention),
+        "nffn.": ("ffn.", convert_ffn),
+    }
+    return convert_module(sd, prefix, "MegaDecoderLayer", children)
 
 
 def convert_mega_translation(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:

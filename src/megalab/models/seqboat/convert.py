@@ -46,11 +46,10 @@ from torch import Tensor
 from megalab.models.convert import (
     LRA_ENCODER,
     Target,
-    _sub,
-    _unknown,
     checked,
     convert_layers,
     convert_lra_task,
+    convert_module,
     kept,
     load_fairseq_checkpoint,
     mask_from_padding_mask,
@@ -59,7 +58,7 @@ from megalab.models.convert import (
     reshaped,
     to_batch_first,
 )
-from megalab.models.mega.convert import convert_ema
+from megalab.models.mega.convert import convert_ema, convert_ffn
 
 __all__ = [
     "convert_lm_model",
@@ -81,27 +80,20 @@ _UNIT_NAMES: dict[str, Target] = {
     "q_router.temp": reshaped("router.log_tau", 1),
     "rel_pos_bias.rel_pos_bias": "attention.rel_pos_bias.weight",
 }
-_UNIT_PREFIXES = {"move.": None, **kept("mx_proj.", "hx_proj.", "h_proj.", "norm.norm.")}
+_UNIT_PREFIXES = kept("mx_proj.", "hx_proj.", "h_proj.", "norm.norm.")
 
 
 def convert_unit(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
     """`SeqBoatUnit` entries under `prefix` -> `SeqBoatLayer` state dict."""
-    sub = _sub(sd, prefix)
-    out = {"ssm." + k: v for k, v in convert_ema(sub, "move.").items()}
-    out.update(rename_entries(sub, "SeqBoatUnit", _UNIT_NAMES, _UNIT_PREFIXES))
-    return out
+    ema = {"move.": ("ssm.", convert_ema)}
+    return convert_module(sd, prefix, "SeqBoatUnit", ema, _UNIT_NAMES, _UNIT_PREFIXES)
 
 
 def _convert_layer(sd: Mapping[str, Tensor], prefix: str, unit: str) -> dict[str, Tensor]:
-    """An encoder/decoder layer under `prefix`, its unit `{unit}.*` and FFN `nffn.*` ->
-    `SeqBoatBlock` (`layer.*`, `ffn.*`)."""
-    layer = _sub(sd, prefix)
-    for name in layer:
-        if not name.startswith((unit + ".", "nffn.")):
-            raise _unknown("SeqBoat encoder/decoder layer", name)
-    out = {"layer." + k: v for k, v in convert_unit(layer, unit + ".").items()}
-    out.update({"ffn." + k: v for k, v in _sub(layer, "nffn.").items()})
-    return out
+    """An encoder/decoder layer under `prefix`, its unit `{unit}.*` and FFN `nffn.*` (Mega's
+    `NormalizedFeedForwardNetwork`) -> `SeqBoatBlock` (`layer.*`, `ffn.*`)."""
+    children = {unit + ".": ("layer.", convert_unit), "nffn.": ("ffn.", convert_ffn)}
+    return convert_module(sd, prefix, "SeqBoat encoder/decoder layer", children)
 
 
 def _check_inv_freq(t: Tensor) -> None:
