@@ -204,7 +204,8 @@ def convert_lra_task(
 
     Shared by Mega and SeqBoat: the layers `encoder.encoder.layers.{i}.*` go through
     `convert_layer(sd, prefix)` to `{backbone_prefix}layers.{i}.*`, the input embedding and the
-    classifier as `lra_io_entry` says, the final norm `encoder.encoder.final_norm.norm.*` to
+    classifier as `_lra_io_tables` lays out (`lra_io_entry` gives the same mapping one entry at
+    a time), the final norm `encoder.encoder.final_norm.norm.*` to
     `{backbone_prefix}final_norm.norm.*`; `names` and `prefixes` (full names, see
     `rename_entries`) add the model's own entries. Any other entry raises.
     """

@@ -1,15 +1,20 @@
 """The calling convention of the sequence layers that can carry a state from segment to segment.
 
 A causal layer streams: fed a sequence segment by segment, each call taking the state the
-previous call returned, it computes what one pass over the whole sequence computes. Every such
-layer (the EMAs, the S4D layer, the MAGA layer, the attention layers and the blocks around
-them) is called the same way,
+previous call returned, it computes what one pass over the whole sequence computes. The EMAs
+(`DampedEMA`, `ComplexEMA`), the S4D layer, MAGA, Llama's attention and the Mega, Llama and S4D
+blocks are called the same way,
 
     y, new_state = layer(x, mask, state, return_state)
 
 and `CarriedLayer` declares that call once: its `forward` settles whether a state is wanted
 (a state passed in, or asked for) and hands over to the layer's `advance`, which holds the
 layer's equations. A bidirectional layer takes the same call and refuses a state.
+
+Other streaming modules keep calls of their own: the chunked attentions carry a key/value
+`cache`, SeqBoat's SMA a working `memory`, SeqBoat's layer also takes its stream `offset` and
+returns a report, and Megalodon's blocks return a state exactly when one is passed in (they
+take no `return_state`).
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ authors' code. The hook a backbone implements is one method of `Backbone`,
     carried_modules() -> list[nn.Module] | None
 
 the sub-modules that carry state along time, in order (None, the default: the model cannot run
-chunk-parallel); each is called as
-`m(x, mask, state, ...)` (state third, or `state=`) and returns `(y, new_state)`: Mega's and
-Llama's blocks, and for Megalodon its blocks (CEMA state and timestep-norm statistics) plus the
-final timestep norm. Whatever the state holds is exchanged: Mega's EMA state (and the keys and
-values of a chunk left open at a slice boundary, so slices need not start on chunk boundaries);
-a full-attention model's key/value prefix (exact, but it grows along the ranks: chunk
-parallelism pays off for chunked attention, whose state is small).
+chunk-parallel); each is called as `m(x, mask, state, ...)` (state third, or `state=`) and
+returns `(y, new_state)`: Mega's and Llama's blocks, S4D's (causal) blocks, and for Megalodon
+its blocks (CEMA state and timestep-norm statistics) plus the final timestep norm. Whatever the
+state holds is exchanged: Mega's EMA state (and the keys and values of a chunk left open at a
+slice boundary, so slices need not start on chunk boundaries); a full-attention model's
+key/value prefix (exact, but it grows along the ranks: chunk parallelism pays off for chunked
+attention, whose state is small).
 
 Transport: `torch.distributed` point-to-point (`isend`/`recv`) on the group's own process
 group; per layer a small header (the state's structure, shapes and dtypes, as JSON: no

@@ -19,7 +19,7 @@ resumed run continues exactly:
   most one); segments run in order with carried state, the last one partial and padded, and
   `target_mask` marks what is scored: every token is predicted exactly once (`ext_len` as in
   training: up to E unscored tokens of context before each later segment). With a stride S,
-  `sliding windows` instead: each window holds up to L - S tokens of context before S new
+  sliding windows instead: each window holds up to L - S tokens of context before S new
   tokens, only the new ones are scored, and every window starts afresh (`reset` True).
 - `RandomWindowBatches` (training for stateless models): independent uniformly drawn windows,
   optionally of a length m x unit with m drawn per step (Mega's variable-length blocks).
@@ -508,6 +508,9 @@ class LMStreamDataModule(SequenceDataModule):
             `eval_max_len` (None: consecutive segments with carried state).
         train_len_multiples, train_len_unit: variable-length windows m x unit, m uniform in
             [lo, hi] per step (`random` sampler; Mega's variant blocks).
+        ext_len: up to this many earlier tokens of the row before every later segment,
+            unscored, in training and evaluation (Transformer-XL's `ext_len`; the backbone's
+            `ext_len` must match).
         kwargs: `SequenceDataModule`'s other settings; of the spec, `vocab_size` (required) and
             `pad_id` (`d_input`/`num_classes` must stay None for LM data).
     """

@@ -5,12 +5,13 @@ state dict for the matching megalab module (load it with `load_state_dict(..., s
 
     convert_ema            MultiHeadEMA                 -> megalab.nn.ema.DampedEMA
     convert_maga           MovingAverageGatedAttention  -> models.mega.MovingAverageGatedAttention
+    convert_ffn            NormalizedFeedForwardNetwork -> megalab.nn.ffn.NormalizedFFN
     convert_encoder_layer  MegaSentenceEncoderLayer     -> models.mega.MegaBlock
     convert_lra_model      LRAModel (Mega LRA)          -> ClassificationTask(encoder, Mega, head)
     convert_vision_mega    VisionMEGA (mega-image repo) -> ClassificationTask(encoder, Mega, head)
-    convert_gated_cross_attention  GatedCrossAttention  -> nn.cross_attention.GatedCrossAttention
-    convert_decoder_layer  MegaDecoderLayer (MT)        -> models.mega_translation.MegaDecoderLayer
-    convert_mega_translation  MegaModel (MT)            -> MegaEncoderDecoder (mega_translation)
+    convert_gated_cross_attention  GatedCrossAttention  -> models.mega.cross_attention (same name)
+    convert_decoder_layer  MegaDecoderLayer (MT)        -> models.mega.translation.MegaDecoderLayer
+    convert_mega_translation  MegaModel (MT)       -> models.mega.translation.MegaEncoderDecoder
 
 Renames: EMA `delta`/`alpha` are the paper's α/δ (the code swaps the names) and become our
 `alpha`/`delta`; EMA `gamma` (η) becomes `eta`; the (D', h, 1) EMA tensors lose their last axis;

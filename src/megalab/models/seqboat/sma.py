@@ -8,24 +8,25 @@ memory, and the outputs are scattered back and scaled by the configurator's conf
     Hᶜ = Compress(H, a) ∈ R^{r×d},  Yᶜ = GAU(Hᶜ),  Y = Extract(Yᶜ, a)           (§3.2, App. A.1)
 
 exactly as the authors' code (renll/SeqBoat, `seqboat_utils.py` and `seqboat_unit.py`) computes
-them. This module holds:
+them. This module holds the attention, and re-exports the routing it builds on
+(`sma_routing.py`):
 
-- **Compress / extract** (`plan_packing`, `pack`, `unpack`). The code scatters each row's
-  activated tokens into slots `a · cumsum(a)` of a zero tensor and gathers them back. We build the
-  inverse map once per layer (the original position of every packed slot) and move features with
-  one `gather` in each direction, forward and backward: packing and unpacking are inverse
-  permutations on the valid slots, so each one's gradient is the other gather (no scatter, no
-  atomics, no Python loop over the batch). L' is the batch maximum of activated tokens; L' = 0
+- **Compress / extract** (`plan_packing`, `pack`, `unpack`, in `sma_routing.py`). The code scatters
+  each row's activated tokens into slots `a · cumsum(a)` of a zero tensor and gathers them back. We
+  build the inverse map once per layer (the original position of every packed slot) and move
+  features with one `gather` in each direction, forward and backward: packing and unpacking are
+  inverse permutations on the valid slots, so each one's gradient is the other gather (no scatter,
+  no atomics, no Python loop over the batch). L' is the batch maximum of activated tokens; L' = 0
   keeps one invalid slot as the code does (the GAU still runs, so every parameter gets a zero
-  gradient and no rank of a data-parallel job skips it). The code does not pack at all when a
-  row is fully active (L' = L): it then runs the GAU over the original positions with the
-  skipped tokens masked as keys (`Packing.packed=False`), which changes the local window of the
-  batch's other rows. We follow the code there (see `SeqBoat`'s `always_compress`).
-- **Latent configurators** (`ROUTERS`): the tempered softmax of the paper (default, learned
-  τ = exp(θ), θ₀ = log(α√d)), and the ablations of Tables 7-8: Gumbel-softmax with the paper's
-  annealing (App. A.4), a sigmoid over one logit, and the X-MoE router (Chi et al. 2022) between
-  the GAU and a module that outputs zero. Decisions are a deterministic argmax; the router gets
-  gradient only through c on activated tokens (no auxiliary loss; straight-through only in the
+  gradient and no rank of a data-parallel job skips it). The code does not pack at all when a row is
+  fully active (L' = L): it then runs the GAU over the original positions with the skipped tokens
+  masked as keys (`Packing.packed=False`), which changes the local window of the batch's other rows.
+  We follow the code there (see `SeqBoat`'s `always_compress`).
+- **Latent configurators** (`ROUTERS`, in `sma_routing.py`): the tempered softmax of the paper
+  (default, learned τ = exp(θ), θ₀ = log(α√d)), and the ablations of Tables 7-8: Gumbel-softmax with
+  the paper's annealing (App. A.4), a sigmoid over one logit, and the X-MoE router (Chi et al. 2022)
+  between the GAU and a module that outputs zero. Decisions are a deterministic argmax; the router
+  gets gradient only through c on activated tokens (no auxiliary loss; straight-through only in the
   Gumbel router's `hard` mode, the code's `gumbel_softmax(hard=True)`).
 - **Attention over the compressed sequence** (`CompressedAttention`): the working memory of the
   paper (`mode="local"`: a sliding window of W keys on each side on *packed* indices, 2W + 1 keys
