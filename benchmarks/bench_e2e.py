@@ -4,17 +4,17 @@
         [--experiment mega_chunk/lra_listops] [--steps 8] [--warmup 2] [--rounds 3] \\
         [--json e2e.json] [-- extra Hydra overrides]
 
-Each round runs `python -m megalab.cli.train` once per checkout (the order alternates between
-rounds, so drift in the machine's load hits both), each in a fresh process with the checkout's
-own `src` on PYTHONPATH and the environment a user has (no OMP_*/MKL_*/MEGALAB_* variables: each
-checkout applies its own start-up settings). Runs train the experiment at its paper batch for
-`--steps` optimizer steps on ListOps data generated once into `--data-dir`, with validation,
-testing, checkpoints and loggers off; `steptimer.StepTimer` (this folder) records every step's
-wall time, data loading included. Reported: per run the median seconds per step after
-`--warmup` steps, per round the speed ratio new/old, and over rounds the median ratio with its
-min-max, and each run's peak RSS and the machine's load average when it ended. The JSON is
-rewritten after every round (an interrupted run keeps its finished rounds); the runs' scratch
-folder is removed at the end.
+Each round runs `python -m megalab.cli.train` (older checkouts: `megalab.train`) once per
+checkout (the order alternates between rounds, so drift in the machine's load hits both), each
+in a fresh process with the checkout's own `src` on PYTHONPATH and the environment a user has
+(no OMP_*/MKL_*/MEGALAB_* variables: each checkout applies its own start-up settings). Runs
+train the experiment at its paper batch for `--steps` optimizer steps on ListOps data generated
+once into `--data-dir`, with validation, testing, checkpoints and loggers off;
+`steptimer.StepTimer` (this folder) records every step's wall time, data loading included.
+Reported: per run the median seconds per step after `--warmup` steps, per round the speed ratio
+new/old, and over rounds the median ratio with its min-max, and each run's peak RSS and the
+machine's load average when it ended. The JSON is rewritten after every round (an interrupted
+run keeps its finished rounds); the runs' scratch folder is removed at the end.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+def train_module(root: Path) -> str:
+    """The training entry point of the checkout at `root`: `megalab.cli.train`, or
+    `megalab.train` in checkouts from before the command-line programs had their subpackage."""
+    return "megalab.cli.train" if (root / "src/megalab/cli/train.py").exists() else "megalab.train"
+
+
 def run_once(
     root: Path,
     label: str,
@@ -44,7 +50,7 @@ def run_once(
 ) -> dict:
     times = out / f"{label}.json"
     cmd = [
-        sys.executable, "-m", "megalab.cli.train", f"experiment={args.experiment}",
+        sys.executable, "-m", train_module(root), f"experiment={args.experiment}",
         f"data.data_dir={args.data_dir}", f"data.num_train={args.num_train}",
         "data.num_val=64", "data.num_test=64", f"trainer.max_steps={args.steps}",
         "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "test=false",

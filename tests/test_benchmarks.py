@@ -148,3 +148,17 @@ def test_compile_section_runs(tmp_path: Path) -> None:
     ]  # fmt: skip
     for r in rows:
         _ratio_ok(r["cpu_speed_ratio"])
+
+
+def test_e2e_runs_each_checkout_through_its_own_training_entry_point(tmp_path: Path) -> None:
+    """bench_e2e compares against older commits, whose training module is `megalab.train`."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", BENCH / "bench_e2e.py")
+    assert spec is not None and spec.loader is not None
+    bench_e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_e2e)
+    assert bench_e2e.train_module(ROOT) == "megalab.cli.train"
+    (tmp_path / "src/megalab").mkdir(parents=True)
+    (tmp_path / "src/megalab/train.py").write_text("")
+    assert bench_e2e.train_module(tmp_path) == "megalab.train"
