@@ -76,12 +76,24 @@ def run_once(
             "loadavg_1m": os.getloadavg()[0]}  # fmt: skip
 
 
+def describe(root: Path) -> str:
+    """A checkout by its commit (`a checkout of 1a2b3c4`, `+ changes` when it has uncommitted
+    ones), so that a record names no folder of the machine it ran on."""
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return "a checkout outside git"
+    dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return f"a checkout of {head.stdout.strip()}" + (" + changes" if dirty else "")
+
+
 def summarize(args: argparse.Namespace, roots: dict[str, Path], rounds: list[dict]) -> dict:
     """The record of the finished rounds: per-round ratios and their median with min-max."""
     ratios = [r["speedup"] for r in rounds if "speedup" in r]
     return {
         "experiment": args.experiment, "steps": args.steps, "warmup": args.warmup,
-        "old": str(roots["old"]), "new": str(roots["new"]), "old_env": args.old_env,
+        "old": describe(roots["old"]), "new": describe(roots["new"]), "old_env": args.old_env,
         "overrides": args.overrides, "machine": f"{platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs", "rounds": rounds,
         "speedup_median": statistics.median(ratios) if ratios else None,

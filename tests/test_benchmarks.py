@@ -151,7 +151,8 @@ def test_compile_section_runs(tmp_path: Path) -> None:
 
 
 def test_e2e_runs_each_checkout_through_its_own_training_entry_point(tmp_path: Path) -> None:
-    """bench_e2e compares against older commits, whose training module is `megalab.train`."""
+    """bench_e2e compares against older commits, whose training module is `megalab.train`, and
+    records each checkout by its commit."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_e2e", BENCH / "bench_e2e.py")
@@ -162,3 +163,6 @@ def test_e2e_runs_each_checkout_through_its_own_training_entry_point(tmp_path: P
     (tmp_path / "src/megalab").mkdir(parents=True)
     (tmp_path / "src/megalab/train.py").write_text("")
     assert bench_e2e.train_module(tmp_path) == "megalab.train"
+    # The record names commits, not folders of the machine it ran on.
+    assert bench_e2e.describe(ROOT).startswith("a checkout of ")
+    assert bench_e2e.describe(tmp_path) == "a checkout outside git"
