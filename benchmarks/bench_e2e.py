@@ -81,7 +81,7 @@ def describe(root: Path) -> str:
     ones), so that a record names no folder of the machine it ran on."""
     git = ["git", "-C", str(root)]
     head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if head.returncode != 0:
+    if not (root / ".git").exists() or head.returncode != 0:
         return "a checkout outside git"
     dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True).stdout.strip()  # fmt: skip
