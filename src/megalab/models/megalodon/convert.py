@@ -45,7 +45,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from megalab.models.convert import Target, _sub, _unknown, load_checkpoint, rename_entries
+from megalab.models.convert import (
+    Target,
+    _sub,
+    _unknown,
+    convert_module,
+    load_checkpoint,
+)
 from megalab.nn.rope import rope_inv_freq
 
 __all__ = [
@@ -67,17 +73,14 @@ _BLOCK_NAMES: dict[str, Target] = {
     "mega.beta": "attn.attention.mu",
     **{"nffn." + name: "ffn." + name for name in _FFN},
 }
-_BLOCK_PREFIXES: dict[str, Target] = {
-    "mega.timenorm.": None,
-    "mega.cema.": None,
-    **{"mega." + p: "attn." + p for p in _ATTN_LINEARS},
-}
+_BLOCK_PREFIXES: dict[str, Target] = {"mega." + p: "attn." + p for p in _ATTN_LINEARS}
 
 
-def convert_cema(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """`MultiHeadComplexEMA` -> `ComplexEMA`: drop the unit axes, `gamma` -> `eta`."""
+def convert_cema(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`MultiHeadComplexEMA` entries under `prefix` -> `ComplexEMA`: drop the unit axes,
+    `gamma` -> `eta`."""
     out = {}
-    for name, t in sd.items():
+    for name, t in _sub(sd, prefix).items():
         if name in ("alpha", "delta"):  # (D, N, 1) -> (D, N)
             out[name] = t.reshape(t.shape[0], t.shape[1])
         elif name in ("theta", "omega"):  # (D, 1, 1), (D, 1) -> (D,)
@@ -94,14 +97,16 @@ def convert_cema_state(hx: Tensor) -> Tensor:
     return torch.view_as_complex(hx.contiguous())
 
 
-def convert_timestep_norm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """`TimestepNorm` -> ours: weight and bias, and the learned prior when it has one.
+def convert_timestep_norm(sd: Mapping[str, Tensor], prefix: str = "") -> dict[str, Tensor]:
+    """`TimestepNorm` entries under `prefix` -> ours: weight and bias, and the learned prior
+    when it has one.
 
     With `prior_count` 0 the code's `prior_mean`/`prior_logv` are unused buffers: they are
     dropped (ours has no prior then). With `prior_count > 0` they are parameters and keep their
     names, with the count (load into a `TimestepNorm(..., prior_count=c)`, Megalodon's
     `norm_prior_count`). A gradient dict (no `prior_count`) keeps whatever prior entries it has.
     """
+    sd = _sub(sd, prefix)
     count = int(sd["prior_count"]) if "prior_count" in sd else None
     out = {}
     for name, t in sd.items():
@@ -117,12 +122,11 @@ def convert_timestep_norm(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
 
 def convert_block(sd: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """`MegaBlock` (`mega.*`, `nffn.*`) -> `MegalodonBlock` (`attn.*`, `ffn.*`)."""
-    out = rename_entries(sd, "MegaBlock", _BLOCK_NAMES, _BLOCK_PREFIXES)
-    for key, value in convert_timestep_norm(_sub(sd, "mega.timenorm.")).items():
-        out[f"attn.norm.{key}"] = value
-    for key, value in convert_cema(_sub(sd, "mega.cema.")).items():
-        out[f"attn.cema.{key}"] = value
-    return out
+    children = {
+        "mega.timenorm.": ("attn.norm.", convert_timestep_norm),
+        "mega.cema.": ("attn.cema.", convert_cema),
+    }
+    return convert_module(sd, "", "MegaBlock", children, _BLOCK_NAMES, _BLOCK_PREFIXES)
 
 
 def _check_rope(freqs: Tensor, rope_base: float | None) -> None:
@@ -161,7 +165,7 @@ def convert_lm(sd: Mapping[str, Tensor], rope_base: float | None = None) -> dict
     for i in sorted(layers):
         for key, value in convert_block(layers[i]).items():
             out[f"backbone.layers.{i}.{key}"] = value
-    for key, value in convert_timestep_norm(_sub(sd, "output.final_norm.")).items():
+    for key, value in convert_timestep_norm(sd, "output.final_norm.").items():
         out[f"backbone.final_norm.{key}"] = value
     return out
 
