@@ -113,7 +113,6 @@ class Seq2SeqTask(TaskBase):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
         self.model = model
-        self.pad_id, self.eos_id, self.unk_id = pad_id, eos_id, unk_id
         self.special = SpecialTokens(eos=eos_id, pad=pad_id, unk=unk_id)
         self.label_smoothing = label_smoothing
         self.generation = GenerationConfig(**dict(generation or {}))
@@ -160,19 +159,19 @@ class Seq2SeqTask(TaskBase):
     # -- losses ---------------------------------------------------------------------------------
     def forward(self, batch: Batch) -> Tensor:
         """Teacher-forced logits (B, T, V)."""
-        tgt_in = decoder_inputs(batch["targets"], batch["target_mask"], self.eos_id)
+        tgt_in = decoder_inputs(batch["targets"], batch["target_mask"], self.special.eos)
         return self.model(batch["inputs"], batch.get("mask"), tgt_in, batch["target_mask"])
 
     def losses(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         """(summed label-smoothed loss, summed NLL, target tokens) of a batch, in nats."""
         logits = self(batch).float()
-        targets = batch["targets"].masked_fill(~batch["target_mask"], self.pad_id)
+        targets = batch["targets"].masked_fill(~batch["target_mask"], self.special.pad)
         flat, tgt = logits.view(-1, logits.shape[-1]), targets.view(-1)
         loss = F.cross_entropy(
-            flat, tgt, ignore_index=self.pad_id, label_smoothing=self.label_smoothing,
+            flat, tgt, ignore_index=self.special.pad, label_smoothing=self.label_smoothing,
             reduction="sum",
         )  # fmt: skip
-        nll = F.cross_entropy(flat, tgt, ignore_index=self.pad_id, reduction="sum")
+        nll = F.cross_entropy(flat, tgt, ignore_index=self.special.pad, reduction="sum")
         return loss, nll.detach(), batch["target_mask"].sum()
 
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
