@@ -98,10 +98,11 @@ def _model_name(run: Run) -> str:
     target = config_value(run.config, "model.backbone._target_") or config_value(
         run.config, "task.backbone._target_"
     )
+    if not target:
+        return "?"
     # The backbone's config class since backbones take one (`S4DConfig`), its class before
     # (`S4DBackbone`): one label for both.
-    name = str(target).rsplit(".", 1)[-1].removesuffix("Config").removesuffix("Backbone")
-    return name if target else "?"
+    return str(target).rsplit(".", 1)[-1].removesuffix("Config").removesuffix("Backbone")
 
 
 def load_curves(paths: Sequence[str | Path]) -> list[Curve]:
