@@ -329,7 +329,7 @@ for dtype, z, e in json.loads(sys.argv[1]):
     spec = A._Spec("softmax", 1.0, True, 0, 64, "causal", True, True, z, e,
                    torch.device("cuda"), dt)
     meta = spec.meta()
-    warps = meta.pop("num_warps")
+    options = {"num_warps": meta.pop("num_warps"), "enable_fp_fusion": meta.pop("enable_fp_fusion")}
     for kernel in (J.fwd_kernel, J.bwd_dv_kernel, J.bwd_dk_kernel, J.bwd_dq_kernel):
         names = kernel.arg_names
         sig = {}
@@ -343,7 +343,7 @@ for dtype, z, e in json.loads(sys.argv[1]):
                 sig[n] = "fp32" if n == "scale" else "i32"
         consts = {(names.index(n),): v for n, v in meta.items()}
         src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
-        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
         shared[f"{kernel.__name__} {dtype} z={z}"] = c.metadata.shared
 print(json.dumps(shared))
 """

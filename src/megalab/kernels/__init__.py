@@ -28,6 +28,7 @@ import torch
 
 __all__ = [
     "KERNELS",
+    "LAUNCH_OPTIONS",
     "disabled",
     "enabled",
     "forced",
@@ -38,6 +39,12 @@ __all__ = [
 
 #: Every fused kernel megalab has, by the name its switch takes.
 KERNELS: tuple[str, ...] = ("timestep_norm", "ema", "attention", "elementwise")
+
+#: Compile options every kernel launch passes (`kernel[grid](..., **LAUNCH_OPTIONS)`). Floating-
+#: point fusion (FMA contraction) is pinned on: it was Triton's default up to 3.9, the kernels were
+#: checked and measured with it, and Triton 3.10 turns the default off (3.9 warns at every first
+#: compile). Pinned, the compiled code does not change with the installed Triton's default.
+LAUNCH_OPTIONS: dict[str, bool] = {"enable_fp_fusion": True}
 
 _disabled: set[str] = set()
 _forced: set[str] = set()

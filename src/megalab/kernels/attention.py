@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from megalab.kernels import use_kernel
+from megalab.kernels import LAUNCH_OPTIONS, use_kernel
 from megalab.kernels.attention_functions import key_counts
 
 try:
@@ -174,6 +174,7 @@ class _Spec:
             "BLOCK_Z": self.block_z,
             "BLOCK_E": self.block_e,
             "num_warps": self.num_warps,
+            **LAUNCH_OPTIONS,
         }
 
 

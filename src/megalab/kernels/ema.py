@@ -36,6 +36,8 @@ import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from megalab.kernels import LAUNCH_OPTIONS
+
 __all__ = [
     "ema_kernel",
     "skip_output",
@@ -204,6 +206,7 @@ def _launch_apply(c: Tensor, log_q: Tensor, length: int, base: int, reverse: boo
     _apply_kernel[grid](
         _planes(c), _planes(log_q), out, D, N, length, base,
         REVERSE=reverse, COMPLEX=log_q.is_complex(), BLOCK_T=_BLOCK_T_APPLY, BLOCK_N=_block_n(N),
+        **LAUNCH_OPTIONS,
     )  # fmt: skip
     return out
 
@@ -226,7 +229,7 @@ def _launch_reduce(
         w.contiguous().float(), _planes(log_q), s0_planes,
         _planes(s1) if s1 is not None else s0_planes, D, N, L, base,
         REVERSE=reverse, COMPLEX=log_q.is_complex(), WITH_S1=with_s1,
-        BLOCK_T=_BLOCK_T_REDUCE, BLOCK_N=block_n,
+        BLOCK_T=_BLOCK_T_REDUCE, BLOCK_N=block_n, **LAUNCH_OPTIONS,
     )  # fmt: skip
     return s0, s1
 
@@ -437,6 +440,7 @@ class _SkipOutput(torch.autograd.Function):
             _skip_fwd_kernel[grid](
                 y, x, omega, out, pre, L, D, *y.stride(), *x.stride(),
                 SILU=silu, SAVE_PRE=save_pre, BLOCK_T=_BLOCK_T_SKIP, BLOCK_D=_BLOCK_D_SKIP,
+                **LAUNCH_OPTIONS,
             )  # fmt: skip
         ctx.save_for_backward(x, omega, pre if save_pre else None)
         ctx.silu = silu
@@ -453,7 +457,7 @@ class _SkipOutput(torch.autograd.Function):
         if dy.numel():
             _skip_bwd_kernel[grid](
                 grad, pre if ctx.silu else dy, omega, dy, dx, L, D, *grad.stride(),
-                SILU=ctx.silu, BLOCK_T=_BLOCK_T_SKIP, BLOCK_D=_BLOCK_D_SKIP,
+                SILU=ctx.silu, BLOCK_T=_BLOCK_T_SKIP, BLOCK_D=_BLOCK_D_SKIP, **LAUNCH_OPTIONS,
             )  # fmt: skip
         grad_omega = (dy * x.transpose(1, 2)).sum((0, 2))  # Σ_{b,t} ∂pre · x
         return dy, dx, grad_omega, None, None, None

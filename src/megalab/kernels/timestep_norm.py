@@ -40,6 +40,8 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
+from megalab.kernels import LAUNCH_OPTIONS
+
 __all__ = ["timestep_norm"]
 
 
@@ -431,10 +433,20 @@ class _TimestepNormFn(torch.autograd.Function):
         mask_arg = mask if mask is not None else x  # never read without a mask
         w_arg = weight if weight is not None else x
         b_arg = bias if bias is not None else x
-        meta = dict(BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, HAS_MASK=mask is not None)
+        meta = dict(BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, HAS_MASK=mask is not None, **LAUNCH_OPTIONS)
         _fwd_block_stats[(nblk * B * G,)](x, mask_arg, stats, L, D, Dg, G, nblk, **meta)
         _fwd_scan_blocks[(B * G,)](
-            stats, prefix, count, mean0, var0, mean_out, var_out, G, nblk, CHUNK=CHUNK
+            stats,
+            prefix,
+            count,
+            mean0,
+            var0,
+            mean_out,
+            var_out,
+            G,
+            nblk,
+            CHUNK=CHUNK,
+            **LAUNCH_OPTIONS,
         )
         if L > 0:
             _fwd_normalize[(nblk * B * G,)](
@@ -469,13 +481,13 @@ class _TimestepNormFn(torch.autograd.Function):
         )  # fmt: skip
         meta = dict(
             HAS_MASK=mask is not None, AFFINE=affine, STATE_GRAD=state_grad,
-            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+            BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, **LAUNCH_OPTIONS,
         )  # fmt: skip
         if L > 0:
             _bwd_block_sums[(nblk * B * G,)](
                 *args, sums, dw_part, db_part, L, D, Dg, G, nblk, **meta
             )
-        _bwd_scan_blocks[(B * G,)](sums, suffix, total, nblk, CHUNK=CHUNK)
+        _bwd_scan_blocks[(B * G,)](sums, suffix, total, nblk, CHUNK=CHUNK, **LAUNCH_OPTIONS)
         if L > 0:
             _bwd_dx[(nblk * B * G,)](*args, suffix, dx, L, D, Dg, G, nblk, **meta)
         dw = db = dmean0 = dvar0 = None
