@@ -255,3 +255,21 @@ def test_a_backbone_with_data_dependent_parameters_makes_ddp_look_for_unused_one
         strategy = DDPStrategy(find_unused_parameters=False)
         find_unused_data_dependent_parameters(strategy, build_lm(name, variant))
         assert strategy._ddp_kwargs["find_unused_parameters"] is search, (name, variant)
+
+
+def test_transformer_xl_adaptive_bands_also_make_ddp_look_for_unused_parameters() -> None:
+    """Transformer-XL's adaptive embedding and softmax (`megalab.nn.adaptive_xl`) are
+    `BandedParameters` as megalab's own adaptive layers are; a plain embedding is not."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from megalab.nn.adaptive_xl import AdaptiveEmbedding, ProjectedAdaptiveLogSoftmax
+    from megalab.parallel.lightning import find_unused_data_dependent_parameters
+
+    for module, search in [
+        (AdaptiveEmbedding(64, 16, cutoffs=(8, 32), div_val=2), True),
+        (ProjectedAdaptiveLogSoftmax(16, 64, cutoffs=(8, 32), div_val=2), True),
+        (torch.nn.Embedding(64, 16), False),
+    ]:
+        strategy = DDPStrategy(find_unused_parameters=False)
+        find_unused_data_dependent_parameters(strategy, torch.nn.ModuleDict({"part": module}))
+        assert strategy._ddp_kwargs["find_unused_parameters"] is search, type(module).__name__

@@ -33,6 +33,15 @@ from torch import Tensor, nn
 from megalab.nn.masking import zero_pads
 
 
+class BandedParameters:
+    """A module that keeps a band of parameters per frequency band of the vocabulary: a band with
+    no token in a batch leaves its parameters out of the graph, so data-parallel training must
+    look for unused parameters (`megalab.parallel.lightning`; a backbone says the same with
+    `Backbone.data_dependent_parameters`)."""
+
+    data_dependent_parameters: bool = True
+
+
 def _bands(vocab_size: int, cutoffs: Sequence[int]) -> list[int]:
     """Band boundaries [c_0, c_1, ..., V], validated."""
     cuts = [int(c) for c in cutoffs]
@@ -58,12 +67,8 @@ def check_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
         )
 
 
-class AdaptiveInput(nn.Module):
+class AdaptiveInput(BandedParameters, nn.Module):
     """Adaptive input embedding, usable as the LM task's encoder: `forward(tokens, mask)`."""
-
-    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
-    # training must look for unused parameters (megalab.parallel.lightning reads this).
-    data_dependent_parameters = True
 
     def __init__(
         self,
@@ -143,7 +148,7 @@ class _Tail(nn.Module):
         return F.linear(self.dropout(F.linear(x, proj)), self.out)
 
 
-class AdaptiveSoftmax(nn.Module):
+class AdaptiveSoftmax(BandedParameters, nn.Module):
     """Adaptive softmax head with `nll(hidden, targets)` like `LinearLMHead`.
 
     Args:
@@ -151,10 +156,6 @@ class AdaptiveSoftmax(nn.Module):
         factor: width divisor per band (tail i has width d_model // factor**(i+1)).
         dropout: adaptive-softmax dropout.  tie_proj: when tied, share the tail projections too.
     """
-
-    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
-    # training must look for unused parameters (megalab.parallel.lightning reads this).
-    data_dependent_parameters = True
 
     def __init__(
         self,

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalab.nn.adaptive import check_ids
+from megalab.nn.adaptive import BandedParameters, check_ids
 from megalab.nn.masking import zero_pads
 from megalab.nn.relative_attention import at_least_float32
 
@@ -66,13 +66,9 @@ def _band_dims(d_embed: int, div_val: int, bands: int) -> list[int]:
     return dims
 
 
-class _Bands(nn.Module):
+class _Bands(BandedParameters, nn.Module):
     """The frequency bands both layers split the vocabulary into: boundaries `ends` ([c_0, …,
     V]), their `starts`, and each band's table width `dims`."""
-
-    # Bands with no token in a batch leave their parameters out of the graph: data-parallel
-    # training must look for unused parameters (megalab.parallel.lightning reads this).
-    data_dependent_parameters = True
 
     def __init__(
         self,

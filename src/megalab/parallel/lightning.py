@@ -21,6 +21,8 @@ from typing import Any, cast
 
 from lightning.pytorch.strategies import DDPStrategy
 
+from megalab.models.base import Backbone
+from megalab.nn.adaptive import BandedParameters
 from megalab.parallel.chunk import ChunkParallel, new_chunk_parallel
 
 log = logging.getLogger(__name__)
@@ -34,12 +36,15 @@ def find_unused_data_dependent_parameters(strategy: Any, task: Any) -> None:
     then stops with "parameters that were not used" unless it looks for them (the other ranks'
     gradients are averaged with this rank's zero: still the whole batch's gradient). Any module
     of the task may say so: a backbone declares it (`Backbone.data_dependent_parameters`), the
-    adaptive encoders and heads set the same attribute. Models without such parameters keep the
+    adaptive encoders and heads are `BandedParameters`. Models without such parameters keep the
     faster setting.
     """
     if not isinstance(strategy, DDPStrategy) or strategy._ddp_kwargs.get("find_unused_parameters"):
         return
-    if any(getattr(m, "data_dependent_parameters", False) for m in task.modules()):
+    if any(
+        isinstance(m, Backbone | BandedParameters) and m.data_dependent_parameters
+        for m in task.modules()
+    ):
         log.info(
             "%s uses some parameters only for some tokens (adaptive input/softmax bands): DDP "
             "looks for unused parameters",
