@@ -273,6 +273,39 @@ def test_adaptive_softmax_is_a_distribution_and_nll_matches_it() -> None:
         out.nll(h[:, :1], torch.full((3, 1), 50))
 
 
+def test_weight_tying_goes_through_the_heads_declared_tie_encoder() -> None:
+    """`tie_weights` asks the head (`LMHead.tie_encoder`): a linear head ties to the token table
+    of a token encoder; a head or an encoder that cannot tie is refused with what to change."""
+    from megalab.nn.embedding import FeatureEmbedding, TokenEmbedding
+    from megalab.nn.lm_head import LMHead
+
+    tokens = SequenceEncoder(vocab_size=50, d_model=16)
+    head = LinearLMHead(16, 50)
+    LanguageModelingTask(tokens, Recurrent(16), head, tie_weights=True)
+    assert isinstance(tokens.embed, TokenEmbedding)
+    assert head.proj.weight is tokens.embed.embedding.weight
+    bare = TokenEmbedding(50, 16)
+    LinearLMHead(16, 50).tie_encoder(bare)
+    with pytest.raises(ValueError, match="needs a token embedding in the encoder, got Feature"):
+        LinearLMHead(16, 50).tie_encoder(FeatureEmbedding(3, 16))
+
+    class Plain(nn.Module):
+        def nll(self, hidden: Tensor, targets: Tensor) -> Tensor:
+            return hidden.sum(-1)
+
+    with pytest.raises(
+        TypeError, match=r"needs an LM head \(megalab.nn.lm_head.LMHead\), got Plain"
+    ):
+        LanguageModelingTask(tokens, Recurrent(16), Plain(), tie_weights=True)
+    LanguageModelingTask(tokens, Recurrent(16), Plain())  # untied: any head with nll
+
+    class Untieable(LMHead):
+        pass
+
+    with pytest.raises(ValueError, match=r"Untieable cannot share its weights.*tie_weights=false"):
+        LanguageModelingTask(tokens, Recurrent(16), Untieable(), tie_weights=True)
+
+
 def test_adaptive_input_bands_and_scale() -> None:
     inp = AdaptiveInput(50, 16, [10, 30], factor=2, scale=True)
     assert [e.weight.shape for e in inp.embeddings] == [(10, 16), (20, 8), (20, 4)]

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.lm_head import LMHead
 from megalab.nn.masking import zero_pads
 
 
@@ -148,7 +149,7 @@ class _Tail(nn.Module):
         return F.linear(self.dropout(F.linear(x, proj)), self.out)
 
 
-class AdaptiveSoftmax(BandedParameters, nn.Module):
+class AdaptiveSoftmax(BandedParameters, LMHead):
     """Adaptive softmax head with `nll(hidden, targets)` like `LinearLMHead`.
 
     Args:
@@ -181,6 +182,10 @@ class AdaptiveSoftmax(BandedParameters, nn.Module):
             for i, (lo, hi) in enumerate(itertools.pairwise(self.cutoffs))
         )
         self.dropout = nn.Dropout(dropout)
+
+    def tie_encoder(self, encoder: nn.Module) -> None:
+        """`tie` to the task's encoder, which must be an `AdaptiveInput`."""
+        self.tie(encoder)
 
     def tie(self, adaptive_input: nn.Module) -> None:
         """Share the output matrices (and with `tie_proj` the tail projections) with an

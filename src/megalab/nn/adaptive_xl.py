@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab.nn.adaptive import BandedParameters, check_ids
+from megalab.nn.lm_head import LMHead
 from megalab.nn.masking import zero_pads
 from megalab.nn.relative_attention import at_least_float32
 
@@ -158,7 +159,7 @@ class AdaptiveEmbedding(_Bands):
         return out
 
 
-class ProjectedAdaptiveLogSoftmax(_Bands):
+class ProjectedAdaptiveLogSoftmax(_Bands, LMHead):
     """XL's output layer with `nll(hidden, targets)` and `log_probs(hidden)` as the LM heads.
 
     Args:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,8 @@ from torchmetrics import SumMetric
 
 from megalab.batch import Batch
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput
-from megalab.nn.adaptive import AdaptiveSoftmax
+from megalab.nn.embedding import SequenceEncoder, TokenEmbedding
+from megalab.nn.lm_head import LMHead
 from megalab.nn.state import detach_state, pack_state, state_to, unpack_state
 from megalab.tasks.base import NonFiniteLossError, SequenceTask, TaskOptions
 from megalab.utils.distributed import gather_from_ranks
@@ -42,7 +43,7 @@ SPLITS = ("train", "val", "test")
 _STATE_KEY = "lm_train_state"
 
 
-class LinearLMHead(nn.Module):
+class LinearLMHead(LMHead):
     """Output projection to the vocabulary; optionally tied to the input embedding.
 
     The weight starts from N(0, `init_std`), d^-1/2 by default (Llama: 0.02, HF's init);
@@ -65,6 +66,16 @@ class LinearLMHead(nn.Module):
         else:
             cut = init_truncation * std
             nn.init.trunc_normal_(self.proj.weight, std=std, a=-cut, b=cut)
+
+    def tie_encoder(self, encoder: nn.Module) -> None:
+        """`tie` to the token table of the task's encoder: a `TokenEmbedding`, or a
+        `SequenceEncoder` of tokens."""
+        embed = encoder.embed if isinstance(encoder, SequenceEncoder) else encoder
+        if not isinstance(embed, TokenEmbedding):
+            raise ValueError(
+                f"tie_weights needs a token embedding in the encoder, got {type(embed).__name__}"
+            )
+        self.tie(embed.embedding)
 
     def tie(self, embedding: nn.Embedding) -> None:
         """Share the weight matrix with the token embedding (Press & Wolf 2017)."""
@@ -145,17 +156,15 @@ class LanguageModelingTask(SequenceTask):
         if loss_scale <= 0:
             raise ValueError(f"loss_scale must be positive, got {loss_scale}")
         self.loss_scale = loss_scale
-        self.head: Any = head  # an LM head: nll(hidden, targets), tie(embedding)
+        self.head: Any = head  # an LM head (`LMHead`: nll, log_probs, tie_encoder)
         if tie_weights:
-            if hasattr(head, "tie_encoder"):  # heads that tie to a whole encoder (adaptive_xl)
-                cast(Any, head).tie_encoder(encoder)  # duck-typed (nn.Module.__getattr__ hides it)
-            elif isinstance(head, AdaptiveSoftmax):
-                head.tie(encoder)
-            else:
-                embedding = getattr(getattr(encoder, "embed", encoder), "embedding", None)
-                if embedding is None:
-                    raise ValueError("tie_weights needs a token embedding in the encoder")
-                cast(Any, head).tie(embedding)
+            if not isinstance(head, LMHead):
+                raise TypeError(
+                    f"tie_weights needs an LM head (megalab.nn.lm_head.LMHead), got "
+                    f"{type(head).__name__}: subclass LMHead and implement tie_encoder, or set "
+                    "task.tie_weights=false"
+                )
+            head.tie_encoder(encoder)
         self.carry_state = carry_state
         # ModuleDict keys cannot be "train" (nn.Module.train), hence the `_nll` style suffixes.
         # NaN is kept (torchmetrics would drop it by default) so that `epoch_metrics` reports it.

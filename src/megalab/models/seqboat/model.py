@@ -59,6 +59,7 @@ from megalab.models.seqboat.sma import (
     CompressedAttention,
     Packing,
     PositionwiseFFN,
+    Router,
     Routing,
     WorkingMemory,
     build_router,
@@ -262,8 +263,8 @@ class SeqBoatLayer(nn.Module):
         self.router = build_router(
             cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg), cfg.gumbel_hard
         )
-        n_logits = getattr(self.router, "n_logits", 0)
-        self.ffn_router: nn.Module | None = None
+        n_logits = 0 if self.router is None else self.router.n_logits
+        self.ffn_router: Router | None = None
         self.ffn: PositionwiseFFN | None = None
         if cfg.ffn_mode == "parallel":
             # SeqBoat-{GAU,FFN}: the FFN beside the GAU, with its own decisions (M = 2).
@@ -272,7 +273,7 @@ class SeqBoatLayer(nn.Module):
             )
             self.ffn = PositionwiseFFN(D, cfg.ffn_dim, cfg.activation_dropout)
         self.n_logits = n_logits
-        n_ffn_logits = getattr(self.ffn_router, "n_logits", 0)
+        n_ffn_logits = 0 if self.ffn_router is None else self.ffn_router.n_logits
         self.hx_proj = nn.Linear(D, n_logits + n_ffn_logits + D)
         self.mx_proj = nn.Linear(D, Z + 2 * E)
         self.h_proj = nn.Linear(E, D)
@@ -345,7 +346,7 @@ class SeqBoatLayer(nn.Module):
         return H[:, T:], new_buffer
 
     # --------------------------------------------------------------------------------- forward
-    def _route(self, H: Tensor, u: Tensor, valid: Tensor, router: nn.Module | None) -> Routing:
+    def _route(self, H: Tensor, u: Tensor, valid: Tensor, router: Router | None) -> Routing:
         if router is None:
             return Routing(valid, valid.to(H.dtype), None)
         return router(H, u, valid, self.act_bias)
@@ -388,7 +389,7 @@ class SeqBoatLayer(nn.Module):
         X = self.norm(x) if self.prenorm else x
         H, ssm_state = self._ssm(X, mask, None if state is None else state.ssm, want_state)
         H = self.dropout(H)
-        n, nf = self.n_logits, getattr(self.ffn_router, "n_logits", 0)
+        n, nf = self.n_logits, 0 if self.ffn_router is None else self.ffn_router.n_logits
         u, u_ffn, hx = torch.split(self.hx_proj(H), [n, nf, D], dim=-1)
         routing = self._route(H, u, valid, self.router)
         plan = self._plan(routing, want_state, always=self.router is None)

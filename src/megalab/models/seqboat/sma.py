@@ -61,6 +61,7 @@ from megalab.kernels.attention_functions import check_attention_function
 from megalab.models.seqboat.sma_routing import ROUTERS as ROUTERS
 from megalab.models.seqboat.sma_routing import GumbelSoftmaxRouter as GumbelSoftmaxRouter
 from megalab.models.seqboat.sma_routing import Packing as Packing
+from megalab.models.seqboat.sma_routing import Router as Router
 from megalab.models.seqboat.sma_routing import Routing as Routing
 from megalab.models.seqboat.sma_routing import SigmoidRouter as SigmoidRouter
 from megalab.models.seqboat.sma_routing import TemperedSoftmaxRouter as TemperedSoftmaxRouter

@@ -124,7 +124,17 @@ class Routing(NamedTuple):
     probs: Tensor | None
 
 
-class _TemperedRouter(nn.Module):
+class Router(nn.Module):
+    """A configurator: `forward(h, u, valid, act_bias) -> Routing` from the hidden states h and
+    its `n_logits` logits u per token (columns of the unit's `hx_proj`; 0: it scores h itself)."""
+
+    n_logits: int
+
+    def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
+        raise NotImplementedError
+
+
+class _TemperedRouter(Router):
     """A router with a learned temperature τ = exp(θ), one θ per layer, θ₀ = log(α√d)
     (code: `q_router.temp`, in log space, decayed by the optimizer like every parameter)."""
 
@@ -157,7 +167,7 @@ class TemperedSoftmaxRouter(_TemperedRouter):
         return Routing(active, probs[..., 1] * active, probs)
 
 
-class GumbelSoftmaxRouter(nn.Module):
+class GumbelSoftmaxRouter(Router):
     """Gumbel-softmax configurator (SeqBoat App. A.4, the Table 7 ablation).
 
     Training: p' = softmax(([u_skip + b_act, u_act] + G) / τ'), G ~ Gumbel(0, 1) per logit, with
@@ -231,7 +241,7 @@ class SigmoidRouter(_TemperedRouter):
         return Routing(active, p * active, torch.stack([1 - p, p], dim=-1))
 
 
-class XMoERouter(nn.Module):
+class XMoERouter(Router):
     """The "-MoE" ablation (Table 8): X-MoE top-1 routing (Chi et al. 2022) between a module
     that outputs zero (expert 0) and the GAU (expert 1), without a load-balancing loss.
 
@@ -271,7 +281,7 @@ def build_router(
     init_temp_scale: float = 1.0,
     gumbel_tau: tuple[float, float, float] = (2.0, 0.5, 0.999995),
     gumbel_hard: bool = False,
-) -> nn.Module | None:
+) -> Router | None:
     """The configurator called `kind` (None for "none": the GAU always runs)."""
     if kind == "softmax":
         return TemperedSoftmaxRouter(d_model, init_temp_scale)
