@@ -265,7 +265,7 @@ class ChunkedAttention(nn.Module):
         if recompute is None:
             recompute = Ck > KEEP_WEIGHTS_SPAN
         kind, b1, b2 = self.rel_pos_bias.factors(Cq, Ck, q_offset)
-        positions = getattr(self.rel_pos_bias, "max_positions", 0)
+        positions = self.bias_positions
         o = mega_attention(
             q.reshape(B * K, Cq, -1),
             k.reshape(B * K, Ck, -1),
@@ -280,6 +280,12 @@ class ChunkedAttention(nn.Module):
             recompute=recompute,
         )
         return o.view(B, K, Cq, -1)
+
+    @property
+    def bias_positions(self) -> int:
+        """M, the offsets of the 'simple' bias table (0 for 'rotary', which has no table)."""
+        bias = self.rel_pos_bias
+        return bias.max_positions if isinstance(bias, SimpleRelativePositionalBias) else 0
 
     def _attend_kernel(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
@@ -299,7 +305,7 @@ class ChunkedAttention(nn.Module):
             causal=self.causal,
             q_offset=q_offset,
             scale=self.z_dim**-0.5,
-            positions=getattr(self.rel_pos_bias, "max_positions", 0),
+            positions=self.bias_positions,
         )
         return o.view(B, K, Cq, -1)
 

@@ -428,7 +428,7 @@ class SeqBoatLayer(nn.Module):
 
         report = LayerReport(
             activation=_fraction(routing.active, valid),
-            tau=getattr(self.router, "tau", None),
+            tau=None if self.router is None else self.router.tau,
             span=(span_sum / span_n.clamp(min=1)).to(torch.float32),
             ffn_activation=ffn_activation,
         )

@@ -130,6 +130,11 @@ class Router(nn.Module):
 
     n_logits: int
 
+    @property
+    def tau(self) -> Tensor | None:
+        """The temperature the configurator reports per layer (None: it has none)."""
+        return None
+
     def forward(self, h: Tensor, u: Tensor, valid: Tensor, act_bias: float = 0.0) -> Routing:
         raise NotImplementedError
 
