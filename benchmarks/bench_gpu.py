@@ -12,7 +12,8 @@ Sections (every case forward + backward; one optimizer step where stated):
   v = 2d, chunk 2048, Megalodon with a SwiGLU of 2.75 d and a head per 1024 channels), causal,
   dropout 0, under bf16 autocast (float32 weights), at 4K and 32K tokens per sequence (the
   targets' lengths; `--lengths`) with `--tokens-per-step` tokens per step (a batch of
-  tokens_per_step / L sequences).
+  tokens_per_step / L sequences). Mega-chunk and Megalodon-chunk run again with the attention
+  kernel off (`*_nokernel`).
 - lra_text: Mega's Table 2 speed on LRA Text at the paper configurations and micro-batch
   (`data.batch_size / trainer.accumulate_grad_batches` of each experiment, 4K bytes), float32:
   mega, mega_chunk, seqboat and megalodon_chunk against the SDPA transformer, one AdamW step
@@ -323,7 +324,17 @@ def block(kind: str, d: int, chunk: int) -> nn.Module:
     raise ValueError(f"unknown block {kind!r}")
 
 
-BLOCKS = ["llama", "mega_chunk", "megalodon_chunk"]
+# `<kind>_nokernel`: the same block with the attention kernel off (`kernels.disabled`): PyTorch's
+# path, Mega's attention with its weights P materialised, Megalodon's through SDPA (docs/gpu.md,
+# "The attention kernel's recomputation").
+BLOCKS = [
+    "llama",
+    "mega_chunk",
+    "mega_chunk_nokernel",
+    "megalodon_chunk",
+    "megalodon_chunk_nokernel",
+]
+NO_KERNEL = "_nokernel"
 
 
 def block_case(
@@ -335,16 +346,22 @@ def block_case(
     device: torch.device,
     dtype: torch.dtype | None,
 ) -> Callable[[], tuple[Step, int, dict[str, Any]]]:
+    from megalab import kernels
+
+    no_kernel = kind.endswith(NO_KERNEL)
+    base = kind.removesuffix(NO_KERNEL)
+
     def build() -> tuple[Step, int, dict[str, Any]]:
         torch.manual_seed(0)
-        module = block(kind, d, chunk).to(device).train()
+        module = block(base, d, chunk).to(device).train()
         B = max(1, tokens // L)
         x = torch.randn(B, L, d, device=device, requires_grad=True)
 
         def step() -> None:
             module.zero_grad(set_to_none=True)
             x.grad = None
-            with autocast(device, dtype):
+            off = kernels.disabled("attention") if no_kernel else contextlib.nullcontext()
+            with autocast(device, dtype), off:
                 y = module(x)[0]
             y.float().square().mean().backward()
 

@@ -51,7 +51,7 @@ def test_the_smoke_benchmark_measures_every_case_of_every_section(smoke) -> None
     settings = record["settings"]
     assert {"device", "driver", "cuda", "torch", "triton"} <= set(settings)
     kinds = {(r["section"], r["kind"]) for r in record["rows"]}
-    assert {("blocks", k) for k in ("llama", "mega_chunk", "megalodon_chunk")} <= kinds
+    assert {("blocks", k) for k in bench_gpu.BLOCKS} <= kinds
     assert {
         ("lra_text", e)
         for e in (
