@@ -12,8 +12,8 @@ the shared memory of the target). This module closes that gap on a machine witho
    each recorded launch with Triton's own compiler and ptxas for that CUDA capability (default
    90, the H100) and prints, per launch, its shared memory or the compiler's error, as JSON.
 
-tests/kernels/test_compile.py runs both for the installed Triton. The same two steps checked
-another Triton (the version of a GPU image) by putting it first on `PYTHONPATH` (docs/gpu.md).
+tests/kernels/test_compile.py runs both for the installed Triton. The same two steps check
+another Triton (the oldest supported, a GPU image's) put first on `PYTHONPATH` (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -167,7 +167,12 @@ def compile_launches(launches: list[dict[str, Any]], capability: int) -> list[di
         types, constexprs = signature(kernel, launch["args"])
         name = f"{launch['module']}.{launch['name']}"
         try:
-            src = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
+            if "constexprs" in inspect.signature(ASTSource).parameters:
+                src = ASTSource(fn=kernel, signature=types, constexprs=constexprs)
+            else:  # Triton before 3.3: constants by name
+                names = [p.name for p in kernel.params]
+                constants = {names[i]: v for (i,), v in constexprs.items()}
+                src = ASTSource(fn=kernel, signature=types, constants=constants)
             compiled = triton.compile(src, target=target, options=launch["options"])
         except Exception as e:  # the compiler's own error, reported per launch
             results.append({"kernel": name, "launch": launch, "error": f"{type(e).__name__}: {e}"})
