@@ -182,3 +182,20 @@ def test_the_command_line_uses_the_run_config(compose_cfg, tmp_path: Path) -> No
     assert proc.stdout.count("--- sample") == 2 and "Once upon a time" in proc.stdout
     record = json.loads((tmp_path / "gen" / "generations.json").read_text())
     assert len(record["tokens"]) == 2 and all(len(t) == 8 for t in record["tokens"])
+
+
+def test_generate_refuses_a_run_that_is_not_a_language_model(compose_cfg, tmp_path) -> None:
+    """A classifier's run and checkpoint load, then fail with what megalab-generate needs."""
+    import hydra
+
+    from megalab.run_loading import load_task
+    from megalab.utils.checkpointing import write_checkpoint
+
+    overrides = ["task=classification", "data=lra_listops", "model=mega", "model.d_model=16",
+                 "model.backbone.num_layers=1", "model.backbone.z_dim=8",
+                 "model.backbone.v_dim=16", "model.backbone.ffn_dim=16"]  # fmt: skip
+    ckpt = tmp_path / "classifier.ckpt"
+    cfg = compose_cfg(f"ckpt_path={ckpt}", *overrides, config="generate", fast=False)
+    write_checkpoint({"state_dict": hydra.utils.instantiate(cfg.task).state_dict()}, ckpt)
+    with pytest.raises(ValueError, match="ClassificationTask is not a language model"):
+        load_task(cfg, torch.device("cpu"), torch.float32)

@@ -96,12 +96,14 @@ def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> Lang
     # A damaged file fails here naming it, not inside torch.load (ckpt_verify=false: a file
     # without a readable checksum is read unverified; a mismatch is refused all the same).
     verify_checkpoint(ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
+    from megalab.tasks.language_modeling import LanguageModelingTask
+
     task = hydra.utils.instantiate(cfg.task)
     checkpoint = read_checkpoint(ckpt_path, verify=cfg.get("ckpt_verify", True))
     if "state_dict" not in checkpoint:
         raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
     task.load_state_dict(checkpoint["state_dict"], strict=True)
-    if not hasattr(task, "head") or not hasattr(task.head, "log_probs"):
+    if not isinstance(task, LanguageModelingTask):
         raise ValueError(
             f"{type(task).__name__} is not a language model: megalab-generate needs "
             "task=language_modeling"

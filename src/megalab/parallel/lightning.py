@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from megalab.models.base import Backbone
 from megalab.nn.adaptive import BandedParameters
 from megalab.parallel.chunk import ChunkParallel, new_chunk_parallel
+from megalab.tasks.language_modeling import LanguageModelingTask
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,13 @@ class ChunkParallelStrategy(DDPStrategy):
     def check(self, task: Any, datamodule: Any = None) -> None:
         """Raise if `task` cannot train chunk-parallel (megalab.cli.train calls it before any
         process starts): a language model whose training batches start from a fresh state."""
-        if not hasattr(task, "use_chunk_parallel"):
+        if not isinstance(task, LanguageModelingTask):
             raise TypeError(
                 f"chunk parallelism splits the sequences of a language model; "
                 f"{type(task).__name__} is not one (use task=language_modeling, or "
                 "trainer=ddp / model_parallel for this task)"
             )
-        backbone = task.backbone  # a language model's (`use_chunk_parallel` checked above)
+        backbone = task.backbone
         if backbone.carried_modules() is None:
             raise TypeError(
                 f"{type(backbone).__name__} cannot run chunk-parallel: it has no "
