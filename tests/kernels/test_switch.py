@@ -35,3 +35,15 @@ def test_cpu_tensors_take_the_reference_unless_forced_in_the_interpreter() -> No
     assert not kernels.use_kernel("ema", x)
     with pytest.raises(ValueError, match="unknown kernel name"), kernels.disabled("nope"):
         pass
+
+
+def test_every_switch_name_has_a_kernel_behind_it() -> None:
+    """A name in `KERNELS` that no code asks for would accept `MEGALAB_KERNELS=<name>` and turn
+    nothing on: each name is asked for with `use_kernel("<name>", ...)` somewhere."""
+    from pathlib import Path
+
+    import megalab
+
+    source = "".join(p.read_text() for p in Path(megalab.__file__).parent.rglob("*.py"))
+    unused = [name for name in kernels.KERNELS if f'use_kernel("{name}"' not in source]
+    assert not unused, f"switch names with no kernel: {unused}"
