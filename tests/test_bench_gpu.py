@@ -179,3 +179,22 @@ def test_speed_ratios_are_of_throughput_when_micro_batches_differ() -> None:
     ratio = bench_gpu.speed_ratio(base, half)
     assert ratio["median"] == pytest.approx(1.0 / 0.6 / 2)
     assert ratio["min"] == pytest.approx(1.0 / 0.6 / 2) and ratio["max"] == pytest.approx(1.0)
+
+
+def test_launches_are_counted_by_source_line_and_do_not_depend_on_the_sizes() -> None:
+    """benchmarks/count_launches.py: every launch is charged to a line, the Triton kernels count
+    once each, and the count is the same at two sizes (it stands in for the GPU's count)."""
+    import count_launches
+
+    small = count_launches.main(["--d", "32", "--length", "32", "--chunk", "16", "--lines", "0"])
+    large = count_launches.main(["--d", "64", "--length", "64", "--chunk", "32", "--lines", "0"])
+    for kind in ("llama", "mega_chunk", "megalodon_chunk"):
+        block = small["blocks"][kind]
+        assert block["launches"] == large["blocks"][kind]["launches"], kind
+        assert sum(block["by_line"].values()) == sum(block["by_op"].values()) == block["launches"]
+        assert any(line.startswith("nn/rope.py:") for line in block["by_line"]), kind  # RoPE
+        assert any(line.startswith(f"models/{kind.split('_')[0]}/") for line in block["by_line"])
+    triton = {op for op in small["blocks"]["megalodon_chunk"]["by_op"] if op.startswith("triton:")}
+    assert {"triton:fwd_kernel", "triton:_apply_kernel", "triton:_fwd_normalize"} <= triton
+    assert not any(op.startswith("triton:") for op in small["blocks"]["llama"]["by_op"])
+    assert small["blocks"]["megalodon_chunk"]["ratio_to_first"] > 1.5

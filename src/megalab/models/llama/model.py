@@ -163,7 +163,7 @@ class LlamaAttention(CarriedLayer[KVCache]):
         v = self.v_proj(x).view(B, L, Hkv, hd)
         offset = state.key.shape[1] if state is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device).unsqueeze(-1)  # (L, 1)
-        q, k = self.rope(q, positions), self.rope(k, positions)
+        q, k = self.rope.pair(q, k, positions)
         o, cache = chunked_attention(
             q, k, v, mask, -1, self._attend, cache=state, return_cache=want_state
         )

@@ -72,7 +72,7 @@ from megalab.models.seqboat.sma_routing import plan_packing as plan_packing
 from megalab.models.seqboat.sma_routing import unpack as unpack
 from megalab.nn.attention import RelativeBiasTable, laplace
 from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
-from megalab.nn.rope import apply_rope, rope_inv_freq
+from megalab.nn.rope import rope_inv_freq, rope_tables, rotate
 from megalab.nn.state import register_state
 
 MASK_VALUE = -5e4  # the code's local-attention mask value
@@ -283,8 +283,8 @@ class CompressedAttention(nn.Module):
             inv_freq = rope_inv_freq(
                 self.z_dim, 10000.0, torch.promote_types(q.dtype, torch.float32)
             ).to(q.device)
-            q = apply_rope(q, pos, inv_freq, interleaved=True)
-            k = apply_rope(k, pos, inv_freq, interleaved=True)
+            cos, sin = rope_tables(pos, inv_freq, torch.promote_types(q.dtype, torch.float32))
+            q, k = rotate(q, cos, sin, interleaved=True), rotate(k, cos, sin, interleaved=True)
         tokens = _Packed(q, k, v, valid, pos)
         if self.mode == "chunk" and not streamed:
             o, span = self._chunked(tokens)
