@@ -51,13 +51,17 @@ NO_KERNEL = frozenset(
         "_unsafe_view", "view", "view_as_complex", "view_as_real", "_conj",
     }
 )  # fmt: skip
-_FRAME = re.compile(r'megalab/(\S+?\.py)", line (\d+)')
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 def _source_line(stack: str) -> str:
-    """The innermost megalab frame of a formatted stack, as `path:line` (`?` when none)."""
-    found = _FRAME.findall(stack)
-    return f"{found[-1][0]}:{found[-1][1]}" if found else "?"
+    """The innermost frame of a formatted stack inside the megalab package, as `path:line`
+    relative to the package (`?` when none)."""
+    import megalab
+
+    package = str(Path(megalab.__file__).parent) + os.sep  # as frames name it
+    found = [(f, n) for f, n in _FRAME.findall(stack) if f.startswith(package)]
+    return f"{found[-1][0][len(package) :]}:{found[-1][1]}" if found else "?"
 
 
 class LaunchCounter(TorchDispatchMode):
