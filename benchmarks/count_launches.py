@@ -40,6 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench_gpu
+import megalab
 
 # Operators that launch no kernel on CUDA: views, metadata and empty allocations.
 NO_KERNEL = frozenset(
@@ -52,16 +53,14 @@ NO_KERNEL = frozenset(
     }
 )  # fmt: skip
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+_PACKAGE = str(Path(megalab.__file__).parent) + os.sep  # as the frames name it
 
 
 def _source_line(stack: str) -> str:
     """The innermost frame of a formatted stack inside the megalab package, as `path:line`
     relative to the package (`?` when none)."""
-    import megalab
-
-    package = str(Path(megalab.__file__).parent) + os.sep  # as frames name it
-    found = [(f, n) for f, n in _FRAME.findall(stack) if f.startswith(package)]
-    return f"{found[-1][0][len(package) :]}:{found[-1][1]}" if found else "?"
+    found = [(f, n) for f, n in _FRAME.findall(stack) if f.startswith(_PACKAGE)]
+    return f"{found[-1][0][len(_PACKAGE) :]}:{found[-1][1]}" if found else "?"
 
 
 class LaunchCounter(TorchDispatchMode):

@@ -47,8 +47,9 @@ POINTEE = {
 
 
 def describe(value: Any) -> list[Any]:
-    """A runtime argument as [kind, detail]: a tensor's dtype, an integer's value, a float,
-    None (a constexpr argument is recorded as ["constexpr", value])."""
+    """A runtime argument as [kind, detail]: a tensor's dtype, an integer's Triton type (i32 or
+    i64: the value does not change the compiled code), a float, None (a constexpr argument is
+    recorded as ["constexpr", value])."""
     import torch
 
     if isinstance(value, torch.Tensor):
@@ -56,9 +57,9 @@ def describe(value: Any) -> list[Any]:
     if isinstance(value, bool):
         return ["bool", value]
     if isinstance(value, int):
-        return ["int", value]
+        return ["int", "i32" if -(2**31) <= value < 2**31 else "i64"]
     if isinstance(value, float):
-        return ["float", value]
+        return ["float", None]
     if value is None:
         return ["none", None]
     if isinstance(value, str):
@@ -85,11 +86,13 @@ class _Recorder:
         monkeypatch.setattr(InterpretedFunction, "run", recording_run)
 
     def add(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
-        params = inspect.signature(fn).parameters
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        options = {k: v for k, v in kwargs.items() if k in LAUNCH_OPTIONS}
+        signature = inspect.signature(fn)
+        bound = signature.bind(*args, **{k: v for k, v in kwargs.items() if k not in options})
         described = {
-            name: ["constexpr", v] if "constexpr" in str(params[name].annotation) else describe(v)
+            name: ["constexpr", v]
+            if "constexpr" in str(signature.parameters[name].annotation)
+            else describe(v)
             for name, v in bound.arguments.items()
         }
         entry = {
@@ -98,22 +101,7 @@ class _Recorder:
             "args": described,
             "options": options,
         }
-        key = json.dumps(_typed(entry), sort_keys=True)
-        self.launches.setdefault(key, entry)
-
-
-def _typed(entry: dict[str, Any]) -> dict[str, Any]:
-    """A launch without the runtime values of its integer and float arguments (which do not
-    change the compiled code, but for Triton's 64-bit integers), for de-duplication."""
-    args = {
-        name: [kind, _int_type(detail) if kind == "int" else None if kind == "float" else detail]
-        for name, (kind, detail) in entry["args"].items()
-    }
-    return {**entry, "args": args}
-
-
-def _int_type(value: int) -> str:
-    return "i32" if -(2**31) <= value < 2**31 else "i64"
+        self.launches.setdefault(json.dumps(entry, sort_keys=True), entry)
 
 
 _recorder = _Recorder()
@@ -128,9 +116,8 @@ def _record(monkeypatch: pytest.MonkeyPatch) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     path = os.environ.get(ENV)
     if path:
-        launches = [_typed(e) for e in _recorder.launches.values()]
-        unique = {json.dumps(e, sort_keys=True): e for e in launches}
-        Path(path).write_text(json.dumps(list(unique.values()), indent=1, sort_keys=True))
+        launches = list(_recorder.launches.values())
+        Path(path).write_text(json.dumps(launches, indent=1, sort_keys=True))
 
 
 # -- compiling ----------------------------------------------------------------------------------

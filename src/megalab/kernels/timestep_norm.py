@@ -436,18 +436,9 @@ class _TimestepNormFn(torch.autograd.Function):
         meta = dict(BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, HAS_MASK=mask is not None, **LAUNCH_OPTIONS)
         _fwd_block_stats[(nblk * B * G,)](x, mask_arg, stats, L, D, Dg, G, nblk, **meta)
         _fwd_scan_blocks[(B * G,)](
-            stats,
-            prefix,
-            count,
-            mean0,
-            var0,
-            mean_out,
-            var_out,
-            G,
-            nblk,
-            CHUNK=CHUNK,
+            stats, prefix, count, mean0, var0, mean_out, var_out, G, nblk, CHUNK=CHUNK,
             **LAUNCH_OPTIONS,
-        )
+        )  # fmt: skip
         if L > 0:
             _fwd_normalize[(nblk * B * G,)](
                 x, mask_arg, w_arg, b_arg, prefix, y, mu, rstd, L, D, Dg, G, nblk, eps,

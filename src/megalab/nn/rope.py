@@ -47,7 +47,7 @@ def _rotated(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bo
     with `inverse`, written into one new tensor (three passes a half, each a kernel on a GPU;
     no copy to join the halves), with the formula's roundings."""
     sign = 1.0 if inverse else -1.0
-    (x1, x2) = _halves(x, interleaved)
+    x1, x2 = _halves(x, interleaved)
     # A backward that is itself differentiated (create_graph), or a traced graph (functional
     # operations only; the compiler fuses them anyway): the formula as plain operations.
     if torch.is_grad_enabled() or torch.compiler.is_compiling():
@@ -86,10 +86,7 @@ class _Rotation(torch.autograd.Function):
 def rotate(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
     """x (..., d) rotated by the angles of `rope_tables` (the pairing as the module docstring)."""
     if cos.requires_grad or sin.requires_grad:  # angles that learn: autograd's own backward
-        x1, x2 = _halves(x.to(cos.dtype), interleaved)
-        rx = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        joined = torch.stack(rx, dim=-1).flatten(-2) if interleaved else torch.cat(rx, dim=-1)
-        return joined.to(x.dtype)
+        return _rotated(x.to(cos.dtype), cos, sin, interleaved, inverse=False).to(x.dtype)
     out: Tensor = _Rotation.apply(x, cos, sin, interleaved)
     return out
 

@@ -263,7 +263,7 @@ class SeqBoatLayer(nn.Module):
         self.router = build_router(
             cfg.router, D, cfg.init_temp_scale, _gumbel_tau(cfg), cfg.gumbel_hard
         )
-        n_logits = 0 if self.router is None else self.router.n_logits
+        n_logits = _n_logits(self.router)
         self.ffn_router: Router | None = None
         self.ffn: PositionwiseFFN | None = None
         if cfg.ffn_mode == "parallel":
@@ -273,7 +273,7 @@ class SeqBoatLayer(nn.Module):
             )
             self.ffn = PositionwiseFFN(D, cfg.ffn_dim, cfg.activation_dropout)
         self.n_logits = n_logits
-        n_ffn_logits = 0 if self.ffn_router is None else self.ffn_router.n_logits
+        n_ffn_logits = _n_logits(self.ffn_router)
         self.hx_proj = nn.Linear(D, n_logits + n_ffn_logits + D)
         self.mx_proj = nn.Linear(D, Z + 2 * E)
         self.h_proj = nn.Linear(E, D)
@@ -389,7 +389,7 @@ class SeqBoatLayer(nn.Module):
         X = self.norm(x) if self.prenorm else x
         H, ssm_state = self._ssm(X, mask, None if state is None else state.ssm, want_state)
         H = self.dropout(H)
-        n, nf = self.n_logits, 0 if self.ffn_router is None else self.ffn_router.n_logits
+        n, nf = self.n_logits, _n_logits(self.ffn_router)
         u, u_ffn, hx = torch.split(self.hx_proj(H), [n, nf, D], dim=-1)
         routing = self._route(H, u, valid, self.router)
         plan = self._plan(routing, want_state, always=self.router is None)
@@ -449,6 +449,11 @@ class SeqBoatLayer(nn.Module):
         if want_state:  # the SSM returned its state, since one was asked for
             new_state = SeqBoatLayerState(cast(Tensor, ssm_state), memory)
         return out, new_state, report
+
+
+def _n_logits(router: Router | None) -> int:
+    """The columns of `hx_proj` a configurator reads (none without one)."""
+    return 0 if router is None else router.n_logits
 
 
 def _fraction(active: Tensor, valid: Tensor) -> Tensor:

@@ -280,10 +280,8 @@ class CompressedAttention(nn.Module):
                 "attention='full'"
             )
         if self.rotary:
-            inv_freq = rope_inv_freq(
-                self.z_dim, 10000.0, torch.promote_types(q.dtype, torch.float32)
-            ).to(q.device)
-            cos, sin = rope_tables(pos, inv_freq, torch.promote_types(q.dtype, torch.float32))
+            cdt = torch.promote_types(q.dtype, torch.float32)
+            cos, sin = rope_tables(pos, rope_inv_freq(self.z_dim, 10000.0, cdt).to(q.device), cdt)
             q, k = rotate(q, cos, sin, interleaved=True), rotate(k, cos, sin, interleaved=True)
         tokens = _Packed(q, k, v, valid, pos)
         if self.mode == "chunk" and not streamed:
