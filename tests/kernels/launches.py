@@ -150,7 +150,13 @@ def compile_launches(launches: list[dict[str, Any]], capability: int) -> list[di
     target = GPUTarget("cuda", capability, 32)
     results = []
     for launch in launches:
+        # Only megalab's own kernel modules are imported from the record, and only JIT functions
+        # taken from them.
+        if not str(launch["module"]).startswith("megalab.kernels."):
+            raise ValueError(f"{launch['module']!r} is not a megalab kernel module")
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+        if not isinstance(kernel, triton.runtime.JITFunction):
+            raise ValueError(f"{launch['module']}.{launch['name']} is not a Triton kernel")
         types, constexprs = signature(kernel, launch["args"])
         name = f"{launch['module']}.{launch['name']}"
         try:
