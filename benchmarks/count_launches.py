@@ -6,10 +6,11 @@
 On CUDA every aten operator that computes something (not a view, not an empty allocation)
 launches at least one kernel, and every Triton kernel one. This counts both without a GPU: the
 blocks of `benchmarks/bench_gpu.py` run one forward and backward under bf16 autocast with the
-Triton kernels taken as on CUDA (`kernels.forced`, under Triton's interpreter), a
-`TorchDispatchMode` counts the operators outside the kernels, and each launch is charged to the
-megalab source line that made it (a backward operator to the forward line that recorded its
-autograd node, from autograd's anomaly-mode traceback). The count does not depend on the sizes,
+Triton kernels and the joined projections taken as on CUDA (`kernels.forced`, under Triton's
+interpreter, and `megalab.nn.linear.joined_on`), a `TorchDispatchMode` counts the operators
+outside the kernels, and each launch is charged to the megalab source line that made it (a
+backward operator to the forward line that recorded its autograd node, from autograd's
+anomaly-mode traceback). The count does not depend on the sizes,
 but for the chunks: keep `--length` a multiple of `--chunk`.
 
 It is a stand-in for `launches_per_step` of `bench_gpu.py` (the profiler's CUDA kernels): on
@@ -96,6 +97,7 @@ def count(kind: str, d: int, length: int, batch: int, chunk: int) -> LaunchCount
     from triton.runtime.interpreter import InterpretedFunction
 
     from megalab import kernels
+    from megalab.nn.linear import joined_on
 
     counter = LaunchCounter()
     run = InterpretedFunction.run
@@ -121,7 +123,7 @@ def count(kind: str, d: int, length: int, batch: int, chunk: int) -> LaunchCount
 
     setattr(InterpretedFunction, "run", counted_run)  # noqa: B010
     try:
-        with kernels.forced(*kernels.KERNELS):
+        with kernels.forced(*kernels.KERNELS), joined_on("cpu"):
             step()  # once uncounted: lazy set-up is not a step's work
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "Anomaly Detection has been enabled"

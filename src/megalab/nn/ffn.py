@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.nn.linear import joint_linear
 from megalab.nn.norms import SequenceNorm
 from megalab.nn.regularization import DropPath
 
@@ -113,9 +114,11 @@ class NormalizedFFN(nn.Module):
             residual = x
         if self.prenorm:
             x = self.norm(x)
-        h = self.act(self.fc1(x))
         if self.fc3 is not None:
-            h = h * self.fc3(x)
+            h1, h3 = joint_linear(x, self.fc1, self.fc3)
+            h = self.act(h1) * h3
+        else:
+            h = self.act(self.fc1(x))
         out = self.dropout(self.fc2(self.hidden_dropout(h)))
         if self.drop_path is not None:
             out = self.drop_path(out)
@@ -156,4 +159,5 @@ class GatedFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """(..., D) -> (..., D)."""
-        return self.fc2(self.hidden_dropout(self.act(self.fc1(x)) * self.fc3(x)))
+        h1, h3 = joint_linear(x, self.fc1, self.fc3)
+        return self.fc2(self.hidden_dropout(self.act(h1) * h3))

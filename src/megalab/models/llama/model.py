@@ -42,6 +42,7 @@ from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache, chunked_attention
 from megalab.nn.carried import CarriedLayer
 from megalab.nn.ffn import GatedFFN
+from megalab.nn.linear import joint_linear
 from megalab.nn.norms import RMSNorm
 from megalab.nn.rope import RotaryEmbedding
 from megalab.nn.state import register_state
@@ -158,9 +159,8 @@ class LlamaAttention(CarriedLayer[KVCache]):
         every token so far, the carried ones before x."""
         B, L, _ = x.shape
         H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, L, H, hd)
-        k = self.k_proj(x).view(B, L, Hkv, hd)
-        v = self.v_proj(x).view(B, L, Hkv, hd)
+        q, k, v = joint_linear(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = q.view(B, L, H, hd), k.view(B, L, Hkv, hd), v.view(B, L, Hkv, hd)
         offset = state.key.shape[1] if state is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device).unsqueeze(-1)  # (L, 1)
         q, k = self.rope.pair(q, k, positions)

@@ -66,6 +66,7 @@ from megalab.models.megalodon.timestep_norm import (
 from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache
 from megalab.nn.ffn import NormalizedFFN
+from megalab.nn.linear import joint_linear
 from megalab.nn.norms import PlusOneLayerNorm, PlusOneRMSNorm
 from megalab.nn.regularization import DropPath, drop_path_rates
 from megalab.nn.state import register_state
@@ -230,13 +231,13 @@ class MegalodonAttention(nn.Module):
         X_hat, norm_state = self.norm(x, mask, None if state is None else state.norm)
         X_prime, cema_state = self.cema(X_hat, mask, None if state is None else state.cema)
         X2 = self.hidden_dropout(self.cema_norm(X_prime))  # X'': RMSNorm on the CEMA output
-        Z = self.wz(X2)
+        Z, R, H1 = joint_linear(X2, self.wz, self.wr, self.wh1)  # the X'' products, one GEMM
         V = F.silu(self.wv(X_hat))
-        Gamma = F.silu(self.wr(X2))
+        Gamma = F.silu(R)
         O, kv = self.attention(  # noqa: E741
             Z, V, mask, None if state is None else state.kv, return_cache=state is not None
         )
-        H = self.dropout(self.wh1(X2) + self.wh2(self.hidden_dropout(O * Gamma)))
+        H = self.dropout(H1 + self.wh2(self.hidden_dropout(O * Gamma)))
         if self.drop_path is not None:
             H = self.drop_path(H)
         if state is None:
