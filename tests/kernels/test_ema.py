@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from megalab import kernels
@@ -215,11 +216,58 @@ def test_what_the_kernel_keeps_for_backward_does_not_grow_with_length() -> None:
     assert saved_numel(2048, forced=False) > 2 * saved_numel(64, forced=False) > 2 * kept
 
 
+def _exact_decay(a: Tensor, d: Tensor) -> list[Tensor]:
+    """log q and its two partial derivatives in float64 without cancellation: log1p(−σ(a)σ(d))
+    for q ≥ 1/2, the log of 1 − σ(a)σ(d) = σ(−a) + σ(a)σ(−d) below; ∂ log q/∂a =
+    −σ(a)σ(−a)σ(d)/q from logs."""
+    a, d = a.double(), d.double()
+
+    def log_sigmoid(x: Tensor) -> Tensor:
+        return -F.softplus(-x, threshold=1000.0)
+
+    p = torch.sigmoid(a) * torch.sigmoid(d)
+    log_small_q = torch.logaddexp(log_sigmoid(-a), log_sigmoid(a) + log_sigmoid(-d))
+    log_q = torch.where(p <= 0.5, torch.log1p(-p.clamp_max(0.5)), log_small_q)
+    common = log_sigmoid(a) + log_sigmoid(d) - log_q
+    return [log_q, -torch.exp(common + log_sigmoid(-a)), -torch.exp(common + log_sigmoid(-d))]
+
+
+def test_decay_and_its_gradients_over_every_range_of_logits() -> None:
+    """log q = log(1 − σ(a)σ(d)) and both gradients, for logits from −90 to 90 (q from 1 − e⁻¹³⁰
+    to e⁻¹⁸⁰), relative to each value: log q near 0 included, where a long memory's powers q^t
+    need its last digits. There the kernel is closer than the float32 reference, whose
+    log-sum-exp of O(1) terms leaves an absolute error of float32 rounding (a log q of +2e-6,
+    q > 1, for logits (−40, −12))."""
+    from megalab.kernels import ema as triton_ema
+
+    grid = torch.tensor([-90.0, -40.0, -17.0, -12.0, -3.0, -0.5, 0.0, 0.7, 4.0, 12.0, 40.0, 90.0])
+    pairs = torch.meshgrid(grid, grid, indexing="ij")
+    a, d = (t.reshape(-1).clone().requires_grad_() for t in pairs)
+    with kernels.forced("ema"):
+        log_q = triton_ema.log_decay(a, d)
+    da, dd = torch.autograd.grad(log_q, (a, d), torch.ones_like(log_q))
+    for name, value, exact, tol in zip(
+        ("log q", "da", "dd"), (log_q, da, dd), _exact_decay(a, d), (1e-6, 2e-5, 2e-5)
+    ):
+        assert value.dtype == torch.float32 and value.isfinite().all(), name
+        normal = exact.abs() > torch.finfo(torch.float32).tiny  # a GPU flushes subnormals
+        err = (value.double() - exact).abs()
+        assert (err[~normal] <= torch.finfo(torch.float32).tiny).all(), name
+        assert (err[normal] / exact.abs()[normal]).max() <= tol, name
+    # broadcast logits (a per-row α against a full δ) take the same path
+    rows, full = a.detach()[:12].reshape(12, 1), d.detach().reshape(12, 12)
+    with kernels.forced("ema"):
+        broadcast = triton_ema.log_decay(rows, full)
+    torch.testing.assert_close(broadcast, triton_ema.log_decay(rows.expand(12, 12), full))
+
+
 def test_bad_inputs_are_refused() -> None:
     from megalab.kernels import ema as triton_ema
 
     with pytest.raises(ValueError, match="float32 or complex64"):
         triton_ema.ema_kernel(torch.ones(2, 3), torch.ones(2, 3), -torch.ones(2, 3).double(), 5)
+    with pytest.raises(ValueError, match="float32 logits"):
+        triton_ema.log_decay(torch.ones(2, 3).double(), torch.ones(2, 3))
     # float64 (and any non-float32) tensors are left to the reference
     assert ema_kernel.ema_ops(torch.ones(2).double()) is ema_kernel
 

@@ -40,6 +40,7 @@ from megalab.kernels import LAUNCH_OPTIONS
 
 __all__ = [
     "ema_kernel",
+    "log_decay",
     "skip_output",
     "state_after",
     "state_decay",
@@ -476,3 +477,106 @@ def skip_output(y: Tensor, x: Tensor, omega: Tensor, silu: bool, dtype: torch.dt
         )
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (y, x, omega))
     return _SkipOutput.apply(y, x, omega, silu, dtype, backward)
+
+
+# ---------------------------------------------------------------------------------- the decay
+@triton.jit
+def _log1p(u: tl.tensor) -> tl.tensor:
+    """log(1 + u) for u > −1 to a few ulps (Goldberg's correction of the rounded 1 + u)."""
+    w = 1.0 + u
+    return tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+
+
+@triton.jit
+def _softplus(x: tl.tensor) -> tl.tensor:
+    """log(1 + eˣ) without overflow; −softplus(−x) = log σ(x)."""
+    return tl.maximum(x, 0.0) + _log1p(tl.exp(-tl.abs(x)))
+
+
+@triton.jit
+def _log_decay_kernel(
+    a_ptr: tl.tensor,  # (n,) float32: the α logits
+    d_ptr: tl.tensor,  # (n,) float32: the δ logits
+    out_ptr: tl.tensor,  # (n,) float32: log q (forward, written) or log q (backward, read)
+    g_ptr: tl.tensor,  # (n,) float32: ∂/∂log q (read when BACKWARD)
+    da_ptr: tl.tensor,  # (n,) float32: ∂/∂α logits (written when BACKWARD)
+    dd_ptr: tl.tensor,  # (n,) float32: ∂/∂δ logits (written when BACKWARD)
+    n: tl.tensor,
+    BACKWARD: tl.constexpr,
+    BLOCK: tl.constexpr,
+) -> None:
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    a = tl.load(a_ptr + offs, mask=ok, other=0.0)
+    d = tl.load(d_ptr + offs, mask=ok, other=0.0)
+    log_sig_a = -_softplus(-a)  # log σ(a)
+    if BACKWARD:
+        # ∂ log q/∂a = −σ(a)σ(−a)σ(d)/q, ∂/∂d = −σ(d)σ(−d)σ(a)/q, from logs (no overflow)
+        log_q = tl.load(out_ptr + offs, mask=ok, other=0.0)
+        g = tl.load(g_ptr + offs, mask=ok, other=0.0)
+        common = log_sig_a - _softplus(-d) - log_q  # log(σ(a)σ(d)/q)
+        tl.store(da_ptr + offs, -g * tl.exp(common - _softplus(a)), mask=ok)
+        tl.store(dd_ptr + offs, -g * tl.exp(common - _softplus(d)), mask=ok)
+    else:
+        # q ≥ 1/2: log1p(−σ(a)σ(d)), exact to float32 rounding relative to log q however near
+        # to 0 it is; q < 1/2: 1 − σ(a)σ(d) = σ(−a) + σ(a)σ(−d), two positive terms added in
+        # logs (no underflow, however near to 0 q is)
+        p = tl.sigmoid(a) * tl.sigmoid(d)
+        x = -_softplus(a)
+        y = log_sig_a - _softplus(d)
+        log_small_q = tl.maximum(x, y) + _log1p(tl.exp(-tl.abs(x - y)))
+        log_q = tl.where(p <= 0.5, _log1p(-tl.minimum(p, 0.5)), log_small_q)
+        tl.store(out_ptr + offs, log_q, mask=ok)
+
+
+_BLOCK_DECAY = 256
+
+
+def _launch_log_decay(
+    a: Tensor, d: Tensor, out: Tensor, grad: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """log q into `out` (forward), or (∂/∂a, ∂/∂d) from `grad` and log q in `out` (backward)."""
+    n = a.numel()
+    da, dd = (torch.empty_like(a), torch.empty_like(d)) if grad is not None else (out, out)
+    if n:
+        _log_decay_kernel[(triton.cdiv(n, _BLOCK_DECAY),)](
+            a, d, out, grad if grad is not None else out, da, dd, n,
+            BACKWARD=grad is not None, BLOCK=_BLOCK_DECAY, **LAUNCH_OPTIONS,
+        )  # fmt: skip
+    return (da, dd) if grad is not None else None
+
+
+class _LogDecay(torch.autograd.Function):
+    """log(1 − σ(a)σ(d)) and its gradient, one launch each; keeps a, d and log q."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, d: Tensor) -> Tensor:
+        out = torch.empty_like(a)
+        _launch_log_decay(a, d, out)
+        ctx.save_for_backward(a, d, out)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        a, d, out = ctx.saved_tensors
+        result = _launch_log_decay(a, d, out, grad.contiguous())
+        assert result is not None
+        return result
+
+
+def log_decay(alpha_logit: Tensor, delta_logit: Tensor) -> Tensor:
+    """log q = log(1 − σ(a)·σ(d)) for float32 logits, as `megalab.nn.ema_kernel.log_decay`.
+
+    One kernel forward and one backward, where the reference's log-sum-exp, softpluses and their
+    gradients are about 29 launches (each EMA layer, each step). Both forms are stable for any
+    logits; they agree to float32 rounding (tests/kernels/test_ema.py).
+    """
+    if alpha_logit.dtype != torch.float32 or delta_logit.dtype != torch.float32:
+        raise ValueError(
+            f"the Triton decay takes float32 logits, got {alpha_logit.dtype} and "
+            f"{delta_logit.dtype}; use megalab.nn.ema_kernel.log_decay for other dtypes"
+        )
+    a, d = torch.broadcast_tensors(alpha_logit, delta_logit)
+    out: Tensor = _LogDecay.apply(a.contiguous(), d.contiguous())
+    return out

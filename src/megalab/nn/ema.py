@@ -149,7 +149,8 @@ class DampedEMA(CarriedLayer[Tensor]):
     def coefficients(self) -> tuple[Tensor, Tensor, Tensor]:
         """(α⊙β, η/√h, log q), each (D', h); q = 1 − α⊙δ is the per-dimension decay."""
         alpha = torch.sigmoid(self.alpha)
-        return alpha * self.beta, self.eta * self.scale, log_decay(self.alpha, self.delta)
+        log_q = ema_ops(self.alpha, self.delta).log_decay(self.alpha, self.delta)
+        return alpha * self.beta, self.eta * self.scale, log_q
 
     def kernel(self, length: int) -> Tensor:
         """The (D', length) kernel 𝒦[c, l] = Σ_n η_n/√h · α_n β_n · q_n^l (eq. 26).

@@ -50,8 +50,8 @@ def next_fast_len(n: int) -> int:
 
 
 def ema_ops(*tensors: Tensor) -> ModuleType:
-    """Where `ema_kernel`, `state_after`, `state_readout`, `state_decay` and `skip_output` come
-    from for `tensors`.
+    """Where `log_decay`, `ema_kernel`, `state_after`, `state_readout`, `state_decay` and
+    `skip_output` come from for `tensors`.
 
     `megalab.kernels.ema` (Triton) when the `ema` kernel is chosen for them (`megalab.kernels.
     use_kernel`) and they are float32 or complex64, outside `torch.compile`; else this module.

@@ -49,7 +49,6 @@ from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema_kernel import (
     ema_ops,
     fft_conv,
-    log_decay,
     next_fast_len,
     recurrent_step,
 )
@@ -135,7 +134,8 @@ class ComplexEMA(CarriedLayer[CEMAState]):
         p = torch.sigmoid(alpha_logit)
         harmonics = torch.arange(1, self.ema_dim + 1, device=p.device, dtype=dtype)
         base = torch.sigmoid(self.theta.to(dtype)) * (2 * math.pi / self.ema_dim)
-        log_q = torch.complex(log_decay(alpha_logit, delta_logit), base.unsqueeze(-1) * harmonics)
+        log_abs_q = ema_ops(alpha_logit, delta_logit).log_decay(alpha_logit, delta_logit)
+        log_q = torch.complex(log_abs_q, base.unsqueeze(-1) * harmonics)
         eta = torch.view_as_complex(self.eta.to(dtype)) * self.scale
         return p, eta, log_q
 
