@@ -22,7 +22,6 @@ from megalab import kernels
 from .launches import ENV
 
 TESTS = Path(__file__).resolve().parents[1]
-KERNEL_MODULES = ("attention_jit", "ema", "timestep_norm")
 SHARED_MEMORY = {90: 227 * 1024, 80: 163 * 1024}  # bytes per block, H100 and A100
 
 pytestmark = [
@@ -32,12 +31,13 @@ pytestmark = [
 
 
 def _launched_kernels() -> set[str]:
-    """The @triton.jit functions of megalab's kernel modules that the host code launches."""
+    """The @triton.jit functions of megalab's kernel modules (every module of the folder) that
+    the host code launches."""
     folder = Path(kernels.__file__ or "").parent
-    host = "".join(p.read_text() for p in folder.glob("*.py") if p.name != "__init__.py")
+    modules = {p.stem: p.read_text() for p in folder.glob("*.py") if p.name != "__init__.py"}
+    host = "".join(modules.values())
     names = set()
-    for module in KERNEL_MODULES:
-        source = (folder / f"{module}.py").read_text()
+    for module, source in modules.items():
         for line in source.splitlines():
             if line.startswith("def ") and "@triton.jit\n" + line in source:
                 name = line[4:].split("(")[0]

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: Every fused kernel megalab has, by the name its switch takes.
-KERNELS: tuple[str, ...] = ("timestep_norm", "ema", "attention")
+KERNELS: tuple[str, ...] = ("timestep_norm", "ema", "attention", "qk_norm")
 
 #: Compile options every kernel launch passes (`kernel[grid](..., **LAUNCH_OPTIONS)`). Floating-
 #: point fusion (FMA contraction) is pinned on: it was Triton's default up to 3.9, the kernels were

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalab.kernels import use_kernel
 from megalab.nn.attention import KVCache, chunked_attention
 from megalab.nn.rope import apply_rope, rope_inv_freq
 
@@ -117,8 +118,19 @@ class NormalizedAttention(nn.Module):
         if (cache is not None or return_cache) and not self.causal:
             raise ValueError("only causal attention can be streamed with a key/value cache")
         B, L, _ = z.shape
-        q, k = self.queries_keys(z)
-        q, k = q.to(v.dtype), k.to(v.dtype)
+        if (
+            z.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and self.kappa.dtype == self.mu.dtype == torch.float32
+            and not torch.compiler.is_compiling()
+            and use_kernel("qk_norm", z, self.kappa, self.mu)
+        ):
+            from megalab.kernels.qk_norm import normalized_queries_keys
+
+            H, eps = self.num_heads, self.eps
+            q, k = normalized_queries_keys(z, self.kappa, self.mu, H, eps, v.dtype)
+        else:
+            q, k = self.queries_keys(z)
+            q, k = q.to(v.dtype), k.to(v.dtype)
         vh = v.view(B, L, self.num_heads, self.v_dim // self.num_heads)
         o, new_cache = chunked_attention(
             q, k, vh, mask, self.chunk_size, self._attend, cache=cache, return_cache=return_cache
