@@ -195,6 +195,11 @@ def test_launches_are_counted_by_source_line_and_do_not_depend_on_the_sizes() ->
         assert any(line.startswith("nn/rope.py:") for line in block["by_line"]), kind  # RoPE
         assert any(line.startswith(f"models/{kind.split('_')[0]}/") for line in block["by_line"])
     triton = {op for op in small["blocks"]["megalodon_chunk"]["by_op"] if op.startswith("triton:")}
-    assert {"triton:fwd_kernel", "triton:_apply_kernel", "triton:_fwd_normalize"} <= triton
+    assert {
+        "triton:fwd_kernel", "triton:_apply_kernel", "triton:_fwd_normalize",
+        "triton:_log_decay_kernel", "triton:_queries_keys_kernel",
+    } <= triton  # fmt: skip
     assert not any(op.startswith("triton:") for op in small["blocks"]["llama"]["by_op"])
-    assert small["blocks"]["megalodon_chunk"]["ratio_to_first"] > 1.5
+    # the bound set for a block step's launches on a GPU: at most twice Llama's
+    assert 1.5 < small["blocks"]["megalodon_chunk"]["ratio_to_first"] <= 2.0
+    assert small["blocks"]["mega_chunk"]["ratio_to_first"] <= 2.0

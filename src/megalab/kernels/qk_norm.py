@@ -31,7 +31,7 @@ _MAX_PROGRAMS = 512  # row programs of the backward: partial sums (programs, 4, 
 
 
 @triton.jit
-def _kernel(
+def _queries_keys_kernel(
     z_ptr: tl.tensor,  # (R, S), rows `stride_z` apart, any float dtype
     kappa_ptr: tl.tensor,  # (2, S) float32
     mu_ptr: tl.tensor,  # (2, S) float32 (read in the forward)
@@ -121,7 +121,7 @@ class _QueriesKeys(torch.autograd.Function):
         k = torch.empty_like(q)
         block_r, block_d = _blocks(d)
         if R:
-            _kernel[(triton.cdiv(R, block_r), num_heads)](
+            _queries_keys_kernel[(triton.cdiv(R, block_r), num_heads)](
                 rows, kappa, mu, q, k, q, q, R, S, d, rows.stride(0), eps, d**-0.5,
                 BACKWARD=False, BLOCK_R=block_r, BLOCK_D=block_d, **LAUNCH_OPTIONS,
             )  # fmt: skip
@@ -146,7 +146,7 @@ class _QueriesKeys(torch.autograd.Function):
         block_r, block_d = _blocks(d)
         programs = max(1, min(triton.cdiv(R, block_r), _MAX_PROGRAMS))
         part = torch.empty(programs, 4, S, device=rows.device, dtype=torch.float32)
-        _kernel[(programs, H)](
+        _queries_keys_kernel[(programs, H)](
             rows, kappa, kappa, dq, dk, dz, part, R, S, d, rows.stride(0), ctx.eps, d**-0.5,
             BACKWARD=True, BLOCK_R=block_r, BLOCK_D=block_d, **LAUNCH_OPTIONS,
         )  # fmt: skip
