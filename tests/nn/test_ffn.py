@@ -70,3 +70,57 @@ def test_drop_path_acts_on_the_branch_before_the_residual(prenorm: bool) -> None
     plain = NormalizedFFN(8, 12, prenorm=prenorm).to(DT)
     plain.load_state_dict(ffn.state_dict(), strict=True)
     torch.testing.assert_close(ffn.eval()(x), plain.eval()(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_silu_gate_is_autograds_bit_for_bit_and_keeps_less(dtype: torch.dtype) -> None:
+    """SwiGLU's product without SiLU(a) among the saved tensors: outputs and gradients equal
+    autograd's through F.silu(a) * b exactly."""
+    from megalab.nn.ffn import gated
+
+    g = torch.Generator().manual_seed(0)
+    a, b, grad = (torch.randn(3, 7, 16, generator=g).to(dtype) for _ in range(3))
+
+    def run(fn) -> tuple[list[torch.Tensor], int]:
+        x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+        kept: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = fn(x, y)
+        out.backward(grad)
+        storages = {t.untyped_storage().data_ptr() for t in kept}
+        return [out.detach(), x.grad, y.grad], len(storages)
+
+    ours, kept = run(lambda x, y: gated(F.silu, x, y))
+    reference, kept_reference = run(lambda x, y: F.silu(x) * y)
+    for o, r in zip(ours, reference):
+        assert o.dtype == dtype and torch.equal(o, r)
+    assert (kept, kept_reference) == (2, 3)  # a and b; autograd also keeps SiLU(a)
+
+
+def test_silu_gate_differentiates_twice() -> None:
+    from megalab.nn.ffn import gated
+
+    g = torch.Generator().manual_seed(1)
+    a, b = (torch.randn(4, 5, generator=g, dtype=DT, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda x, y: gated(F.silu, x, y), (a, b))
+    assert torch.autograd.gradgradcheck(lambda x, y: gated(F.silu, x, y), (a, b))
+    # one input without a gradient, and other activations, as before
+    only_b = gated(F.silu, a.detach(), b)
+    only_b.sum().backward()
+    assert torch.equal(b.grad, F.silu(a.detach()))
+    assert torch.equal(gated(F.gelu, a, b), F.gelu(a) * b)
+
+
+def test_gated_ffns_match_their_formula() -> None:
+    from megalab.nn.ffn import GatedFFN
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, dtype=DT, requires_grad=True)
+    glu = GatedFFN(8, 12).to(DT)
+    y = glu(x)
+    assert torch.equal(y, glu.fc2(F.silu(glu.fc1(x)) * glu.fc3(x)))
+    ffn = NormalizedFFN(8, 12, gated=True).to(DT)
+    h = ffn.norm(x)
+    assert torch.allclose(ffn(x), x + ffn.fc2(F.silu(ffn.fc1(h)) * ffn.fc3(h)), rtol=0, atol=1e-15)
+    (y.sum() + ffn(x).sum()).backward()
+    assert x.grad is not None and all(p.grad is not None for p in glu.parameters())

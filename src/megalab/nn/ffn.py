@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,42 @@ def get_activation(name: str) -> Callable[[Tensor], Tensor]:
         raise ValueError(
             f"unknown activation {name!r}; allowed values: {', '.join(ACTIVATIONS)}"
         ) from None
+
+
+class _SiLUGate(torch.autograd.Function):
+    """SiLU(a) ⊙ b, keeping a and b only: SiLU(a) is recomputed in the backward instead of kept
+    (a third less FFN activation memory), with autograd's own operations, so the gradients are
+    autograd's bit for bit (tests/nn/test_ffn.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        need_a, need_b = ctx.needs_input_grad
+        if torch.is_grad_enabled():  # a backward differentiated again: differentiable operations
+            s = torch.sigmoid(a)
+            grad_a = grad * b * (s * (1 + a * (1 - s))) if need_a else None
+            return grad_a, grad * (a * s) if need_b else None
+        grad_a = torch.ops.aten.silu_backward(grad * b, a) if need_a else None
+        return grad_a, grad * F.silu(a) if need_b else None
+
+
+def gated(act: Callable[[Tensor], Tensor], a: Tensor, b: Tensor) -> Tensor:
+    """act(a) ⊙ b, the gated linear unit's product; for SiLU (SwiGLU) without keeping SiLU(a) for
+    the backward."""
+    if (
+        act is F.silu
+        and torch.is_grad_enabled()
+        and (a.requires_grad or b.requires_grad)
+        and not torch.compiler.is_compiling()  # the compiler plans the memory itself
+    ):
+        out: Tensor = _SiLUGate.apply(a, b)
+        return out
+    return act(a) * b
 
 
 class NormalizedFFN(nn.Module):
@@ -116,7 +153,7 @@ class NormalizedFFN(nn.Module):
             x = self.norm(x)
         if self.fc3 is not None:
             h1, h3 = joint_linear(x, self.fc1, self.fc3)
-            h = self.act(h1) * h3
+            h = gated(self.act, h1, h3)
         else:
             h = self.act(self.fc1(x))
         out = self.dropout(self.fc2(self.hidden_dropout(h)))
@@ -160,4 +197,4 @@ class GatedFFN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """(..., D) -> (..., D)."""
         h1, h3 = joint_linear(x, self.fc1, self.fc3)
-        return self.fc2(self.hidden_dropout(self.act(h1) * h3))
+        return self.fc2(self.hidden_dropout(gated(self.act, h1, h3)))
