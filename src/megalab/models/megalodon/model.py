@@ -65,7 +65,7 @@ from megalab.models.megalodon.timestep_norm import (
 )
 from megalab.models.stack import run_stack
 from megalab.nn.attention import KVCache
-from megalab.nn.ffn import NormalizedFFN
+from megalab.nn.ffn import NormalizedFFN, gated
 from megalab.nn.linear import joint_linear
 from megalab.nn.norms import PlusOneLayerNorm, PlusOneRMSNorm
 from megalab.nn.regularization import DropPath, drop_path_rates
@@ -233,11 +233,11 @@ class MegalodonAttention(nn.Module):
         X2 = self.hidden_dropout(self.cema_norm(X_prime))  # X'': RMSNorm on the CEMA output
         Z, R, H1 = joint_linear(X2, self.wz, self.wr, self.wh1)  # the X'' products, one GEMM
         V = F.silu(self.wv(X_hat))
-        Gamma = F.silu(R)
         O, kv = self.attention(  # noqa: E741
             Z, V, mask, None if state is None else state.kv, return_cache=state is not None
         )
-        H = self.dropout(H1 + self.wh2(self.hidden_dropout(O * Gamma)))
+        Gamma_O = gated(F.silu, R, O)  # Γ ⊙ O, Γ = SiLU(R) recomputed in the backward, not kept
+        H = self.dropout(H1 + self.wh2(self.hidden_dropout(Gamma_O)))
         if self.drop_path is not None:
             H = self.drop_path(H)
         if state is None:
