@@ -11,7 +11,10 @@ interpreter, and `megalab.nn.linear.joined_on`), a `TorchDispatchMode` counts th
 outside the kernels, and each launch is charged to the megalab source line that made it (a
 backward operator to the forward line that recorded its autograd node, from autograd's
 anomaly-mode traceback). The count does not depend on the sizes,
-but for the chunks: keep `--length` a multiple of `--chunk`.
+but for the chunks: keep `--length` a multiple of `--chunk`. Beside the launches it reports the
+bytes the block's forward keeps for the backward (distinct storages under
+`saved_tensors_hooks`, parameters and input left out), per token and feature: activation
+memory, the bulk of a training step's peak at long context.
 
 It is a stand-in for `launches_per_step` of `bench_gpu.py` (the profiler's CUDA kernels): on
 2026-11-27 one H100 counted 158 (Llama), 272 (Mega-chunk) and 341 (Megalodon-chunk) launches per
@@ -92,8 +95,9 @@ class LaunchCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(kind: str, d: int, length: int, batch: int, chunk: int) -> LaunchCounter:
-    """One training step of `bench_gpu.block(kind, ...)`, counted (the module docstring)."""
+def count(kind: str, d: int, length: int, batch: int, chunk: int) -> tuple[LaunchCounter, float]:
+    """One training step of `bench_gpu.block(kind, ...)`, counted (the module docstring), and
+    the bytes its forward keeps for the backward per token and feature."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from megalab import kernels
@@ -131,7 +135,27 @@ def count(kind: str, d: int, length: int, batch: int, chunk: int) -> LaunchCount
                     step()
     finally:
         setattr(InterpretedFunction, "run", run)  # noqa: B010
-    return counter
+    with kernels.forced(*kernels.KERNELS), joined_on("cpu"):
+        saved = saved_bytes(module, x)
+    return counter, saved / x.numel()
+
+
+def saved_bytes(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """The bytes of the distinct storages one forward of `module` on x keeps for the backward,
+    under bf16 autocast, its parameters and x left out."""
+    own = {p.untyped_storage().data_ptr() for p in (*module.parameters(), x)}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+        module(x)
+    return sum(kept.values())
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -153,16 +177,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     base = None
     for kind in args.blocks:
-        counter = count(kind, args.d, args.length, args.batch, args.chunk)
+        counter, saved = count(kind, args.d, args.length, args.batch, args.chunk)
         total = sum(counter.by_op.values())
         base = base or total
         record["blocks"][kind] = {
             "launches": total,
             "ratio_to_first": total / base,
+            "saved_bytes_per_token_feature": saved,
             "by_op": dict(counter.by_op.most_common()),
             "by_line": dict(counter.by_line.most_common()),
         }
-        print(f"{kind}: {total} launches ({total / base:.2f}x {args.blocks[0]})")
+        print(f"{kind}: {total} launches ({total / base:.2f}x {args.blocks[0]}), "
+              f"{saved:.1f} bytes kept for the backward per token and feature")  # fmt: skip
         for line, n in counter.by_line.most_common(args.lines):
             print(f"  {n:4d}  {line}")
     if args.json is not None:

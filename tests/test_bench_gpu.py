@@ -192,6 +192,7 @@ def test_launches_are_counted_by_source_line_and_do_not_depend_on_the_sizes() ->
         block = small["blocks"][kind]
         assert block["launches"] == large["blocks"][kind]["launches"], kind
         assert sum(block["by_line"].values()) == sum(block["by_op"].values()) == block["launches"]
+        assert 8 < block["saved_bytes_per_token_feature"] < 1000, kind
         assert any(line.startswith("nn/rope.py:") for line in block["by_line"]), kind  # RoPE
         assert any(line.startswith(f"models/{kind.split('_')[0]}/") for line in block["by_line"])
     triton = {op for op in small["blocks"]["megalodon_chunk"]["by_op"] if op.startswith("triton:")}
