@@ -97,6 +97,23 @@ def test_silu_gate_is_autograds_bit_for_bit_and_keeps_less(dtype: torch.dtype) -
     assert (kept, kept_reference) == (2, 3)  # a and b; autograd also keeps SiLU(a)
 
 
+def test_silu_gate_with_mixed_dtypes_is_autograds_bit_for_bit() -> None:
+    """A bf16 gate input and a float32 other factor (type promotion in the product)."""
+    from megalab.nn.ffn import gated
+
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(5, 9, generator=g).bfloat16()
+    b, grad = torch.randn(5, 9, generator=g), torch.randn(5, 9, generator=g)
+    runs = []
+    for fn in (lambda x, y: gated(F.silu, x, y), lambda x, y: F.silu(x) * y):
+        x, y = a.clone().requires_grad_(), b.clone().requires_grad_()
+        out = fn(x, y)
+        out.backward(grad)
+        runs.append([out, x.grad, y.grad])
+    for ours, reference in zip(*runs):
+        assert ours.dtype == reference.dtype and torch.equal(ours, reference)
+
+
 def test_silu_gate_differentiates_twice() -> None:
     from megalab.nn.ffn import gated
 

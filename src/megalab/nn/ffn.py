@@ -66,7 +66,8 @@ class _SiLUGate(torch.autograd.Function):
             s = torch.sigmoid(a)
             grad_a = grad * b * (s * (1 + a * (1 - s))) if need_a else None
             return grad_a, grad * (a * s) if need_b else None
-        grad_a = torch.ops.aten.silu_backward(grad * b, a) if need_a else None
+        # autograd's order: ∂SiLU(a) = grad·b in SiLU(a)'s dtype, then SiLU's own backward
+        grad_a = torch.ops.aten.silu_backward((grad * b).to(a.dtype), a) if need_a else None
         return grad_a, grad * F.silu(a) if need_b else None
 
 
