@@ -17,9 +17,10 @@ differentiable (double backward raises).
 n ≥ L + taps − 1 keeps every circular product free of wrap-around, for the forward and for both
 gradients.
 
-The backward keeps the input spectrum only (half of what autograd keeps) and runs one real FFT
-and one inverse, against autograd's real FFT plus a complex one of the same length. `rfft_lean`
-is `torch.fft.rfft` for the kernel side, whose backward is one irfft and keeps nothing.
+Mega's EMA, Megalodon's CEMA and SeqBoat's S4D convolve through it. The backward keeps the input
+spectrum only (half of what autograd keeps) and runs one real FFT and one inverse, against
+autograd's real FFT plus a complex one of the same length. `rfft_lean` is `torch.fft.rfft` for
+the kernel side, whose backward is one irfft and keeps nothing.
 """
 
 from __future__ import annotations

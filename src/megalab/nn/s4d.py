@@ -28,14 +28,13 @@ from torch import Tensor, nn
 from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema_kernel import (
     ema_kernel,
-    fft_conv,
     next_fast_len,
     recurrent_step,
     state_after,
     state_decay,
     state_readout,
 )
-from megalab.nn.fft_conv import fold_directions
+from megalab.nn.fft_conv import fft_conv_lean, fold_directions, rfft_lean
 from megalab.nn.masking import zero_pads
 
 
@@ -136,10 +135,10 @@ class S4D(CarriedLayer[Tensor]):
                 if self.shift:  # Σ_m k_bwd[m] x_{t+1+m}: the backward kernel one tap later
                     k = torch.cat([F.pad(k[:D], (0, 1)), F.pad(k[D:], (1, 0))])
                 n_fft = next_fast_len(L + K - 1 + int(self.shift))
-                spec = torch.fft.rfft(k, n=n_fft, dim=-1)
+                spec = rfft_lean(k, n_fft)
                 if self.bidirectional:
                     spec = fold_directions(spec, D)
-                y = fft_conv(xt, spec, n_fft)
+                y = fft_conv_lean(xt, spec, n_fft)
                 new_state = None
                 if want_state:
                     new_state = state_after(xt, w_in, log_q)

@@ -48,11 +48,10 @@ from torch import Tensor, nn
 from megalab.nn.carried import CarriedLayer
 from megalab.nn.ema_kernel import (
     ema_ops,
-    fft_conv,
     next_fast_len,
     recurrent_step,
 )
-from megalab.nn.fft_conv import SpectrumCache, fold_directions
+from megalab.nn.fft_conv import SpectrumCache, fft_conv_lean, fold_directions, rfft_lean
 from megalab.nn.state import register_state
 
 __all__ = ["CEMAState", "ComplexEMA", "complex_dtype"]
@@ -154,7 +153,7 @@ class ComplexEMA(CarriedLayer[CEMAState]):
         """
 
         def spectrum() -> Tensor:
-            spec = torch.fft.rfft(self.kernel(length, dtype), n=n_fft, dim=-1)
+            spec = rfft_lean(self.kernel(length, dtype), n_fft)  # (D', F)
             return fold_directions(spec, self.d_model) if self.bidirectional else spec
 
         params = (self.alpha, self.delta, self.theta, self.eta)
@@ -185,7 +184,7 @@ class ComplexEMA(CarriedLayer[CEMAState]):
                 y = y_c.real.unsqueeze(-1)
             else:
                 n_fft = next_fast_len(2 * L - 1)
-                y = fft_conv(xt, self._kernel_spectrum(n_fft, L, cdt), n_fft)
+                y = fft_conv_lean(xt, self._kernel_spectrum(n_fft, L, cdt), n_fft)
                 h = None
                 if want_state:
                     p, eta, log_q = self.coefficients(cdt)
