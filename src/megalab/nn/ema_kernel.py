@@ -161,7 +161,9 @@ def skip_output(y: Tensor, x: Tensor, omega: Tensor, silu: bool, dtype: torch.dt
 def fft_conv(x: Tensor, spec: Tensor, n_fft: int) -> Tensor:
     """Linear convolution of x (..., D, L) with a kernel given by its rfft `spec` (D, F).
 
-    `n_fft` must be ≥ L + taps − 1 so that the circular convolution never wraps onto data.
+    `n_fft` must be ≥ L + taps − 1 so that the circular convolution never wraps onto data. The
+    plain autograd form: the layers run `megalab.nn.fft_conv.fft_conv_lean`, its hand-written
+    backward, which the tests check against this one.
     """
     L = x.shape[-1]
     x_f = torch.fft.rfft(x, n=n_fft, dim=-1)
