@@ -144,7 +144,7 @@ def test_blocks_joined_equal_blocks_separate(name: str) -> None:
         return [y.detach(), *(p.grad for p in model.parameters() if p.grad is not None)]
 
     joined, separate = run(True), run(False)
-    per_block = {"llama": 3, "megalodon": 2, "megalodon_swiglu": 3}[name]  # products saved
+    per_block = {"llama": 2, "megalodon": 2, "megalodon_swiglu": 3}[name]  # products saved
     assert products[False] - products[True] == 2 * per_block
     assert len(joined) == len(separate) == 1 + len(list(model.parameters()))
     for a, b in zip(joined, separate):

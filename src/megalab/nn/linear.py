@@ -1,12 +1,12 @@
 """Several linear maps of one input as one matrix product.
 
-A block that projects the same input several times (Llama's Q, K and V; Megalodon's W_z, W_γ
+A block that projects the same input several times (Llama's Q and K; Megalodon's W_z, W_γ
 and W_h1 of X''; a gated FFN's fc1 and fc3) pays a GEMM, a weight cast under autocast and, in
 the backward, two GEMMs and a sum per projection, and then the sum of the input's gradients.
 `joint_linear` runs them as one: the weights are joined for the call (the parameters stay
 separate modules, so state dicts, initialisation, converters and optimizer groups are
 unchanged), one GEMM reads the input once, and the backward is one GEMM for the input's
-gradient and one for the joined weight's: 20 fewer kernel launches per Llama block step and
+gradient and one for the joined weight's: 12 fewer kernel launches per Llama block step and
 25 per Megalodon block step (docs/gpu.md, "Kernel launches without a GPU").
 
 Projections are joined on CUDA only, where each product and cast is a kernel launch. On the
@@ -15,7 +15,11 @@ separate ones (the extra copies of the joined weight and gradient), so there the
 as they are; `joined_on("cpu")` joins there too (tests, the CPU launch count).
 
 Only plain `nn.Linear` modules without hooks are joined; anything else (a LoRA or float8
-subclass, a module hook) is called as itself, so that nothing it adds is skipped.
+subclass, a module hook) is called as itself, so that nothing it adds is skipped. Memory: the
+outputs are views of one tensor, which autograd keeps whole while it keeps any of them, and under
+autocast the joined product keeps one low-precision copy of the input where separate ones keep
+one each. Llama joins Q and K (the rotation keeps neither) but not V (the attention keeps it);
+a gated FFN's two outputs are both kept; Megalodon's three share X''.
 """
 
 from __future__ import annotations

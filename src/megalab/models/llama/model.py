@@ -159,8 +159,11 @@ class LlamaAttention(CarriedLayer[KVCache]):
         every token so far, the carried ones before x."""
         B, L, _ = x.shape
         H, Hkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = joint_linear(x, self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = q.view(B, L, H, hd), k.view(B, L, Hkv, hd), v.view(B, L, Hkv, hd)
+        # Q and K as one GEMM: neither is kept (the rotation's backward needs no input); V is
+        # kept by the attention, and a joined output stays whole while any part is kept
+        q, k = joint_linear(x, self.q_proj, self.k_proj)
+        q, k = q.view(B, L, H, hd), k.view(B, L, Hkv, hd)
+        v = self.v_proj(x).view(B, L, Hkv, hd)
         offset = state.key.shape[1] if state is not None else 0
         positions = torch.arange(offset, offset + L, device=x.device).unsqueeze(-1)  # (L, 1)
         q, k = self.rope.pair(q, k, positions)

@@ -231,7 +231,9 @@ class MegalodonAttention(nn.Module):
         X_hat, norm_state = self.norm(x, mask, None if state is None else state.norm)
         X_prime, cema_state = self.cema(X_hat, mask, None if state is None else state.cema)
         X2 = self.hidden_dropout(self.cema_norm(X_prime))  # X'': RMSNorm on the CEMA output
-        Z, R, H1 = joint_linear(X2, self.wz, self.wr, self.wh1)  # the X'' products, one GEMM
+        # the three products of X'' as one GEMM: one bf16 copy of X'' kept under autocast, where
+        # separate projections would keep one each (worth the unkept H1 the joined output holds)
+        Z, R, H1 = joint_linear(X2, self.wz, self.wr, self.wh1)
         V = F.silu(self.wv(X_hat))
         O, kv = self.attention(  # noqa: E741
             Z, V, mask, None if state is None else state.kv, return_cache=state is not None
