@@ -18,9 +18,10 @@ memory, the bulk of a training step's peak at long context.
 
 It is a stand-in for `launches_per_step` of `bench_gpu.py` (the profiler's CUDA kernels): on
 2026-11-27 one H100 counted 158 (Llama), 272 (Mega-chunk) and 341 (Megalodon-chunk) launches per
-step at d = 1024; this count gives 167, 263 and 341 (docs/gpu.md, "Kernel launches without a
-GPU"). cuBLAS, cuFFT and a few composite operators launch more than one kernel, and some
-operators counted here launch none on CUDA (an `arange` folded into a cached table).
+step at d = 1024; this count gives 167, 255 and 325 for the same code (docs/gpu.md, "Kernel
+launches without a GPU"). cuBLAS, cuFFT and a few composite operators launch more than one
+kernel, and some operators counted here launch none on CUDA (an `arange` folded into a cached
+table). Triton launches are counted inside the counted step only, not in the warm-up step.
 """
 
 from __future__ import annotations
@@ -75,6 +76,15 @@ class LaunchCounter(TorchDispatchMode):
         self.by_op: collections.Counter[str] = collections.Counter()
         self.by_line: collections.Counter[str] = collections.Counter()
         self.paused = 0
+        self.active = False  # inside `with counter:` (Triton launches are counted only there)
+
+    def __enter__(self) -> LaunchCounter:
+        self.active = True
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        self.active = False
+        super().__exit__(*exc)
 
     def add(self, name: str) -> None:
         node = torch._C._current_autograd_node()
@@ -107,7 +117,8 @@ def count(kind: str, d: int, length: int, batch: int, chunk: int) -> tuple[Launc
     run = InterpretedFunction.run
 
     def counted_run(self: Any, *args: Any, grid: Any, warmup: Any, **kw: Any) -> Any:
-        counter.add("triton:" + self.fn.__name__)  # one launch; its host copies are not
+        if counter.active:
+            counter.add("triton:" + self.fn.__name__)  # one launch; its host copies are not
         counter.paused += 1
         try:
             return run(self, *args, grid=grid, warmup=warmup, **kw)
@@ -128,6 +139,7 @@ def count(kind: str, d: int, length: int, batch: int, chunk: int) -> tuple[Launc
     setattr(InterpretedFunction, "run", counted_run)  # noqa: B010
     try:
         with kernels.forced(*kernels.KERNELS), joined_on("cpu"):
+            saved = saved_bytes(module, x)
             step()  # once uncounted: lazy set-up is not a step's work
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # "Anomaly Detection has been enabled"
@@ -135,8 +147,6 @@ def count(kind: str, d: int, length: int, batch: int, chunk: int) -> tuple[Launc
                     step()
     finally:
         setattr(InterpretedFunction, "run", run)  # noqa: B010
-    with kernels.forced(*kernels.KERNELS), joined_on("cpu"):
-        saved = saved_bytes(module, x)
     return counter, saved / x.numel()
 
 
