@@ -72,7 +72,7 @@ from megalab.models.seqboat.sma_routing import plan_packing as plan_packing
 from megalab.models.seqboat.sma_routing import unpack as unpack
 from megalab.nn.attention import RelativeBiasTable, laplace
 from megalab.nn.positions import sinusoid_frequencies, sinusoid_table
-from megalab.nn.rope import rope_inv_freq, rope_tables, rotate
+from megalab.nn.rope import RotaryEmbedding
 from megalab.nn.state import register_state
 
 MASK_VALUE = -5e4  # the code's local-attention mask value
@@ -216,7 +216,13 @@ class CompressedAttention(nn.Module):
             self.rel_pos_bias = RelativePositionBias(P)
         if rel_pos_bias == "rotary" and z_dim % 2:
             raise ValueError(f"rotary positions need an even z_dim, got {z_dim}")
-        self.rotary = rel_pos_bias == "rotary"
+        # RoPE on Q and K, interleaved pairs, base 10⁴ (no parameters: state dicts unchanged)
+        self.rope = RotaryEmbedding(z_dim, interleaved=True) if rel_pos_bias == "rotary" else None
+
+    @property
+    def rotary(self) -> bool:
+        """Whether Q and K are rotated (`rel_pos_bias='rotary'`)."""
+        return self.rope is not None
 
     def extra_repr(self) -> str:
         return (
@@ -279,10 +285,8 @@ class CompressedAttention(nn.Module):
                 "pass; stream with attention_activation='softmax' or 'relu2', or use "
                 "attention='full'"
             )
-        if self.rotary:
-            cdt = torch.promote_types(q.dtype, torch.float32)
-            cos, sin = rope_tables(pos, rope_inv_freq(self.z_dim, 10000.0, cdt).to(q.device), cdt)
-            q, k = rotate(q, cos, sin, interleaved=True), rotate(k, cos, sin, interleaved=True)
+        if self.rope is not None:
+            q, k = self.rope.pair(q, k, pos)
         tokens = _Packed(q, k, v, valid, pos)
         if self.mode == "chunk" and not streamed:
             o, span = self._chunked(tokens)
