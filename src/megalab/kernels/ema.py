@@ -533,17 +533,15 @@ _BLOCK_DECAY = 256
 
 
 def _launch_log_decay(
-    a: Tensor, d: Tensor, out: Tensor, grad: Tensor | None = None
-) -> tuple[Tensor, Tensor] | None:
-    """log q into `out` (forward), or (∂/∂a, ∂/∂d) from `grad` and log q in `out` (backward)."""
+    a: Tensor, d: Tensor, log_q: Tensor, grad: Tensor, da: Tensor, dd: Tensor, backward: bool
+) -> None:
+    """Forward: log q into `log_q` (the other tensors unread). Backward: ∂/∂a and ∂/∂d into da
+    and dd, from `grad` and the saved log q."""
     n = a.numel()
-    da, dd = (torch.empty_like(a), torch.empty_like(d)) if grad is not None else (out, out)
     if n:
         _log_decay_kernel[(triton.cdiv(n, _BLOCK_DECAY),)](
-            a, d, out, grad if grad is not None else out, da, dd, n,
-            BACKWARD=grad is not None, BLOCK=_BLOCK_DECAY, **LAUNCH_OPTIONS,
+            a, d, log_q, grad, da, dd, n, BACKWARD=backward, BLOCK=_BLOCK_DECAY, **LAUNCH_OPTIONS,
         )  # fmt: skip
-    return (da, dd) if grad is not None else None
 
 
 class _LogDecay(torch.autograd.Function):
@@ -551,18 +549,18 @@ class _LogDecay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, a: Tensor, d: Tensor) -> Tensor:
-        out = torch.empty_like(a)
-        _launch_log_decay(a, d, out)
-        ctx.save_for_backward(a, d, out)
-        return out
+        log_q = torch.empty_like(a)
+        _launch_log_decay(a, d, log_q, log_q, log_q, log_q, backward=False)
+        ctx.save_for_backward(a, d, log_q)
+        return log_q
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        a, d, out = ctx.saved_tensors
-        result = _launch_log_decay(a, d, out, grad.contiguous())
-        assert result is not None
-        return result
+        a, d, log_q = ctx.saved_tensors
+        da, dd = torch.empty_like(a), torch.empty_like(d)
+        _launch_log_decay(a, d, log_q, grad.contiguous(), da, dd, backward=True)
+        return da, dd
 
 
 def log_decay(alpha_logit: Tensor, delta_logit: Tensor) -> Tensor:
