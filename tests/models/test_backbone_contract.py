@@ -6,7 +6,9 @@ perturbed away from the init, and checked in float64 for: shapes and zeroed pads
 invariance; causality (causal variants); streaming segment by segment and token by token equals
 one pass (causal variants with a state); the state survives `pack_state`/`unpack_state` through a
 checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` matches eager; bf16
-autocast runs and stays finite; `max_len` is enforced with a clear error.
+autocast runs and stays finite; `max_len` is enforced with a clear error; no tensor made on the
+host (a factory without a device) meets the model's tensors, which on a GPU would fail
+(tests/host_tensors.py).
 
 The hooks other code uses, declared on `Backbone` (`megalab.models.base`), are checked against
 what each model does: `block_class` is the type of every layer and activation checkpointing of
@@ -41,6 +43,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
+from host_tensors import HostTensors, unmark
 from megalab.models import block_classes
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput, BackboneProtocol
 from megalab.nn.state import map_state, pack_state, select_state, unpack_state
@@ -254,6 +257,23 @@ def test_bf16_autocast_runs_and_stays_finite(name: str, variant: str) -> None:
     y.float().sum().backward()
     assert torch.isfinite(y.float()).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_no_tensor_made_on_the_host_meets_the_models_tensors(name: str, variant: str) -> None:
+    """What a GPU run would make on the host (a factory without a device; tests/host_tensors.py)
+    never meets the model's tensors: not what the model keeps outside its parameters and buffers,
+    nor what a training forward and backward or (stateful variants) a stream makes."""
+    check = HostTensors()
+    with check:
+        model = build(name, variant, dtype=torch.float32).train()
+        x, mask = inputs(model, dtype=torch.float32), lengths_mask(21, [21, 15])
+        unmark(model)  # `.to(device)` moves these
+        unmark((x, mask))  # and Lightning these
+        model(x, mask).y.sum().backward()
+        if (name, variant) in STATEFUL:
+            stream(model.eval(), x, mask if model.causal else None, [5, 16])
+    assert not check.meetings, "host tensors meet the model's:\n" + check.report()
 
 
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)

@@ -131,12 +131,17 @@ class DampedEMA(CarriedLayer[Tensor]):
         with torch.no_grad():
             nn.init.normal_(self.alpha, mean=0.0, std=0.2)
             nn.init.normal_(self.delta, mean=0.0, std=0.2)
-            sign = torch.ones(self.ema_dim)
-            sign[1::2] = -1.0
-            self.beta.normal_(mean=0.0, std=0.02).add_(sign)
+            self.beta.normal_(mean=0.0, std=0.02).add_(self.beta_signs())
             nn.init.normal_(self.eta, mean=0.0, std=1.0)
             nn.init.normal_(self.omega, mean=0.0, std=1.0)
         self._spectrum.clear()
+
+    def beta_signs(self) -> Tensor:
+        """[1, −1, 1, ...] (h,), the mean of β's init, on β's device (an init run after the
+        module moved, as a deferred or sharded init does, adds it there)."""
+        sign = self.beta.new_ones(self.ema_dim)
+        sign[1::2] = -1.0
+        return sign
 
     def extra_repr(self) -> str:
         return (

@@ -306,9 +306,7 @@ class SeqBoatLayer(nn.Module):
                 # seqboat's exponential_moving_average.py: truncated normals (±2σ).
                 trunc_normal_(self.ssm.alpha, 0.2)
                 trunc_normal_(self.ssm.delta, 0.2)
-                sign = torch.ones(self.ssm.ema_dim)
-                sign[1::2] = -1.0
-                trunc_normal_(self.ssm.beta, 0.02).add_(sign)
+                trunc_normal_(self.ssm.beta, 0.02).add_(self.ssm.beta_signs())
                 trunc_normal_(self.ssm.eta, 1.0)
                 trunc_normal_(self.ssm.omega, 1.0)
             self.ssm._spectrum.clear()
