@@ -73,3 +73,44 @@ def test_two_training_steps_on_cuda(compose_cfg, model: str, trainer: str) -> No
     assert record["global_step"] == 2
     assert record["experiment"] == experiment
     assert record["metrics"], "the run reported no metrics"
+
+
+# The host-tensor check of the runs: the two models whose GPU runs failed for a reason not yet
+# read (docs/gpu.md) in the default suite, the others slow.
+HOST_CHECK_DEFAULT = {"lamemo", "transformer_xl"}
+HOST_CHECK = [
+    m if m in HOST_CHECK_DEFAULT else pytest.param(m, marks=pytest.mark.slow) for m in EXPERIMENTS
+]
+
+
+@pytest.mark.parametrize("model", HOST_CHECK)
+def test_no_tensor_made_on_the_host_meets_the_runs_tensors(
+    compose_cfg, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the CPU, the two steps of the GPU run (with `trainer=cpu`): nothing megalab makes on
+    the host in the memory plan's probes or in Lightning's hooks (steps, epoch ends, callbacks)
+    meets the task's tensors (tests/host_tensors.py), as it would fail on a GPU."""
+    from lightning.pytorch.trainer import call
+
+    import megalab.memory
+    from host_tensors import HostTensors, unmark
+    from megalab.cli.train import train
+
+    check = HostTensors(watch=False)
+    plan_memory = megalab.memory.plan_memory
+
+    def plan(cfg, task, exact: bool = False):
+        unmark(task)  # built on the host, then moved to the GPU
+        with check.region():
+            return plan_memory(cfg, task, exact)
+
+    monkeypatch.setattr(megalab.memory, "plan_memory", plan)
+    for hook in ("_call_lightning_module_hook", "_call_strategy_hook", "_call_callback_hooks"):
+        monkeypatch.setattr(call, hook, check.wrap(getattr(call, hook)))
+    experiment = EXPERIMENTS[model]
+    overrides = _overrides(compose_cfg, experiment, "gpu")
+    cfg = compose_cfg(f"experiment={experiment}", *overrides, "trainer=cpu", *overrides[-8:])
+    with check:
+        record = train(cfg)
+    assert record["global_step"] == 2
+    assert not check.meetings, "host tensors meet the run's:\n" + check.report()
