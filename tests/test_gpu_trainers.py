@@ -13,13 +13,15 @@ import pytest
 
 from test_experiments import fixture_overrides
 
-# One experiment per model: the smallest configuration each paper trains.
+# One experiment per model: the smallest configuration each paper trains. LaMemo and
+# Transformer-XL first: their runs failed on the H100 for a reason not yet read (docs/gpu.md),
+# which a check cut at its time budget should still record.
 EXPERIMENTS = {
+    "lamemo": "lamemo/enwik8",
+    "transformer_xl": "transformer_xl/enwik8_base",
     "mega": "mega/lra_listops",
     "seqboat": "seqboat/lra_listops",
     "megalodon": "megalodon/lra_listops",
-    "lamemo": "lamemo/enwik8",
-    "transformer_xl": "transformer_xl/enwik8_base",
     "llama": "llama/pg19",
     "transformer": "transformer/lra_listops",
     "translation": "mega/wmt16_en_de",
