@@ -177,7 +177,7 @@ def naive_recurrence(
     B, D, L = x.shape
     dtype = torch.promote_types(x.dtype, w_in.dtype)
     dtype = torch.promote_types(dtype, log_q.dtype)
-    h = torch.zeros(B, D, w_in.shape[-1], dtype=dtype) if h0 is None else h0.to(dtype)
+    h = x.new_zeros(B, D, w_in.shape[-1], dtype=dtype) if h0 is None else h0.to(dtype)
     ys = []
     for t in range(L):
         y, h = recurrent_step(x[..., t], h, w_in, w_out, log_q)

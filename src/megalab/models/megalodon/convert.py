@@ -134,7 +134,8 @@ def _check_rope(freqs: Tensor, rope_base: float | None) -> None:
     base = 10000.0 if rope_base is None else float(rope_base)
     dim = 2 * freqs.numel()
     expected = rope_inv_freq(dim, base, torch.float64)
-    if not torch.allclose(freqs.double(), expected, rtol=1e-5, atol=0.0):
+    # compared on the host: a checkpoint may have been loaded onto a GPU
+    if not torch.allclose(freqs.double().cpu(), expected, rtol=1e-5, atol=0.0):
         raise ValueError(
             f"rope.freqs does not match RoPE base {base:g} for head width {dim}: pass the "
             "checkpoint's rope_base"

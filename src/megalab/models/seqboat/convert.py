@@ -100,7 +100,8 @@ def _check_inv_freq(t: Tensor) -> None:
     """The code's sinusoidal `inv_freq` buffer must be the one we recompute, 10000^(−2i/D)."""
     D = 2 * t.numel()
     ours = 1.0 / 10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-    if not torch.allclose(t.double(), ours, rtol=1e-6, atol=0):
+    # compared on the host: a checkpoint may have been loaded onto a GPU
+    if not torch.allclose(t.double().cpu(), ours, rtol=1e-6, atol=0):
         raise ValueError("pos_emb.inv_freq is not 10000^(-2i/D): an unsupported position scheme")
 
 
