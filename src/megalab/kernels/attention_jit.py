@@ -32,8 +32,10 @@ def _tile(
     s_h: tl.tensor, s_r: tl.tensor, s_c: tl.tensor, R: tl.tensor, C: tl.tensor,
 ) -> tuple[tl.tensor, tl.tensor]:  # fmt: skip
     """The pointers of tile (rows, cols) of head (n, h) in an (N, H, R, C) tensor with strides
-    (s_n, s_h, s_r, s_c), and which of them lie inside it."""
-    ptrs = X + n * s_n + h * s_h + rows[:, None] * s_r + cols[None, :] * s_c
+    (s_n, s_h, s_r, s_c), and which of them lie inside it. The head's offset is taken in int64:
+    past 2³¹ elements (values of 256K tokens × 8192) an int32 product wraps around."""
+    head = n.to(tl.int64) * s_n + h.to(tl.int64) * s_h
+    ptrs = X + head + rows[:, None] * s_r + cols[None, :] * s_c
     return ptrs, (rows[:, None] < R) & (cols[None, :] < C)
 
 
