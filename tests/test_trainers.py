@@ -72,32 +72,39 @@ def test_fsdp_blocks_trains_a_llama_two_steps(compose_cfg) -> None:
     assert train(cfg)["global_step"] == 2
 
 
-class _Root(torch.nn.Module):
-    """Stands in for the FSDP-wrapped root (FSDP needs CUDA): records its clipping calls."""
+@pytest.fixture
+def process_group(tmp_path):
+    """A one-process gloo group, as in one rank: FSDP wraps CPU modules inside one."""
+    import torch.distributed as dist
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.clipped: list[float] = []
-
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        self.clipped.append(max_norm)
-        return torch.tensor(0.0)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_clipping_by_norm_goes_through_the_fsdp_root(compose_cfg, strategy: str) -> None:
+def test_clipping_by_norm_goes_through_the_fsdp_root(
+    compose_cfg, process_group, strategy: str
+) -> None:
     """Lightning's FSDP precision refuses clipping by norm, which the experiments set: under
     FSDP the task clips through the sharded root's `clip_grad_norm_` (its norm spans every
-    rank's shards); elsewhere Lightning's own clipping runs."""
+    rank's shards); elsewhere Lightning's own clipping runs. The root is a real FSDP module (one
+    CPU rank, gloo); its gradients end with norm 0.25."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
     task = hydra.utils.instantiate(compose_cfg("model=mega").task)
-    weight = next(task.parameters())
-    weight.grad = torch.full_like(weight, 10.0)
+    root = FullyShardedDataParallel(  # one rank holds the one shard
+        torch.nn.Linear(8, 8),
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.NO_SHARD,
+    )
+    (100 * root(torch.ones(2, 8))).sum().backward()
     built = FSDPStrategy() if strategy == "fsdp" else DDPStrategy()
-    root = _Root()
     built.model = root
     precision = SimpleNamespace(clip_gradients=lambda opt, val, alg: calls.append((val, alg)))
     calls: list[tuple] = []
@@ -108,8 +115,9 @@ def test_clipping_by_norm_goes_through_the_fsdp_root(compose_cfg, strategy: str)
         gradient_clip_algorithm="norm",
     )
     task.configure_gradient_clipping(torch.optim.SGD(task.parameters()), 0.25, "norm")
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in root.parameters()]))
     if strategy == "fsdp":
-        assert root.clipped == [0.25] and not calls
+        assert not calls and float(norm) == pytest.approx(0.25, rel=1e-4)
     else:
-        assert root.clipped == [] and [(v, str(a.value)) for v, a in calls] == [(0.25, "norm")]
+        assert float(norm) > 1 and [(v, str(a.value)) for v, a in calls] == [(0.25, "norm")]
     task._trainer = None

@@ -157,14 +157,14 @@ class TaskBase(L.LightningModule):
         Lightning's FSDP precision refuses `gradient_clip_algorithm=norm`, which the papers'
         experiments set (`trainer.gradient_clip_val`)."""
         from lightning.pytorch.strategies import FSDPStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel
 
         by_norm = (gradient_clip_algorithm or "norm") == "norm"
         if gradient_clip_val and by_norm and isinstance(self.trainer.strategy, FSDPStrategy):
             root = self.trainer.strategy.model
-            clip = getattr(root, "clip_grad_norm_", None)
-            if clip is None:  # not wrapped (yet): no FSDP root to clip through
+            if not isinstance(root, FullyShardedDataParallel):  # not wrapped (yet)
                 raise RuntimeError("FSDP gradient clipping needs the FSDP-wrapped root module")
-            clip(float(gradient_clip_val))
+            root.clip_grad_norm_(float(gradient_clip_val))
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
