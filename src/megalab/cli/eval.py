@@ -45,6 +45,7 @@ from megalab.run_loading import (  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     run_data_dir as run_data_dir,
 )
+from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import set_verification  # noqa: E402
@@ -93,9 +94,8 @@ def _evaluate_in(cfg: DictConfig) -> dict[str, Any]:
     results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
-    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
-    if callable(extras):
-        record.update(extras())
+    if isinstance(task, TaskBase):  # e.g. the SacreBLEU signature (seq2seq)
+        record.update(task.record_extras())
     out = Path(cfg.paths.output_dir) / "eval_metrics.json"
     run_utils.write_metrics(out, record)
     run_cfg_path = find_run_config(Path(cfg.ckpt_path))

@@ -26,6 +26,7 @@ from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
 from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
+from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import RunInterrupted, set_verification  # noqa: E402
@@ -153,9 +154,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     best = getattr(trainer.checkpoint_callback, "best_model_score", None)
     if best is not None and monitor:
         record["monitor_value"] = run_utils.to_number(best)
-    extras = getattr(task, "record_extras", None)  # e.g. the SacreBLEU signature (seq2seq)
-    if callable(extras):
-        record.update(extras())
+    if isinstance(task, TaskBase):  # e.g. the SacreBLEU signature (seq2seq)
+        record.update(task.record_extras())
     run_utils.write_metrics(output_dir / "metrics.json", record)
     return record
 

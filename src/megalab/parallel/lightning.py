@@ -99,5 +99,5 @@ class ChunkParallelStrategy(DDPStrategy):
         task = self.lightning_module
         self.check(task, getattr(trainer, "datamodule", None))
         assert self.chunk is not None
-        cast(Any, task).use_chunk_parallel(self.chunk)  # checked with hasattr above
+        cast(LanguageModelingTask, task).use_chunk_parallel(self.chunk)  # `check` made sure
         super().setup(trainer)

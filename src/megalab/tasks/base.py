@@ -95,6 +95,11 @@ class TaskBase(L.LightningModule):
         self._t_last: float | None = None
         self._pending_metric_states: dict[str, Any] | None = None
 
+    def record_extras(self) -> dict[str, Any]:
+        """What a run's `metrics.json` and `eval_metrics.json` record beside the logged metrics
+        (translation: the SacreBLEU signature); none by default."""
+        return {}
+
     def setup(self, stage: str) -> None:
         if self.compile_for_fit and stage == "fit" and self.compile_target is not None:
             # torch.compile of a Module returns an OptimizedModule wrapping it.

@@ -179,6 +179,10 @@ class LanguageModelingTask(SequenceTask):
         # Carried state per stage and stream group.
         self._state: dict[str, dict[int, Any]] = {s: {} for s in SPLITS}
         self._restored = False
+        # The chunk-parallel group this rank belongs to (`megalab.parallel.chunk.ChunkParallel`,
+        # set by `use_chunk_parallel`) and the exchange hooks it installed.
+        self.chunk_parallel: Any = None
+        self._chunk_hooks: list[Any] = []
 
     def setup(self, stage: str) -> None:
         trainer = self._trainer
@@ -234,7 +238,7 @@ class LanguageModelingTask(SequenceTask):
         self.check_chunk_parallel(getattr(trainer, "datamodule", None))
         # Every fit/validate/test sets the strategy up again with a new exchange: the hooks of
         # the previous one go, or each layer would exchange its state twice.
-        for handle in getattr(self, "_chunk_hooks", []):
+        for handle in self._chunk_hooks:
             handle.remove()
         self._chunk_hooks = chunk.install(self.backbone)
         self.chunk_parallel = chunk
@@ -260,7 +264,7 @@ class LanguageModelingTask(SequenceTask):
         return out  # type: ignore[return-value]
 
     def _step(self, batch: Batch, split: str) -> Tensor:
-        cp = getattr(self, "chunk_parallel", None)
+        cp = self.chunk_parallel
         if cp is not None and split != "train" and self.carry_state:
             # Evaluation over carried streams: the whole segments on every rank (the group's
             # ranks score the same tokens, which leaves the synced loss ratios unchanged).
@@ -277,7 +281,7 @@ class LanguageModelingTask(SequenceTask):
             state = state_to(state, batch["inputs"].device)
         if state is None and self.carry_state:
             state = self.initial_state(batch["inputs"].shape[0])
-        chunk = getattr(self, "chunk_parallel", None)
+        chunk = self.chunk_parallel
         with chunk.paused() if chunk is not None and cp is None else nullcontext():
             out = self(batch["inputs"], batch.get("mask"), state)
         if self.carry_state:
@@ -352,7 +356,7 @@ class LanguageModelingTask(SequenceTask):
         loss = self._step(batch, "train")
         self._restored = False
         self.assert_finite(loss)
-        cp = getattr(self, "chunk_parallel", None)
+        cp = self.chunk_parallel
         self.log_throughput(batch["inputs"].numel() // (cp.size if cp is not None else 1))
         return loss
 
