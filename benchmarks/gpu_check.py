@@ -222,8 +222,16 @@ def junit_counts(path: Path) -> dict[str, int] | None:
     }
 
 
+# A frame of pytest's short traceback ("src/megalab/x.py:12: in f"), and how many of a failure's
+# last traceback lines the record keeps.
+_FRAME = re.compile(r"^(\S+\.py:\d+): ")
+TRACE_LINES = 12
+
+
 def junit_failures(path: Path) -> list[dict[str, str]]:
-    """Each failed or erroring test of a pytest JUnit XML: its id and the first line of why."""
+    """Each failed or erroring test of a pytest JUnit XML: its id, the first line of why, the
+    innermost `file:line` of its traceback (`at`: where a wrapped error, such as Hydra's
+    instantiation error, was raised) and the traceback's last lines (`trace`)."""
     if not path.is_file():
         return []
     try:
@@ -238,7 +246,17 @@ def junit_failures(path: Path) -> list[dict[str, str]]:
                 continue
             why = (node.get("message") or node.text or "").strip().splitlines()
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            found.append({"test": name, "kind": kind, "message": (why[0] if why else "")[:400]})
+            text = [line for line in (node.text or "").splitlines() if line.strip()]
+            frames = [m.group(1) for m in map(_FRAME.match, text) if m]
+            found.append(
+                {
+                    "test": name,
+                    "kind": kind,
+                    "message": (why[0] if why else "")[:400],
+                    "at": frames[-1] if frames else "",
+                    "trace": "\n".join(text[-TRACE_LINES:])[-1500:],
+                }
+            )
     return found
 
 
@@ -348,7 +366,8 @@ def render(record: dict[str, Any]) -> str:
         part = record["parts"][name]
         lines += ["", f"## {name}: {part['status']}", ""]
         for failure in part.get("failures") or []:
-            lines.append(f"- `{failure['test']}` ({failure['kind']}): {failure['message']}")
+            at = f" (at `{failure['at']}`)" if failure.get("at") else ""
+            lines.append(f"- `{failure['test']}` ({failure['kind']}): {failure['message']}{at}")
         lines += ["", "```", part["tail"][-2500:], "```"]
     return "\n".join(lines) + "\n"
 

@@ -135,14 +135,23 @@ def test_the_record_says_why_each_test_failed(tmp_path: Path) -> None:
         '<testsuites><testsuite tests="3" failures="1" errors="1">'
         '<testcase classname="tests.test_a" name="test_ok"/>'
         '<testcase classname="tests.test_a" name="test_bad[x]">'
-        '<failure message="ValueError: no clipping by norm&#10;more">trace</failure></testcase>'
+        '<failure message="InstantiationException: Error in call to target&#10;more">'
+        "tests/test_a.py:12: in test_bad&#10;    train(cfg)&#10;"
+        "src/megalab/nn/x.py:34: in f&#10;    raise ValueError(&quot;no clipping by norm&quot;)"
+        "&#10;E   ValueError: no clipping by norm</failure></testcase>"
         '<testcase classname="tests.test_b" name="test_err"><error message="">Timeout &gt;45.0s'
         "</error></testcase></testsuite></testsuites>"
     )
+    trace = (
+        "tests/test_a.py:12: in test_bad\n    train(cfg)\nsrc/megalab/nn/x.py:34: in f\n"
+        '    raise ValueError("no clipping by norm")\nE   ValueError: no clipping by norm'
+    )
     assert gpu_check.junit_failures(junit) == [
         {"test": "tests.test_a::test_bad[x]", "kind": "failure",
-         "message": "ValueError: no clipping by norm"},
-        {"test": "tests.test_b::test_err", "kind": "error", "message": "Timeout >45.0s"},
+         "message": "InstantiationException: Error in call to target",
+         "at": "src/megalab/nn/x.py:34", "trace": trace},
+        {"test": "tests.test_b::test_err", "kind": "error", "message": "Timeout >45.0s",
+         "at": "", "trace": "Timeout >45.0s"},
     ]  # fmt: skip
     assert gpu_check.junit_failures(tmp_path / "missing.xml") == []
 
@@ -204,3 +213,12 @@ def test_launches_are_counted_by_source_line_and_do_not_depend_on_the_sizes() ->
     # the bound set for a block step's launches on a GPU: at most twice Llama's
     assert 1.5 < small["blocks"]["megalodon_chunk"]["ratio_to_first"] <= 2.0
     assert small["blocks"]["mega_chunk"]["ratio_to_first"] <= 2.0
+
+
+def test_the_summary_names_where_each_failure_was_raised(tmp_path: Path) -> None:
+    failure = {"test": "tests.t::test_x", "kind": "failure", "message": "Error in call",
+               "at": "src/megalab/nn/x.py:34", "trace": "E   ValueError: bad"}  # fmt: skip
+    part = {"status": "failed", "counts": {"failed": 1}, "seconds": 3.0, "budget_s": 10.0,
+            "tail": "output", "failures": [failure]}  # fmt: skip
+    text = gpu_check.render({"environment": {}, "parts": {"trainer_runs": part}, "seconds": 3.0})
+    assert "- `tests.t::test_x` (failure): Error in call (at `src/megalab/nn/x.py:34`)" in text
