@@ -51,7 +51,10 @@ PARTS = list(BUDGETS)
 TRAINER_RUNS = "tests/test_gpu_trainers.py"
 GOLDEN = "tests/models/test_*_golden.py"
 # Beside megalab's dependencies (pyproject.toml, torch excepted), what its tests need.
-TEST_REQUIREMENTS = ["pytest", "jsonschema"]
+TEST_REQUIREMENTS = ["pytest", "jsonschema", "pytest-xdist"]
+# Parts whose time goes mostly to compiling (Triton's kernels, each test's first CUDA kernels)
+# run in this many pytest-xdist processes, where it is installed: the compilations overlap.
+WORKERS = {"golden_cuda": 4, "kernels": 4}
 # Packages of the image itself, never downloaded or installed by the check.
 IMAGE_PACKAGES = re.compile(r"^(torch|triton|pytorch-triton|nvidia-[\w-]+|cuda-[\w-]+)$", re.I)
 
@@ -143,7 +146,11 @@ def gpu_test_files() -> list[str]:
 
 
 def pytest_command(
-    files: list[str], junit: Path, marks: str | None, timeout: int | None = None
+    files: list[str],
+    junit: Path,
+    marks: str | None,
+    timeout: int | None = None,
+    workers: int = 0,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -160,6 +167,8 @@ def pytest_command(
     ]
     if timeout and importlib.util.find_spec("pytest_timeout") is not None:
         cmd.append(f"--timeout={timeout}")
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(min(workers, os.cpu_count() or 1))]
     return cmd + (["-m", marks] if marks else [])
 
 
@@ -174,11 +183,15 @@ def commands(out: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
             {},
         ),
         "golden_cuda": (
-            pytest_command(golden, out / "golden_cuda.xml", "gpu", t["golden_cuda"]),
+            pytest_command(
+                golden, out / "golden_cuda.xml", "gpu", t["golden_cuda"], WORKERS["golden_cuda"]
+            ),
             {},
         ),
         "kernels": (
-            pytest_command(["tests/kernels"], out / "kernels.xml", None, t["kernels"]),
+            pytest_command(
+                ["tests/kernels"], out / "kernels.xml", None, t["kernels"], WORKERS["kernels"]
+            ),
             {"TRITON_INTERPRET": ""},
         ),
         "trainer_runs": (

@@ -178,6 +178,11 @@ def test_the_gpu_parts_find_their_tests() -> None:
     assert set(cmds) == set(gpu_check.PARTS)
     assert cmds["kernels"][1] == {"TRITON_INTERPRET": ""}
     assert sum(gpu_check.BUDGETS.values()) <= 8 * 60 - 15
+    # compiling parts overlap their compilations in pytest-xdist processes (installed here, and
+    # on the GPU image from the check's requirements); the DDP/NCCL runs stay in one process
+    assert "pytest-xdist" in gpu_check.requirements()
+    for part, (cmd, _env) in cmds.items():
+        assert ("-n" in cmd) == (part in ("kernels", "golden_cuda")), part
 
 
 def test_speed_ratios_are_of_throughput_when_micro_batches_differ() -> None:

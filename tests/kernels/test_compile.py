@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalab import kernels
 
@@ -27,6 +28,9 @@ SHARED_MEMORY = {90: 227 * 1024, 80: 163 * 1024}  # bytes per block, H100 and A1
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not kernels.triton_available(), reason="needs Triton (the gpu extra)"),
+    # What it stands in for: on a CUDA machine the kernel tests themselves compile every launch
+    # for the device, and `make gpu-check` gives them 30 s, not this test's two minutes.
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the other kernel tests compile on CUDA"),
 ]
 
 
