@@ -204,7 +204,6 @@ def test_sdpa_path_is_selectable(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(gpu, "sdpa_value_groups", counted)
     monkeypatch.setattr(gpu, "flash_attention", refuse)
-    monkeypatch.setattr(gpu, "mega_attention_kernel", refuse)
     L = 29
     mask = _padding(2, L, torch.Generator().manual_seed(3))
     att = _mega("softmax", "simple", True, 24)
@@ -226,7 +225,6 @@ def test_attention_dropout_keeps_the_reference(monkeypatch: pytest.MonkeyPatch) 
         raise AssertionError("the Triton kernel ran with attention dropout")
 
     monkeypatch.setattr(gpu, "flash_attention", refuse)
-    monkeypatch.setattr(gpu, "mega_attention_kernel", refuse)
     att = ChunkedAttention(Z, 8, "softmax", "simple", causal=True, dropout=0.5).train()
     lodon = NormalizedAttention(2 * Z, 2 * 48, 2, 8, causal=True, dropout=0.5).train()
     with kernels.forced("attention"):

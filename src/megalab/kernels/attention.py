@@ -33,7 +33,8 @@ padded queries, whose outputs are discarded). laplace/relu2 multiply the weights
 Mega's learned biases: the 'simple' Toeplitz bias b[i, j] = w[M − 1 + j − (i + offset)] is read
 from w in the kernel; the 'rotary' bias b = R_a R_bᵀ is an inner product, so it enters as extra
 Q/K columns ([Q τ⁻¹ | R_a] [K | R_b]ᵀ), its gradient by autograd. laplace/relu2 divide QKᵀ by the
-row's key count n; Q is divided by n before the kernel (`mega_attention_kernel`).
+row's key count n; Q is divided by n before the kernel
+(`megalab.nn.attention.ChunkedAttention._attend_kernel`).
 
 `sdpa_value_groups` is the alternative GPU path for softmax: `scaled_dot_product_attention` on
 value-column groups of at most 256 (PyTorch's flash and cuDNN kernels refuse wider value heads),
@@ -52,7 +53,6 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from megalab.kernels import LAUNCH_OPTIONS, use_kernel
-from megalab.kernels.attention_functions import key_counts
 
 try:
     import triton  # type: ignore[import-untyped]
@@ -66,7 +66,6 @@ __all__ = [
     "GPU_PATHS",
     "flash_attention",
     "gpu_path",
-    "mega_attention_kernel",
     "sdpa_value_groups",
     "use_attention_kernel",
 ]
@@ -346,60 +345,6 @@ def flash_attention(
     q, k, v = _dense(q), _dense(k), _dense(v)
     out: Tensor = _FlashAttention.apply(q, k, v, bias, valid, first, spec)
     return out
-
-
-def mega_attention_kernel(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    bias: tuple[str, Tensor, Tensor | None],
-    fn: str = "softmax",
-    valid: Tensor | None = None,
-    causal: bool = False,
-    q_offset: int = 0,
-    scale: float | None = None,
-    positions: int = 0,
-) -> Tensor:
-    """Mega's attention on the Triton kernel, with the arguments of
-    `megalab.nn.fused_attention.mega_attention`: (N, Cq, z) queries, (N, Ck, z) keys, (N, Ck, E)
-    values, a "toeplitz" or "lowrank" bias; -> (N, Cq, E) in the dtype of the inputs (under
-    autocast, its dtype).
-    """
-    kind, b1, b2 = bias
-    N, Cq, z = q.shape
-    Ck = k.shape[1]
-    dtype = compute_dtype(q, v)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    # Q τ⁻¹ (softmax, τ = √z) or Q / n (laplace, relu2: n keys per row), then S = Q Kᵀ + b.
-    if fn == "softmax":
-        q = q * (z**-0.5 if scale is None else scale)
-    else:
-        n = key_counts(q_offset, q_offset + Cq, Ck, causal, valid, torch.float32, q.device)
-        q = q / n if isinstance(n, float) else (q.float() / n).to(dtype)
-    w = None
-    if kind == "toeplitz":
-        w = b1
-    elif kind == "lowrank":
-        assert b2 is not None
-        # ⟨Q_i, K_j⟩ + ⟨R_a,i, R_b,j⟩ = ⟨[Q_i | R_a,i], [K_j | R_b,j]⟩
-        q = torch.cat([q, b1.to(dtype).expand(N, Cq, -1)], dim=-1)
-        k = torch.cat([k, b2.to(dtype).expand(N, Ck, -1)], dim=-1)
-    else:
-        raise ValueError(f"the attention kernel takes a 'toeplitz' or 'lowrank' bias, got {kind!r}")
-    o = flash_attention(
-        q.unsqueeze(1),
-        k.unsqueeze(1),
-        v.unsqueeze(1),
-        fn=fn,
-        scale=1.0,
-        bias=w,
-        positions=positions,
-        valid=valid,
-        causal=causal,
-        q_offset=q_offset,
-        empty_rows="causal",
-    )
-    return o.squeeze(1)
 
 
 def compute_dtype(q: Tensor, v: Tensor) -> torch.dtype:

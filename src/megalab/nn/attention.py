@@ -290,22 +290,48 @@ class ChunkedAttention(nn.Module):
     def _attend_kernel(
         self, q: Tensor, k: Tensor, v: Tensor, valid: Tensor | None, q_offset: int
     ) -> Tensor:
-        """`_attend` on the Triton kernel (`megalab.kernels.attention.mega_attention_kernel`)."""
-        from megalab.kernels.attention import mega_attention_kernel
+        """`_attend` on the Triton kernel (`megalab.kernels.attention.flash_attention`), in the
+        dtype of the inputs (under autocast, its dtype).
 
-        B, K, Cq = q.shape[:3]
+        The kernel takes the scale and the 'simple' bias itself; laplace/relu2's τ (the row's
+        key count n) divides Q beforehand, and the 'rotary' bias b = R_a R_bᵀ enters as extra
+        Q/K columns: ⟨Q_i, K_j⟩ + ⟨R_a,i, R_b,j⟩ = ⟨[Q_i | R_a,i], [K_j | R_b,j]⟩.
+        """
+        from megalab.kernels import attention as gpu
+
+        B, K, Cq, z = q.shape
         Ck = k.shape[2]
-        o = mega_attention_kernel(
-            q.reshape(B * K, Cq, -1),
-            k.reshape(B * K, Ck, -1),
-            v.reshape(B * K, Ck, -1),
-            self.rel_pos_bias.factors(Cq, Ck, q_offset),
+        N = B * K
+        dtype = gpu.compute_dtype(q, v)
+        q = q.reshape(N, Cq, z).to(dtype)
+        k = k.reshape(N, Ck, z).to(dtype)
+        v = v.reshape(N, Ck, -1).to(dtype)
+        valid = None if valid is None else valid.reshape(N, Ck)
+        if self.attention_activation == "softmax":
+            q = q * z**-0.5
+        else:
+            n = key_counts(q_offset, q_offset + Cq, Ck, self.causal, valid, torch.float32, q.device)
+            q = q / n if isinstance(n, float) else (q.float() / n).to(dtype)
+        kind, b1, b2 = self.rel_pos_bias.factors(Cq, Ck, q_offset)
+        w = None
+        if kind == "toeplitz":
+            w = b1
+        else:  # "lowrank"
+            assert b2 is not None
+            q = torch.cat([q, b1.to(dtype).expand(N, Cq, -1)], dim=-1)
+            k = torch.cat([k, b2.to(dtype).expand(N, Ck, -1)], dim=-1)
+        o = gpu.flash_attention(
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
             fn=self.attention_activation,
-            valid=None if valid is None else valid.reshape(B * K, Ck),
+            scale=1.0,
+            bias=w,
+            positions=self.bias_positions,
+            valid=valid,
             causal=self.causal,
             q_offset=q_offset,
-            scale=self.z_dim**-0.5,
-            positions=self.bias_positions,
+            empty_rows="causal",
         )
         return o.view(B, K, Cq, -1)
 
