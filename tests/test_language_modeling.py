@@ -78,8 +78,8 @@ def batch(inputs, reset=False, group=0, **extra) -> dict[str, Tensor]:
     out = {
         "inputs": inputs,
         "targets": (inputs + 1) % 11,
-        "reset": torch.tensor(reset),
-        "stream_group": torch.tensor(group),
+        "reset": reset,
+        "stream_group": group,
     }
     out.update(extra)
     return out
@@ -399,3 +399,75 @@ def test_ddp_streams_and_carried_state_in_checkpoints(fixture_data_dir: Path, tm
     assert len(ranks) == 2 and all(r["items"] for r in ranks)
     states = [unpack_state(r["items"][0][1]) for r in ranks]
     assert not torch.equal(states[0].layers[0].ema, states[1].layers[0].ema), "own rows"
+
+
+# Where a training step may read a value back from the device (a host sync on a GPU, which
+# stalls the launch queue): the finite-loss check, for language models the scored-token count
+# (the logged loss's weight), and for the memory models the token/target id checks (an id out of range would be a
+# device-side assert) and the memory's padding checks.
+DEVICE_READS = {
+    "llama/pg19": {"language_modeling.py": 1, "base.py": 1},
+    "lamemo/enwik8": {"language_modeling.py": 1, "base.py": 1, "adaptive.py": 2, "memory.py": 2},
+    "mega/lra_listops": {"base.py": 1},  # classification: the tokens/s count stays on the device
+}
+_READS = {
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.tolist,
+    torch.Tensor.nonzero,
+    torch.nonzero,
+}
+
+
+class _DeviceReads(torch.overrides.TorchFunctionMode):
+    """Records the file of megalab's innermost frame at each read of a tensor's values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        read = func in _READS
+        if func is torch.Tensor.__getitem__:  # boolean-mask indexing sizes its output
+            items = args[1] if isinstance(args[1], tuple) else (args[1],)
+            read = any(isinstance(i, Tensor) and i.dtype == torch.bool for i in items)
+        if read:
+            import traceback
+
+            frames = [f for f in traceback.extract_stack() if "/megalab/" in f.filename]
+            self.files.append(Path(frames[-1].filename).name if frames else "?")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("experiment", list(DEVICE_READS))
+def test_a_training_step_reads_the_device_only_where_it_must(
+    compose_cfg, experiment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batch's stream metadata stays on the host, the id checks read once each: a GPU step
+    waits for the device only at the places listed in `DEVICE_READS`."""
+    import hydra
+
+    from test_experiments import fixture_overrides
+
+    cfg = compose_cfg(f"experiment={experiment}", *fixture_overrides(compose_cfg, experiment))
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    batch = next(iter(datamodule.train_dataloader()))
+    if "reset" in batch:
+        assert isinstance(batch["reset"], bool) and isinstance(batch["stream_group"], int)
+    task = hydra.utils.instantiate(cfg.task)
+    # No Trainer: what is logged is Lightning's to read, at the end of the batch.
+    monkeypatch.setattr(task, "log", lambda *args, **kwargs: None)
+    monkeypatch.setattr(task, "log_throughput", lambda tokens: None)
+    for _ in range(2):  # a fresh stream, then one continued with the carried state
+        reads = _DeviceReads()
+        with reads:
+            task.training_step(batch, 0)
+        counts = {f: reads.files.count(f) for f in set(reads.files)}
+        assert counts == DEVICE_READS[experiment], counts
+        if "reset" in batch:
+            batch = {**batch, "reset": False}

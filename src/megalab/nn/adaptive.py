@@ -58,10 +58,15 @@ def _bands(vocab_size: int, cutoffs: Sequence[int]) -> list[int]:
     return cuts if cuts[-1] == vocab_size else [*cuts, vocab_size]
 
 
-def check_ids(tokens: Tensor, vocab_size: int, what: str) -> None:
-    """Raise a ValueError naming the first id outside [0, vocab_size) (`what`: token, target)."""
-    if tokens.numel() and (bool((tokens < 0).any()) or bool((tokens >= vocab_size).any())):
-        bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0].item()
+def check_ids(tokens: Tensor, vocab_size: int, what: str, mask: Tensor | None = None) -> None:
+    """Raise a ValueError naming the first id outside [0, vocab_size) (`what`: token, target),
+    among the positions where `mask` is True (all without one). One host sync when the ids are
+    valid: on a GPU, an id out of range would stop the process with a device-side assert."""
+    out = (tokens < 0) | (tokens >= vocab_size)
+    if mask is not None:
+        out = out & mask
+    if bool(out.any()):
+        bad = tokens[out][0].item()
         raise ValueError(
             f"{what} id {bad} is outside the vocabulary of {vocab_size} tokens: check "
             "data.vocab_size against the data"
@@ -118,7 +123,7 @@ class AdaptiveInput(BandedParameters, nn.Module):
         """(B, L) token ids -> (B, L, d_model); positions where `mask` is False are zero."""
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"AdaptiveInput expects integer token ids, got {tokens.dtype}")
-        check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
+        check_ids(tokens, self.vocab_size, "token", mask)
         weight = cast(nn.Linear, self.projections[0]).weight
         out = weight.new_zeros(*tokens.shape, self.d_model)
         prev = 0

@@ -138,7 +138,7 @@ class AdaptiveEmbedding(_Bands):
         """(B, L) ids -> √d_model · embedding, dropped out; zero where `mask` is False."""
         if tokens.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"AdaptiveEmbedding expects integer token ids, got {tokens.dtype}")
-        check_ids(tokens if mask is None else tokens[mask], self.vocab_size, "token")
+        check_ids(tokens, self.vocab_size, "token", mask)
         if self.div_val == 1:
             embed = self.emb_layers[0](tokens)
             if len(self.emb_projs):

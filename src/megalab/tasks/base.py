@@ -139,13 +139,15 @@ class TaskBase(L.LightningModule):
             )
 
     def log_throughput(self, tokens: int | Tensor) -> None:
-        """Log real tokens per second between consecutive training steps."""
+        """Log real tokens per second between consecutive training steps. A count on the device
+        is logged as it is, not read back here: Lightning reads the logged values once, at the
+        end of the batch."""
         now = time.perf_counter()
         if self._t_last is not None:
             dt = now - self._t_last
             if dt > 0:
-                n = float(tokens) * self.trainer.world_size
-                self.log("train/tokens_per_sec", n / dt, on_step=True, on_epoch=False)
+                rate = tokens * self.trainer.world_size / dt
+                self.log("train/tokens_per_sec", rate, on_step=True, on_epoch=False)
         self._t_last = now
 
     def on_train_epoch_start(self) -> None:

@@ -110,7 +110,7 @@ class ClassificationTask(SequenceTask):
         self.assert_finite(loss)
         mask = batch.get("mask")
         tokens = mask.sum() if mask is not None else batch["inputs"].shape[:2].numel()
-        self.log_throughput(int(tokens))
+        self.log_throughput(tokens)
         return loss
 
     def on_train_start(self) -> None:
@@ -175,6 +175,6 @@ class RetrievalTask(ClassificationTask):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss = self._step(batch, "train")
         self.assert_finite(loss)
-        tokens = sum(int(batch[k].sum()) for k in ("mask", "mask2") if k in batch)
+        tokens = sum(batch[k].sum() for k in ("mask", "mask2") if k in batch)
         self.log_throughput(tokens)
         return loss

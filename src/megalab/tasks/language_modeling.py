@@ -273,8 +273,8 @@ class LanguageModelingTask(SequenceTask):
             batch = self._slice_batch(batch)
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
-        reset = batch.get("reset")
-        if not self.carry_state or (reset is not None and bool(torch.as_tensor(reset).any())):
+        reset = batch.get("reset", False)  # a bool from megalab's streams: no device read
+        if not self.carry_state or bool(reset if isinstance(reset, bool) else reset.any()):
             states.pop(group, None)
         state = states.get(group)
         if state is not None and self._restored:
@@ -306,6 +306,7 @@ class LanguageModelingTask(SequenceTask):
         self.sums[f"{split}_tokens"](count.detach().double())
         if "num_words" in batch:
             self.sums[f"{split}_words"](torch.as_tensor(batch["num_words"]).double().sum())
+        n_scored = int(count)  # one host sync, read by the log's weight and the auxiliary loss
         if split == "train":
             self.log(
                 "train/loss",
@@ -313,9 +314,9 @@ class LanguageModelingTask(SequenceTask):
                 on_step=True,
                 on_epoch=True,
                 prog_bar=True,
-                batch_size=int(count),
+                batch_size=n_scored,
             )
-        aux_loss = self.aux_loss(out, split, int(count))
+        aux_loss = self.aux_loss(out, split, n_scored)
         if aux_loss is not None and split == "train":
             loss = loss + aux_loss
         if split == "train" and self.loss_scale != 1.0:

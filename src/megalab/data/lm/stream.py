@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from megalab.batch import Batch
 from megalab.data.base import SequenceDataModule, ShardedSampler
 
 log = logging.getLogger(__name__)
@@ -217,17 +217,19 @@ def _batch(
     reset: bool,
     group: int,
     words: bool,
-) -> dict[str, Tensor]:
+) -> Batch:
     """Batch dict for input positions `index` and target positions `target_index` (R, W)."""
     index = np.where(valid, index, 0)
     target_index = np.where(valid, target_index, 0)
-    batch = {
+    batch: Batch = {
         "inputs": torch.from_numpy(np.where(valid, stream.take(index), 0)),
         "targets": torch.from_numpy(np.where(valid, stream.take(target_index), 0)),
         "mask": torch.from_numpy(valid.copy()),
         "target_mask": torch.from_numpy(scored.copy()),
-        "reset": torch.tensor(bool(reset)),
-        "stream_group": torch.tensor(int(group)),
+        # Python values, not tensors: the task reads them before the forward, and a value moved
+        # to the GPU with the batch would cost a host sync to read back.
+        "reset": bool(reset),
+        "stream_group": int(group),
     }
     if words:
         batch["num_words"] = torch.tensor(
@@ -316,7 +318,7 @@ class StreamBatches(_TrainingBatches):
         first = self.layout.first_row(group, self.rows_per_device)
         return np.arange(first, first + self.rows_per_device)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
         epoch, i = key
         segment, group = divmod(i, self.layout.accumulate)
         a = segment * self.seq_len
@@ -394,7 +396,7 @@ class EvalBatches(Dataset):
     def __len__(self) -> int:
         return self.num_batches
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
         _, t = key
         if self.stride is None:
             a = t * self.seq_len
@@ -461,7 +463,7 @@ class RandomWindowBatches(_TrainingBatches):
         assert self.unit is not None, "variable-length windows have a unit"
         return m * self.unit, rng
 
-    def __getitem__(self, key: tuple[int, int]) -> dict[str, Tensor]:
+    def __getitem__(self, key: tuple[int, int]) -> Batch:
         epoch, i = key
         step, group = divmod(i, self.layout.accumulate)
         length, rng = self.window(epoch, step)
