@@ -402,9 +402,9 @@ def test_ddp_streams_and_carried_state_in_checkpoints(fixture_data_dir: Path, tm
 
 
 # Where a training step may read a value back from the device (a host sync on a GPU, which
-# stalls the launch queue): the finite-loss check, for language models the scored-token count
-# (the logged loss's weight), and for the memory models the token/target id checks (an id out of range would be a
-# device-side assert) and the memory's padding checks.
+# stalls the launch queue): the finite-loss check; for language models the scored-token count
+# (the logged loss's weight); for the memory models the token and target id checks (an id out
+# of range would be a device-side assert) and the memory's padding checks.
 DEVICE_READS = {
     "llama/pg19": {"language_modeling.py": 1, "base.py": 1},
     "lamemo/enwik8": {"language_modeling.py": 1, "base.py": 1, "adaptive.py": 2, "memory.py": 2},
