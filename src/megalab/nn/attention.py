@@ -293,9 +293,10 @@ class ChunkedAttention(nn.Module):
         """`_attend` on the Triton kernel (`megalab.kernels.attention.flash_attention`), in the
         dtype of the inputs (under autocast, its dtype).
 
-        The kernel takes the scale and the 'simple' bias itself; laplace/relu2's τ (the row's
-        key count n) divides Q beforehand, and the 'rotary' bias b = R_a R_bᵀ enters as extra
-        Q/K columns: ⟨Q_i, K_j⟩ + ⟨R_a,i, R_b,j⟩ = ⟨[Q_i | R_a,i], [K_j | R_b,j]⟩.
+        The kernel reads the 'simple' bias itself. Q is scaled beforehand by τ⁻¹ (z^-½ under
+        softmax, 1/n with n the row's key count under laplace/relu2), and the 'rotary' bias
+        b = R_a R_bᵀ enters as extra Q/K columns: ⟨Q_i, K_j⟩ + ⟨R_a,i, R_b,j⟩ =
+        ⟨[Q_i | R_a,i], [K_j | R_b,j]⟩.
         """
         from megalab.kernels import attention as gpu
 
@@ -308,7 +309,7 @@ class ChunkedAttention(nn.Module):
         v = v.reshape(N, Ck, -1).to(dtype)
         valid = None if valid is None else valid.reshape(N, Ck)
         if self.attention_activation == "softmax":
-            q = q * z**-0.5
+            q = q * self.z_dim**-0.5
         else:
             n = key_counts(q_offset, q_offset + Cq, Ck, self.causal, valid, torch.float32, q.device)
             q = q / n if isinstance(n, float) else (q.float() / n).to(dtype)
