@@ -16,7 +16,8 @@ GPU run would make on the host and reports where it meets the other tensors:
 An operation that takes a marked tensor of one or more dimensions together with an unmarked
 one is a meeting, recorded with the megalab source lines of the operation and of the factory.
 Indexing with a host index and `copy_` between devices are allowed on CUDA and are not
-meetings.
+meetings: they are copies from the host, as `.to(device)` of a marked tensor is. Each is
+recorded in `copies`, since on CUDA a copy from host memory waits for the GPU's queue to drain.
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ class HostTensors(TorchFunctionMode):
         self.roots = roots
         # "where they met" -> "where the host tensor was made"
         self.meetings: dict[str, str] = {}
+        # "where it was copied to the device" -> "where it was made": on CUDA a copy from host
+        # memory waits for the GPU's queue to drain (a stream sync)
+        self.copies: dict[str, str] = {}
 
     @contextmanager
     def region(self) -> Iterator[None]:
@@ -141,6 +145,8 @@ class HostTensors(TorchFunctionMode):
             moved = name in ("cuda", "type_as") or kwargs.get("device") is not None
             moved |= any(isinstance(a, str | torch.device | torch.Tensor) for a in args[1:])
             if moved:
+                if _marked(args[0]) is not None:
+                    self._record(self.copies, name, str(_marked(args[0])))
                 for r in results:
                     _unmark_one(r)
                 return out
@@ -151,13 +157,19 @@ class HostTensors(TorchFunctionMode):
                 _mark(r, made[0])
             return out
         host = [t for t in tensors if _marked(t) is not None and t.dim() > 0]
-        if host and name not in ALLOWED:
-            where = _source_line(self.roots)
-            if where is not None:
-                self.meetings.setdefault(f"{where} ({name})", str(_marked(host[0])))
+        if host:
+            found = self.copies if name in ALLOWED else self.meetings
+            self._record(found, name, str(_marked(host[0])))
         for r in results:
             _unmark_one(r)
         return out
 
-    def report(self) -> str:
-        return "\n".join(f"{met}\n    made at {made}" for met, made in self.meetings.items())
+    def _record(self, found: dict[str, str], name: str, made: str) -> None:
+        where = _source_line(self.roots)
+        if where is not None:
+            found.setdefault(f"{where} ({name})", made)
+
+    def report(self, found: dict[str, str] | None = None) -> str:
+        """The meetings (or `found`, e.g. the copies), each with where its host tensor was made."""
+        found = self.meetings if found is None else found
+        return "\n".join(f"{met}\n    made at {made}" for met, made in found.items())

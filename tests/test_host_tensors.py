@@ -71,6 +71,24 @@ def test_scalars_indexing_moves_and_shapes_are_allowed_on_a_gpu() -> None:
     assert not check.meetings
 
 
+def test_copies_between_the_host_and_the_device_are_recorded() -> None:
+    """Allowed on a GPU, but each is a stream sync there: moving a host tensor, indexing with a
+    host index and `copy_` between host and device are `copies`; device tensors are not."""
+    x = torch.randn(4, 3)
+    check = HostTensors(watch=False, roots=HERE)
+    with check, check.region():
+        host = torch.arange(4)
+        _ = x[host % 2 == 0]
+        _ = x + torch.ones(3).to(x.device)
+        _ = torch.zeros(4, 3).copy_(x)
+        _ = x * torch.tensor(2.0)  # a 0-dim host tensor is read as a scalar: no copy
+        _ = x.new_zeros(3).to(x.device) + x[x[:, 0] > 0].sum()  # on the device already
+    assert not check.meetings
+    kinds = sorted(met.rsplit(" (", 1)[1].rstrip(")") for met in check.copies)
+    assert kinds == ["__getitem__", "copy_", "to"]
+    assert "torch.ones(3)" in check.report(check.copies)
+
+
 def test_outside_the_region_nothing_is_marked() -> None:
     x = torch.randn(3)
     check = HostTensors(watch=False, roots=HERE)

@@ -8,7 +8,8 @@ one pass (causal variants with a state); the state survives `pack_state`/`unpack
 checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` matches eager; bf16
 autocast runs and stays finite; `max_len` is enforced with a clear error; no tensor made on the
 host (a factory without a device) meets the model's tensors, which on a GPU would fail
-(tests/host_tensors.py).
+(tests/host_tensors.py), and after a first step none is copied to the device in a step or a
+stream (on CUDA a copy from host memory is a stream sync).
 
 The hooks other code uses, declared on `Backbone` (`megalab.models.base`), are checked against
 what each model does: `block_class` is the type of every layer and activation checkpointing of
@@ -274,6 +275,27 @@ def test_no_tensor_made_on_the_host_meets_the_models_tensors(name: str, variant:
         if (name, variant) in STATEFUL:
             stream(model.eval(), x, mask if model.causal else None, [5, 16])
     assert not check.meetings, "host tensors meet the model's:\n" + check.report()
+
+
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_a_training_step_copies_nothing_from_the_host(name: str, variant: str) -> None:
+    """On CUDA a copy from host memory to the GPU waits for its queue to drain (a stream sync),
+    which a step should not do once per layer: after a first step (where tables are made and
+    kept), a training forward and backward copy nothing that megalab made on the host to the
+    device (`HostTensors.copies`: `.to(device)`, a host index, `copy_` from the host); nor does
+    a stream after a first one."""
+    model = build(name, variant, dtype=torch.float32).train()
+    x, mask = inputs(model, dtype=torch.float32), lengths_mask(21, [21, 15])
+    model(x, mask).y.sum().backward()
+    check = HostTensors()
+    with check:
+        model(x, mask).y.sum().backward()
+    if (name, variant) in STATEFUL:  # and a stream (decoding: a step per token) after a first
+        model.eval()
+        stream(model, x, mask if model.causal else None, [5, 16])
+        with check:
+            stream(model, x, mask if model.causal else None, [5, 1, 15])
+    assert not check.copies, "copies from the host in a step:\n" + check.report(check.copies)
 
 
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)

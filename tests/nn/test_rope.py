@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from megalab.nn.rope import RotaryEmbedding, apply_rope, rope_inv_freq
+from megalab.nn.rope import InvFreq, RotaryEmbedding, apply_rope, rope_inv_freq
 
 
 def autograd_rope(x: Tensor, positions: Tensor, inv_freq: Tensor, interleaved: bool) -> Tensor:
@@ -91,3 +91,23 @@ def test_angles_that_learn_keep_autograds_backward() -> None:
     (gp,) = torch.autograd.grad(apply_rope(x, positions, inv_freq, True).sum(), positions)
     (gp_ref,) = torch.autograd.grad(autograd_rope(x, positions, inv_freq, True).sum(), positions)
     assert torch.equal(gp, gp_ref)
+
+
+def test_the_frequency_table_is_made_once_per_key_and_serves_training_after_inference() -> None:
+    """`InvFreq` keeps one table per (dim, base, dtype, device), equal to `rope_inv_freq`'s; one
+    made under inference mode is an ordinary tensor, so a training step can use it after."""
+    tables = InvFreq()
+    with torch.inference_mode():
+        first = tables(8, 10000.0, torch.float32, torch.device("cpu"))
+    assert not first.is_inference()
+    assert tables(8, 10000.0, torch.float32, torch.device("cpu")) is first
+    assert torch.equal(first, rope_inv_freq(8, 10000.0, torch.float32))
+    other = tables(8, 500.0, torch.float64, torch.device("cpu"))
+    assert other is not first and torch.equal(other, rope_inv_freq(8, 500.0, torch.float64))
+    rope = RotaryEmbedding(8)
+    x = torch.randn(2, 5, 8)
+    with torch.inference_mode():
+        rope(x, torch.arange(5))
+    x.requires_grad_(True)
+    rope(x, torch.arange(5)).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -28,6 +28,27 @@ def rope_inv_freq(dim: int, base: float, dtype: torch.dtype = torch.float32) -> 
     )
 
 
+class InvFreq:
+    """θ of `rope_inv_freq` on a device, made on the host and copied once per (dim, base,
+    dtype, device).
+
+    A copy from host memory to a CUDA tensor waits for the GPU's queue to drain (a stream sync):
+    made at every forward, the table would stop the launches once per layer.
+    """
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, float, torch.dtype, torch.device], Tensor] = {}
+
+    def __call__(self, dim: int, base: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+        key = (dim, base, dtype, device)
+        table = self._tables.get(key)
+        if table is None:
+            with torch.inference_mode(False):  # usable in training after an inference call
+                table = rope_inv_freq(dim, base, dtype).to(device)
+            self._tables[key] = table
+        return table
+
+
 def rope_tables(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos and sin of the angles positions·θ (..., d/2) in `dtype`: computed once, they rotate
     every tensor at those positions (queries and keys)."""
@@ -107,6 +128,7 @@ class RotaryEmbedding(nn.Module):
         self.dim = dim
         self.base = float(base)
         self.interleaved = interleaved
+        self.inv_freq = InvFreq()
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base:g}, interleaved={self.interleaved}"
@@ -114,7 +136,7 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: Tensor, like: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin at `positions` for tensors like `like` (float32, or float64 for float64)."""
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-        inv_freq = rope_inv_freq(self.dim, self.base, dtype).to(like.device)
+        inv_freq = self.inv_freq(self.dim, self.base, dtype, like.device)
         return rope_tables(positions, inv_freq, dtype)
 
     def forward(self, x: Tensor, positions: Tensor) -> Tensor:

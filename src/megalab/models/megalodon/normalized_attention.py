@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from megalab.kernels import use_kernel
 from megalab.nn.attention import KVCache, chunked_attention
-from megalab.nn.rope import apply_rope, rope_inv_freq
+from megalab.nn.rope import InvFreq, apply_rope
 
 __all__ = ["NormalizedAttention"]
 
@@ -76,6 +76,7 @@ class NormalizedAttention(nn.Module):
         self.head_dim = z_dim // num_heads
         self.chunk_size = chunk_size
         self.rope_base = float(rope_base)
+        self.inv_freq = InvFreq()
         self.causal = causal
         self.dropout = dropout
         self.eps = eps
@@ -148,7 +149,7 @@ class NormalizedAttention(nn.Module):
         Cq, Ck = q.shape[2], k.shape[2]
         dev = q.device
         rot = torch.float64 if q.dtype == torch.float64 else torch.float32
-        inv_freq = rope_inv_freq(self.head_dim, self.rope_base, rot).to(dev)
+        inv_freq = self.inv_freq(self.head_dim, self.rope_base, rot, dev)
         pos_q = torch.arange(q_offset, q_offset + Cq, device=dev).unsqueeze(-1)  # (Cq, 1): heads
         pos_k = torch.arange(Ck, device=dev).unsqueeze(-1)
         B, K = q.shape[:2]
