@@ -416,6 +416,9 @@ DEVICE_READS = {
         "models/transformer_xl/memory.py": 2,
     },
     "mega/lra_listops": {"tasks/base.py": 1},  # classification: tokens/s stays on the device
+    # and one per SeqBoat layer (6): the packed length L' = max_b Σ_t a_bt, a shape that depends
+    # on the routing's decisions, as in the authors' code (it read twice before)
+    "seqboat/lra_listops": {"tasks/base.py": 1, "models/seqboat/model.py": 6},
 }
 _READS = {
     torch.Tensor.item,

@@ -361,7 +361,8 @@ class SeqBoatLayer(nn.Module):
         if self.compress_always or self.attention.mode == "chunk" or not a.shape[1]:
             return plan_packing(a, compress=True)
         threshold = 1.0 if self.attention.mode == "local" else 0.9
-        return plan_packing(a, compress=int(a.sum(dim=1).max()) / a.shape[1] < threshold)
+        most = int(a.sum(dim=1).max())
+        return plan_packing(a, compress=most / a.shape[1] < threshold, most=most)
 
     def forward(
         self,

@@ -43,12 +43,13 @@ class Packing:
         return self.source.shape[1]
 
 
-def plan_packing(active: Tensor, compress: bool = True) -> Packing:
+def plan_packing(active: Tensor, compress: bool = True, most: int | None = None) -> Packing:
     """The packing of the activation mask `active` (B, L) bool.
 
     `compress=False` is the code's no-compression branch (the GAU runs over all L positions with
     the skipped tokens masked). With `compress=True` the length is L' = max_b Σ_t a_bt, at least
-    1 (a single invalid slot when nothing is active, as the code).
+    1 (a single invalid slot when nothing is active, as the code); `most`, that maximum where the
+    caller has read it already (each read waits for the GPU).
     """
     B, L = active.shape
     rank = torch.cumsum(active, dim=1) * active
@@ -56,7 +57,9 @@ def plan_packing(active: Tensor, compress: bool = True) -> Packing:
         source = torch.arange(L, device=active.device).expand(B, L)
         return Packing(rank, source, active, False, active)
     counts = active.sum(dim=1)
-    length = max(int(counts.max()) if L else 0, 1)
+    if most is None:
+        most = int(counts.max()) if L else 0
+    length = max(most, 1)
     # source[b, s] = t for the token of rank s + 1 (one scatter of B·L integers).
     table = torch.zeros(B, length + 1, dtype=torch.long, device=active.device)
     table.scatter_(1, rank, torch.arange(L, device=active.device).expand(B, L))
