@@ -9,7 +9,8 @@ checkpoint file and `select_state`; gradients (gradcheck); `torch.compile` match
 autocast runs and stays finite; `max_len` is enforced with a clear error; no tensor made on the
 host (a factory without a device) meets the model's tensors, which on a GPU would fail
 (tests/host_tensors.py), and after a first step none is copied to the device in a step or a
-stream (on CUDA a copy from host memory is a stream sync).
+stream (on CUDA a copy from host memory is a stream sync); both also with the fused kernels
+forced (Triton's interpreter).
 
 The hooks other code uses, declared on `Backbone` (`megalab.models.base`), are checked against
 what each model does: `block_class` is the type of every layer and activation checkpointing of
@@ -45,6 +46,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from host_tensors import HostTensors, unmark
+from megalab import kernels
 from megalab.models import block_classes
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput, BackboneProtocol
 from megalab.nn.state import map_state, pack_state, select_state, unpack_state
@@ -295,6 +297,26 @@ def test_a_training_step_copies_nothing_from_the_host(name: str, variant: str) -
         stream(model, x, mask if model.causal else None, [5, 16])
         with check:
             stream(model, x, mask if model.causal else None, [5, 1, 15])
+    assert not check.copies, "copies from the host in a step:\n" + check.report(check.copies)
+
+
+@pytest.mark.skipif(
+    not (kernels.triton_available() and kernels.interpreting()),
+    reason="needs Triton's interpreter (TRITON_INTERPRET=1 without CUDA, set by conftest)",
+)
+@pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
+def test_the_gpu_paths_keep_nothing_on_the_host(name: str, variant: str) -> None:
+    """The two host checks above with every fused kernel forced (`megalab.kernels`, run by
+    Triton's interpreter): the GPU paths' launchers make no tensor on the host that meets the
+    model's, and after a first step copy nothing from the host."""
+    model = build(name, variant, dtype=torch.float32).train()
+    x, mask = inputs(model, dtype=torch.float32), lengths_mask(21, [21, 15])
+    with kernels.forced(*kernels.KERNELS):
+        model(x, mask).y.sum().backward()
+        check = HostTensors()
+        with check:
+            model(x, mask).y.sum().backward()
+    assert not check.meetings, "host tensors meet the model's:\n" + check.report()
     assert not check.copies, "copies from the host in a step:\n" + check.report(check.copies)
 
 
