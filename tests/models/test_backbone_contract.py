@@ -279,6 +279,20 @@ def test_no_tensor_made_on_the_host_meets_the_models_tensors(name: str, variant:
     assert not check.meetings, "host tensors meet the model's:\n" + check.report()
 
 
+def _second_training_step(
+    name: str, variant: str
+) -> tuple[Any, torch.Tensor, torch.Tensor, HostTensors]:
+    """(model, x, mask, the check) after two training steps, the second watched by the check:
+    the first makes what a model keeps between steps."""
+    model = build(name, variant, dtype=torch.float32).train()
+    x, mask = inputs(model, dtype=torch.float32), lengths_mask(21, [21, 15])
+    model(x, mask).y.sum().backward()
+    check = HostTensors()
+    with check:
+        model(x, mask).y.sum().backward()
+    return model, x, mask, check
+
+
 @pytest.mark.parametrize(("name", "variant"), CASES, ids=IDS)
 def test_a_training_step_copies_nothing_from_the_host(name: str, variant: str) -> None:
     """On CUDA a copy from host memory to the GPU waits for its queue to drain (a stream sync),
@@ -286,12 +300,7 @@ def test_a_training_step_copies_nothing_from_the_host(name: str, variant: str) -
     kept), a training forward and backward copy nothing that megalab made on the host to the
     device (`HostTensors.copies`: `.to(device)`, a host index, `copy_` from the host); nor does
     a stream after a first one."""
-    model = build(name, variant, dtype=torch.float32).train()
-    x, mask = inputs(model, dtype=torch.float32), lengths_mask(21, [21, 15])
-    model(x, mask).y.sum().backward()
-    check = HostTensors()
-    with check:
-        model(x, mask).y.sum().backward()
+    model, x, mask, check = _second_training_step(name, variant)
     if (name, variant) in STATEFUL:  # and a stream (decoding: a step per token) after a first
         model.eval()
         stream(model, x, mask if model.causal else None, [5, 16])
@@ -309,13 +318,8 @@ def test_the_gpu_paths_keep_nothing_on_the_host(name: str, variant: str) -> None
     """The two host checks above with every fused kernel forced (`megalab.kernels`, run by
     Triton's interpreter): the GPU paths' launchers make no tensor on the host that meets the
     model's, and after a first step copy nothing from the host."""
-    model = build(name, variant, dtype=torch.float32).train()
-    x, mask = inputs(model, dtype=torch.float32), lengths_mask(21, [21, 15])
     with kernels.forced(*kernels.KERNELS):
-        model(x, mask).y.sum().backward()
-        check = HostTensors()
-        with check:
-            model(x, mask).y.sum().backward()
+        *_, check = _second_training_step(name, variant)
     assert not check.meetings, "host tensors meet the model's:\n" + check.report()
     assert not check.copies, "copies from the host in a step:\n" + check.report(check.copies)
 

@@ -274,7 +274,9 @@ class LanguageModelingTask(SequenceTask):
         states = self._state[split]
         group = int(batch["stream_group"]) if "stream_group" in batch else 0
         reset = batch.get("reset", False)  # a bool from megalab's streams: no device read
-        if not self.carry_state or bool(reset if isinstance(reset, bool) else reset.any()):
+        if isinstance(reset, Tensor):
+            reset = bool(reset.any())
+        if not self.carry_state or reset:
             states.pop(group, None)
         state = states.get(group)
         if state is not None and self._restored:
