@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megalab.optim import (
+    apply_schedule,
     build_optimizer,
     build_param_groups,
     constant_warmup,
@@ -135,3 +136,30 @@ def test_schedules_need_a_finite_horizon() -> None:
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
     with pytest.raises(ValueError, match="max_steps"):
         linear_warmup_decay(opt, total_steps=float("inf"))
+
+
+def test_a_resumed_schedule_sets_its_own_lr_before_the_first_step() -> None:
+    """A 2-step decay ends at lr 0; resumed as an 8-step one (a larger `trainer.max_steps`),
+    step 2 trains at the longer schedule's lr, not at the 0 the optimizer was saved with. With
+    the same schedule the restored lr stays as it was, bit for bit."""
+    w = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=1e-3)
+    short = linear_warmup_decay(opt, total_steps=2)
+    for _ in range(2):
+        opt.step()
+        short.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    saved_opt, saved_sched = opt.state_dict(), short.state_dict()
+
+    def resumed(total: int) -> tuple[torch.optim.Optimizer, list[tuple[float, float]]]:
+        o = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1e-3)
+        s = linear_warmup_decay(o, total_steps=total)
+        o.load_state_dict(saved_opt)
+        s.load_state_dict(saved_sched)
+        return o, apply_schedule(s)
+
+    longer, changed = resumed(8)
+    assert changed == [(0.0, 1e-3 * 6 / 8)]
+    assert longer.param_groups[0]["lr"] == 1e-3 * 6 / 8
+    same, unchanged = resumed(2)
+    assert unchanged == [] and same.param_groups[0]["lr"] == 0.0

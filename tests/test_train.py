@@ -83,9 +83,10 @@ class SigtermAt(Callback):
 
 
 @pytest.fixture(scope="module")
-def straight_run() -> dict[str, Path]:
-    """The uninterrupted run of test_resume_continues_exactly, trained once for both cases."""
-    return {}
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The uninterrupted run of test_resume_continues_exactly, trained once for both cases (in
+    a folder of the module's: a passing test's own tmp_path is removed when it ends)."""
+    return {"dir": tmp_path_factory.mktemp("straight")}
 
 
 @pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
@@ -103,11 +104,10 @@ def test_resume_continues_exactly(
         "scheduler.warmup_steps=2",
         "trainer.max_steps=5",
     )
-    if "dir" not in straight_run:
+    if not (straight_run["dir"] / "checkpoints").is_dir():
         straight = compose_cfg(*common)
-        straight.paths.output_dir = str(tmp_path / "straight")
+        straight.paths.output_dir = str(straight_run["dir"])
         train(straight)
-        straight_run["dir"] = tmp_path / "straight"
 
     first = compose_cfg(
         *common, "+callbacks.stop._target_=test_train.SigtermAt", f"+callbacks.stop.step={stop}"

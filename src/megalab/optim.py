@@ -192,6 +192,26 @@ def inverse_sqrt(
     return LambdaLR(optimizer, [factor(g["lr"]) for g in optimizer.param_groups])
 
 
+def apply_schedule(scheduler: LambdaLR) -> list[tuple[float, float]]:
+    """Set each group's lr to its schedule's value at the scheduler's step; return the
+    (restored, scheduled) pairs that differed.
+
+    A `LambdaLR` sets the lr only when it steps, so a run resumed with another step count
+    (a larger `trainer.max_steps` to train longer, which stretches the schedule) would take its
+    first step at the lr the checkpoint's optimizer ended with (0 at the end of a decay). When
+    nothing changed the values are the ones restored, bit for bit.
+    """
+    t = scheduler.last_epoch
+    changed = []
+    lrs = [base * f(t) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        if group["lr"] != lr:
+            changed.append((float(group["lr"]), float(lr)))
+            group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() and the lr monitor report
+    return changed
+
+
 def describe_groups(optimizer: torch.optim.Optimizer) -> Iterable[str]:
     """One line per parameter group (name, size, lr, weight decay) for the run log."""
     for g in optimizer.param_groups:

@@ -102,6 +102,28 @@ def test_language_model_resumes_its_epoch_loss_exactly(compose_cfg, tmp_path: Pa
     assert_same_run(run, tmp_path / "straight")
 
 
+def test_a_finished_run_trains_on_with_a_larger_max_steps_exactly(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """A finished run (4 steps: two epochs of 2 batches) resumed with `ckpt_path=last` and 6
+    steps in all trains the next epoch in full (Lightning alone would run an empty epoch that
+    logs NaN) and ends as the 6-step run does (at a constant lr: the decay of the default
+    schedule spans `max_steps`, which the longer run changes)."""
+    overrides = (*OVERRIDES, "scheduler=constant")
+    straight = compose_cfg(*overrides)
+    straight.paths.output_dir = str(tmp_path / "straight")
+    train(straight)
+
+    run = tmp_path / "run"
+    first = compose_cfg(*overrides, "trainer.max_steps=4")
+    first.paths.output_dir = str(run)
+    assert train(first)["global_step"] == 4
+    longer = compose_cfg(*overrides, "ckpt_path=last")
+    longer.paths.output_dir = str(run)
+    assert train(longer)["global_step"] == 6
+    assert_same_run(run, tmp_path / "straight")
+
+
 # `ckpt_path=auto` with the users' schedule (last.ckpt every 5 minutes: none in a short run),
 # validation every 2 steps: a kill before the first last.ckpt leaves only the best checkpoint.
 AUTO_OVERRIDES = (

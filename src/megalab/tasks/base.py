@@ -18,10 +18,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric
 
 from megalab.models.base import Backbone, BackboneConfig, BackboneOutput, BackboneProtocol, built
-from megalab.optim import build_optimizer, describe_groups
+from megalab.optim import apply_schedule, build_optimizer, describe_groups
 from megalab.utils.distributed import gather_from_ranks
 from megalab.utils.errors import UserError
 
@@ -234,6 +235,24 @@ class TaskBase(L.LightningModule):
             load_metric_states(self, pending)
         self._pending_metric_states = None
         metrics_to_device(self, self.device)
+        if self.trainer.ckpt_path is not None:
+            self._follow_schedule()
+
+    def _follow_schedule(self) -> None:
+        """A resumed run trains on at its own schedule's lr (see `apply_schedule`)."""
+        for config in self.trainer.lr_scheduler_configs:
+            if not isinstance(config.scheduler, LambdaLR):
+                continue
+            changed = apply_schedule(config.scheduler)
+            if changed and self.trainer.is_global_zero:
+                old, new = changed[0]
+                log.info(
+                    "the schedule differs from the checkpoint's (another trainer.max_steps?): "
+                    "step %d trains at lr %.4g, not the checkpoint's %.4g",
+                    self.trainer.global_step,
+                    new,
+                    old,
+                )
 
     # Every metric state on the module's device before a loop updates and syncs it: torchmetrics
     # gathers states over the process group, and NCCL has no CPU backend ("No backend type

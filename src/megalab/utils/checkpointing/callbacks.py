@@ -115,6 +115,41 @@ def restore_train_results(trainer: L.Trainer, saved: list[dict[str, Any]]) -> No
 
 
 # -- signals -----------------------------------------------------------------------------------
+def close_finished_epoch(checkpoint: dict[str, Any]) -> bool:
+    """Clear the batch counts a finished run's final checkpoint keeps of its last epoch;
+    return whether there were any (the loops then start the next epoch afresh:
+    `start_next_epoch`).
+
+    When `max_steps` ends training, Lightning runs the epoch's end hooks (its epoch row, the
+    metric resets) and counts the epoch done; the final `last.ckpt` is written after that, with
+    the batches that epoch ran. Resumed with a larger `max_steps` (to train longer), Lightning
+    takes them for the progress of the next epoch, as training is step-based: the data loader
+    would skip as many batches, and after an epoch's last batch the next epoch would be empty
+    and log NaN.
+    """
+    # Lightning internal: the loops' progress counters (tests/test_lightning_internals.py).
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs = loop.get("epoch_progress", {}).get("current", {})
+    batches = loop.get("epoch_loop.batch_progress", {})
+    counts = batches.get("current", {})
+    if not counts.get("ready") or epochs.get("completed") != epochs.get("ready"):
+        return False  # inside an epoch or at its end hooks: Lightning resumes those
+    for key in counts:
+        counts[key] = 0
+    batches["is_last_batch"] = False
+    return True
+
+
+def start_next_epoch(trainer: L.Trainer) -> None:
+    """Run the loops of a run resumed from a closed epoch (`close_finished_epoch`) as an
+    uninterrupted run enters its next epoch, not as a restart inside one (which would count a
+    logging step twice)."""
+    fit = trainer.fit_loop
+    fit._restarting = False
+    fit.epoch_loop.restarting = False  # and its validation loop
+    fit.epoch_loop.reset_restart_stage()
+
+
 def _requeue_slurm_job() -> None:
     """Requeue this SLURM job (as Lightning's auto-requeue does)."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
@@ -184,6 +219,7 @@ class LastCheckpoint(Checkpoint):
         self._resume_state: dict[str, Any] | None = None
         self._saved_results: list[dict[str, Any]] = []
         self._where: str | None = None
+        self._closed_epoch = False
 
     @property
     def path(self) -> Path:
@@ -233,6 +269,12 @@ class LastCheckpoint(Checkpoint):
             "logger_rows": rows,
         }
 
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Before Lightning restores its loops from the checkpoint and makes the data iterator.
+        self._closed_epoch = close_finished_epoch(checkpoint)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume_state = dict(state_dict)
         self._last_saved_step = int(state_dict.get("saved_step", -1))
@@ -279,6 +321,9 @@ class LastCheckpoint(Checkpoint):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._install_handlers(trainer)
         self._last_save_time = time.monotonic()
+        if self._closed_epoch:
+            start_next_epoch(trainer)
+        self._closed_epoch = False
         if self._saved_results:
             restore_train_results(trainer, self._saved_results)
         self._saved_results = []
