@@ -8,6 +8,10 @@ tests must pass with the new version:
 2. `trainer.fit_loop.epoch_loop.restarting` and `.batch_progress.current.processed` (read by
    `SequenceDataModule.resumed_batches`) still say, on a mid-epoch resume, that the loop is
    restarting and how many batches of the epoch were done.
+3. A checkpoint saved after `max_steps` ended training holds the closed epoch's batch counts
+   under `loops.fit_loop` (cleared by `close_finished_epoch`), and the fit loop's `_restarting`,
+   the epoch loop's `restarting` and `reset_restart_stage` still let a resumed run enter its
+   next epoch afresh (`start_next_epoch`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from packaging.version import Version
 from torch.utils.data import DataLoader, TensorDataset
 
 from megalab.callbacks import RichProgressBar
+from megalab.utils.checkpointing.callbacks import close_finished_epoch, start_next_epoch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,3 +137,51 @@ def test_fit_loop_reports_a_mid_epoch_resume(tmp_path: Path) -> None:
         "on a mid-epoch resume Lightning must report restarting=True and the 3 batches done: "
         "SequenceDataModule.resumed_batches reads these"
     )
+
+
+class NextEpochAfresh(L.Callback):
+    """What `LastCheckpoint` does for a checkpoint of a finished run."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: Any) -> None:
+        self.closed = close_finished_epoch(checkpoint)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if self.closed:
+            start_next_epoch(trainer)
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_finished_run_resumed_for_longer_runs_its_next_epoch_in_full(tmp_path: Path) -> None:
+    def fit(max_steps: int, ckpt_path: Path | None = None) -> tuple[L.Trainer, ProbedLoader]:
+        loader, closing = ProbedLoader(), NextEpochAfresh()
+        trainer = L.Trainer(
+            max_steps=max_steps,
+            callbacks=[closing],
+            enable_checkpointing=False,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            accelerator="cpu",
+            default_root_dir=tmp_path,
+        )
+        loader.trainer = trainer
+        trainer.fit(TinyRegression(), loader, ckpt_path=ckpt_path)
+        return trainer, loader
+
+    first, _ = fit(3)  # 3 of the epoch's 10 batches, then the epoch is closed
+    path = tmp_path / "last.ckpt"
+    first.save_checkpoint(path)  # where LastCheckpoint saves at the end of training
+    loop = torch.load(path, weights_only=False)["loops"]["fit_loop"]
+    epochs = loop["epoch_progress"]["current"]
+    assert epochs["completed"] == epochs["ready"] == 1, "max_steps no longer closes the epoch"
+    assert loop["epoch_loop.batch_progress"]["current"]["ready"] == 3, (
+        "the closed epoch's batch counts moved: update close_finished_epoch"
+    )
+    longer, loader = fit(13, ckpt_path=path)
+    # The iterator is made before on_train_start, while the loop still says it restarts.
+    assert [done for _, done in loader.seen] == [0], "the next epoch must skip no batch"
+    assert longer.current_epoch == 2 and longer.global_step == 13
+    assert longer.fit_loop.epoch_loop.batch_progress.current.processed == 10

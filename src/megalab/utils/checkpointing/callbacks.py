@@ -114,7 +114,7 @@ def restore_train_results(trainer: L.Trainer, saved: list[dict[str, Any]]) -> No
                 )
 
 
-# -- signals -----------------------------------------------------------------------------------
+# -- a finished run trained on: its closed epoch ---------------------------------------------
 def close_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     """Clear the batch counts a finished run's final checkpoint keeps of its last epoch;
     return whether there were any (the loops then start the next epoch afresh:
@@ -127,7 +127,8 @@ def close_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     would skip as many batches, and after an epoch's last batch the next epoch would be empty
     and log NaN.
     """
-    # Lightning internal: the loops' progress counters (tests/test_lightning_internals.py).
+    # Lightning internal (3 of 3, hence the `lightning<2.7` bound in pyproject.toml): the loops'
+    # progress counters in a checkpoint and their restart flags (tests/test_lightning_internals.py).
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     epochs = loop.get("epoch_progress", {}).get("current", {})
     batches = loop.get("epoch_loop.batch_progress", {})
@@ -150,6 +151,7 @@ def start_next_epoch(trainer: L.Trainer) -> None:
     fit.epoch_loop.reset_restart_stage()
 
 
+# -- signals -----------------------------------------------------------------------------------
 def _requeue_slurm_job() -> None:
     """Requeue this SLURM job (as Lightning's auto-requeue does)."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
