@@ -91,7 +91,8 @@ def _evaluate_in(cfg: DictConfig) -> dict[str, Any]:
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(cfg.trainer, logger=loggers or False, callbacks=[])
     set_verification(trainer, cfg.get("ckpt_verify", True))
-    results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    with run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED):
+        results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}
     if isinstance(task, TaskBase):  # e.g. the SacreBLEU signature (seq2seq)

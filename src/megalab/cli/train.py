@@ -23,6 +23,7 @@ import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from megalab.config_schema import validate as validate_config  # noqa: E402
+from megalab.data.base import SequenceDataModule  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
 from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
@@ -110,9 +111,16 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     start = time.time()
     fit_metrics: dict[str, Any] = {}
     if cfg.get("train", True):
+        untrue: tuple[str, ...] = ()
         if ckpt_path:
             log.info("resuming from %s", ckpt_path)
-        with shared_with_launched_processes(objs["memory_plan"]):  # DDP ranks: the same plan
+            untrue = (run_utils.RESUMED_FOLDER_NOT_EMPTY,)
+            if isinstance(datamodule, SequenceDataModule):
+                untrue += (run_utils.MID_EPOCH_LOADER_NOT_RESUMABLE,)
+        with (
+            shared_with_launched_processes(objs["memory_plan"]),  # DDP ranks: the same plan
+            run_utils.untrue_warnings_silenced(*untrue),
+        ):
             trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
         fit_metrics = {k: run_utils.to_number(v) for k, v in trainer.callback_metrics.items()}
 
@@ -127,7 +135,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             best_path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
         if best_path is None:
             log.warning("no best checkpoint found: testing the current weights")
-        results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
+        with run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED):
+            results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
         test_metrics = {
             k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()
         }

@@ -270,7 +270,9 @@ class SequenceDataModule(L.LightningDataModule):
     loaders never drop the last batch. With `sort_eval_by_length` they take the examples
     longest first, so a batch pads to about its own length (less compute for variable-length
     data, and an out-of-memory error shows on the first batch); the metrics do not change,
-    since every example is still seen once and the models ignore padding.
+    since every example is still seen once and the models ignore padding. Its training loaders
+    resume mid-epoch (`resumed_batches`), which `megalab-train` relies on when it resumes; a
+    subclass building its own keeps that with `loader()` or a sampler reading `resumed_batches`.
     """
 
     def __init__(
@@ -309,7 +311,8 @@ class SequenceDataModule(L.LightningDataModule):
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
-        self.pin_memory = pin_memory
+        # Pinned pages only speed up copies to a GPU; without one torch pins nothing and warns.
+        self.pin_memory = pin_memory and torch.cuda.is_available()
         self.seed = seed
         self.drop_last = drop_last
         self.sort_eval_by_length = sort_eval_by_length

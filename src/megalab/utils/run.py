@@ -9,7 +9,9 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -44,6 +46,29 @@ def instantiate_callbacks(cfg: DictConfig | None) -> list[Callback]:
 
 def instantiate_loggers(cfg: DictConfig | None) -> list[Logger]:
     return instantiate_group(cfg)
+
+
+# Lightning warnings that are untrue of megalab's runs (each the start of the message, a regular
+# expression), and why:
+RESUMED_FOLDER_NOT_EMPTY = r"Checkpoint directory .* exists and is not empty"
+"""A resumed run's checkpoint folder holds its own checkpoints: `start_run` refuses to start a
+fresh run over an earlier one."""
+MID_EPOCH_LOADER_NOT_RESUMABLE = r"You're resuming from a checkpoint that ended before the epoch"
+"""`SequenceDataModule`'s training loaders skip the batches a resumed epoch already took
+(`resumed_batches`), so a run resumed mid-epoch sees the data of the uninterrupted run."""
+CALLBACKS_NOT_RESTORED = r"Be aware that when using `ckpt_path`, callbacks used to create"
+"""A test restores the weights; the callbacks' states (best score, early stopping) only serve
+training."""
+
+
+@contextmanager
+def untrue_warnings_silenced(*messages: str) -> Iterator[None]:
+    """Silence the Lightning warnings `messages` (the constants above) inside the block, so that
+    what a run prints is true of it; every other warning still shows."""
+    with warnings.catch_warnings():
+        for message in messages:
+            warnings.filterwarnings("ignore", message=message)
+        yield
 
 
 # megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
