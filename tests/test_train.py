@@ -289,3 +289,16 @@ def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) ->
     assert merged.task.backbone.chunk_size == 8  # the override reaches the interpolated task
     record = evaluate(merged)
     assert set(record["metrics"]) == {"test/acc", "test/loss"}
+
+
+def test_a_run_too_short_to_validate_says_why_it_tests_its_final_weights(
+    compose_cfg, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = compose_cfg("trainer.val_check_interval=100", "trainer.check_val_every_n_epoch=null")
+    with caplog.at_level("WARNING", logger="megalab.cli.train"):
+        record = train(cfg)
+    assert record["best_checkpoint"] is None and "test/acc" in record["metrics"]
+    assert (
+        "no best checkpoint (no validation in the run's 2 steps: it runs every 100 training "
+        "batches (trainer.val_check_interval)): testing the final weights"
+    ) in caplog.text

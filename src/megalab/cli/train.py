@@ -134,7 +134,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             # evaluation memory, LaMemo's Fig. 5).
             best_path = resolve_ckpt_path(cfg.get("ckpt_path"), output_dir)
         if best_path is None:
-            log.warning("no best checkpoint found: testing the current weights")
+            log.warning(
+                "no best checkpoint (%s): testing the final weights", _why_no_best(cfg, trainer)
+            )
         with run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED):
             results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
         test_metrics = {
@@ -167,6 +169,29 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         record.update(task.record_extras())
     run_utils.write_metrics(output_dir / "metrics.json", record)
     return record
+
+
+def _why_no_best(cfg: DictConfig, trainer: L.Trainer) -> str:
+    """Why a run that ends has no best checkpoint to test, in the user's settings."""
+    if not cfg.get("train", True):
+        return "train=false and no ckpt_path"
+    if trainer.checkpoint_callback is None:
+        return "the run has no checkpoint callback"
+    monitor = cfg.get("monitor")
+    if monitor and monitor in trainer.callback_metrics:
+        return f"{monitor} was never a number"
+    settings = cfg.trainer
+    if settings.get("limit_val_batches") == 0:
+        return "validation is off: trainer.limit_val_batches=0"
+    interval = settings.get("val_check_interval")
+    if isinstance(interval, int):
+        every = f"every {interval} training batches (trainer.val_check_interval)"
+    elif isinstance(interval, float):
+        every = f"every {interval:g} of an epoch (trainer.val_check_interval)"
+    else:
+        n = settings.get("check_val_every_n_epoch") or 1
+        every = f"after every {n} epoch(s) (trainer.check_val_every_n_epoch)"
+    return f"no validation in the run's {trainer.global_step} steps: it runs {every}"
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
