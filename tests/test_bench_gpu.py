@@ -200,8 +200,9 @@ def test_launches_are_counted_by_source_line_and_do_not_depend_on_the_sizes() ->
     once each, and the count is the same at two sizes (it stands in for the GPU's count)."""
     import count_launches
 
-    small = count_launches.main(["--d", "32", "--length", "32", "--chunk", "16", "--lines", "0"])
-    large = count_launches.main(["--d", "64", "--length", "64", "--chunk", "32", "--lines", "0"])
+    # Sizes at which the interpreter is quick (Megalodon's step at d = 64 takes 15 s on a core).
+    small = count_launches.main(["--d", "16", "--length", "16", "--chunk", "8", "--lines", "0"])
+    large = count_launches.main(["--d", "32", "--length", "32", "--chunk", "16", "--lines", "0"])
     for kind in ("llama", "mega_chunk", "megalodon_chunk"):
         block = small["blocks"][kind]
         assert block["launches"] == large["blocks"][kind]["launches"], kind
