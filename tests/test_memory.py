@@ -84,7 +84,9 @@ def test_the_per_example_estimate_is_linear_in_the_batch(compose_cfg) -> None:
     assert e1.saved == 0 and e6.peak > e2.peak > e1.peak > 0
 
 
-def test_plan_raises_accumulation_until_a_micro_batch_fits(compose_cfg, monkeypatch) -> None:
+def test_plan_raises_accumulation_until_a_micro_batch_fits(
+    compose_cfg, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = _cfg(compose_cfg)
     plan = plan_memory(cfg, hydra.utils.instantiate(cfg.task), exact=True)
     assert plan is not None and plan.accumulate == 1  # plenty of memory
@@ -92,8 +94,10 @@ def test_plan_raises_accumulation_until_a_micro_batch_fits(compose_cfg, monkeypa
     budget = plan.train_peak(5)
     monkeypatch.setattr(memory, "available_bytes", lambda device: budget / memory.SAFETY)
     cfg = _cfg(compose_cfg, "data.eval_batch_size=4")
-    plan = plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    with caplog.at_level("WARNING", logger="megalab.memory"):
+        plan = plan_memory(cfg, hydra.utils.instantiate(cfg.task))
     assert (plan.accumulate, plan.micro_batch) == (4, 4)
+    assert "(trainer.accumulate_grad_batches 1 -> 4) so that a step fits in memory" in caplog.text
     assert cfg.trainer.accumulate_grad_batches == 4
     assert cfg.data.batch_size == 16  # the global batch of an optimizer step is unchanged
 
@@ -468,3 +472,24 @@ def test_a_gpu_trainer_without_cuda_fails_early_in_one_message(
     err = capsys.readouterr().err
     assert err.count("Error: ") == 1 and "Traceback" not in err
     assert "no CUDA device is visible" in err and "trainer=cpu" in err and "trainer=default" in err
+
+
+def test_an_accumulation_that_does_not_divide_the_batch_fails_early(compose_cfg) -> None:
+    """The plan raises the accumulation for memory only: 2 of 7 examples is refused, as the
+    data module would refuse it without the plan, not turned into 7 micro-batches of 1."""
+    cfg = _cfg(compose_cfg, "data.batch_size=7", "trainer.accumulate_grad_batches=2")
+    with pytest.raises(ValueError, match=r"batch_size=7 is not divisible by .* 1 x 2"):
+        plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    assert cfg.trainer.accumulate_grad_batches == 2
+
+
+def test_the_plan_says_which_limit_raised_the_accumulation(
+    compose_cfg, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _cfg(compose_cfg, "trainer.max_tokens_per_step=600")  # 2 examples of 256 tokens
+    with caplog.at_level("WARNING", logger="megalab.memory"):
+        plan_memory(cfg, hydra.utils.instantiate(cfg.task))
+    assert "(trainer.accumulate_grad_batches 1 -> 8) so that a micro-batch holds at most " in (
+        caplog.text
+    )
+    assert "fits in memory" not in caplog.text

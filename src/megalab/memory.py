@@ -26,10 +26,11 @@
    free memory, times `SAFETY` (0.85).
 3. `data.batch_size` stays the global batch of an optimizer step. The micro-batch each process
    runs is `batch_size / (world_size × accumulate_grad_batches)`; the plan raises
-   `accumulate_grad_batches` (never lowers it) to the smallest divisor of the per-process batch
-   whose micro-batch fits, or whose tokens stay within `trainer.max_tokens_per_step` when that
-   is set (micro-batch × `data.max_len` ≤ it). When even one example cannot fit it fails with the
-   numbers and the settings that change them; likewise for the evaluation batch.
+   `accumulate_grad_batches` (never lowers it; the one asked for must divide the per-process
+   batch) to the smallest divisor of the per-process batch whose micro-batch fits, or whose
+   tokens stay within `trainer.max_tokens_per_step` when that is set (micro-batch ×
+   `data.max_len` ≤ it). When even one example cannot fit it fails with the numbers and the
+   settings that change them; likewise for the evaluation batch.
 
 `trainer.max_tokens_per_step` and `trainer.memory_check` (default true; false skips the probes)
 are megalab's keys in the `trainer` group: `megalab.utils.run.instantiate_trainer`, which every
@@ -455,6 +456,13 @@ def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> Memory
             "global batch size that is"
         )
     per_process = global_batch // world
+    if per_process % accumulate:
+        # As the data module would refuse it: the plan raises an accumulation for memory only.
+        raise ValueError(
+            f"data.batch_size={global_batch} is not divisible by world_size x "
+            f"accumulate_grad_batches = {world} x {accumulate}; choose a batch size that is, "
+            "or another trainer.accumulate_grad_batches"
+        )
     eval_batch = max(1, int(data.get("eval_batch_size") or global_batch) // world)
     L = int(data.max_len)
     max_tokens = trainer.get("max_tokens_per_step")
@@ -508,13 +516,17 @@ def plan_memory(cfg: DictConfig, task: nn.Module, exact: bool = False) -> Memory
         with open_dict(cfg):
             cfg.trainer.accumulate_grad_batches = chosen
         norm = str(OmegaConf.select(cfg, "model.backbone.norm_type", default=""))
+        by_tokens = _micro_batch(per_process, accumulate, max_tokens, L) == plan.micro_batch
         log.warning(
             "memory: accumulating %d micro-batches of %d (trainer.accumulate_grad_batches %d -> "
-            "%d) so that a step fits; data.batch_size=%d stays the batch of an optimizer step%s",
+            "%d) %s; data.batch_size=%d stays the batch of an optimizer step%s",
             chosen,
             plan.micro_batch,
             accumulate,
             chosen,
+            f"so that a micro-batch holds at most trainer.max_tokens_per_step={max_tokens} tokens"
+            if by_tokens
+            else "so that a step fits in memory",
             global_batch,
             "; BatchNorm statistics are per micro-batch" if "batchnorm" in norm else "",
         )
