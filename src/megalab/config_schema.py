@@ -16,6 +16,8 @@ modelling needs a language-model dataset.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -160,6 +162,36 @@ def model_rules(cfg: DictConfig) -> dict[str, Rule]:
     return rules
 
 
+def unknown_model_options(cfg: DictConfig) -> list[str]:
+    """Keys under `model.<part>` that the config dataclass its `_target_` names has no field for
+    (an experiment written for another model, a key of the wrong model): found here, before
+    Hydra's instantiation fails on them with a bare TypeError."""
+    out = []
+    for part in MODEL_PARTS:
+        try:
+            node = OmegaConf.select(cfg, f"model.{part}")
+        except OmegaConfBaseException:
+            continue
+        target = node.get("_target_") if isinstance(node, DictConfig) else None
+        config_class = megalab_object(target) if isinstance(target, str) else None
+        if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
+            continue
+        fields = [f.name for f in dataclasses.fields(config_class) if f.init]
+        for key in node:
+            if str(key).startswith("_") or key in fields:
+                continue
+            close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.75)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            model = _group_choice("model")
+            out.append(
+                f"model.{part}.{key}: {config_class.__name__}"
+                f"{f' (model={model})' if model else ''} has no such option{hint}; a config "
+                f"made for another model (an experiment=) may set it: ~model.{part}.{key} "
+                "removes it"
+            )
+    return out
+
+
 def backbone_rules(cfg: DictConfig) -> dict[str, Rule]:
     """The `model_rules` of `model.backbone` alone."""
     return {k: r for k, r in model_rules(cfg).items() if k.startswith("model.backbone.")}
@@ -263,7 +295,7 @@ def task_data_problems(cfg: DictConfig) -> list[str]:
 
 def validate(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every setting of the wrong type or range (see module doc)."""
-    found = problems(cfg) + task_data_problems(cfg)
+    found = problems(cfg) + unknown_model_options(cfg) + task_data_problems(cfg)
     if found:
         lines = "\n".join(f"  {p}" for p in found)
         raise ConfigError(

@@ -461,6 +461,21 @@ def test_language_model_data_with_a_classifier_says_what_to_use(compose_cfg) -> 
         validate(compose_cfg("data=enwik8"))
 
 
+def test_an_option_of_another_model_is_named_before_anything_is_built(compose_cfg) -> None:
+    """`experiment=quickstart` sets a Transformer's `num_heads`; with `model=seqboat` Hydra's
+    instantiation failed on it with a bare TypeError. It removes with `~key`."""
+    cfg = compose_cfg("experiment=quickstart", "model=seqboat")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).splitlines()[1].strip() == (
+        "model.backbone.num_heads: SeqBoatConfig (model=seqboat) has no such option; a config "
+        "made for another model (an experiment=) may set it: ~model.backbone.num_heads removes it"
+    )
+    validate(compose_cfg("experiment=quickstart", "model=seqboat", "~model.backbone.num_heads"))
+    with pytest.raises(ConfigError, match=r"no such option \(did you mean num_layers\?\)"):
+        validate(compose_cfg("+model.backbone.num_layer=2"))
+
+
 def test_misspelled_key_lists_the_closest(fixture_data_dir: Path) -> None:
     from megalab.utils.errors import explain_composition_error
 
