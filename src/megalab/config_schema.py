@@ -20,7 +20,7 @@ import dataclasses
 import difflib
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from megalab.utils.errors import UserError
@@ -263,6 +263,56 @@ def _experiments_for(data: str) -> list[str]:
     )
 
 
+def unresolved(cfg: DictConfig) -> list[str]:
+    """Settings whose interpolation cannot be resolved (a key no chosen group sets), found here
+    rather than when the run's config is first written out."""
+    out: list[str] = []
+
+    def walk(node: DictConfig | ListConfig, prefix: str) -> None:
+        keys = range(len(node)) if isinstance(node, ListConfig) else list(node)
+        for k in keys:
+            full = f"{prefix}[{k}]" if isinstance(k, int) else f"{prefix}.{k}".lstrip(".")
+            if full == "hydra":
+                continue
+            try:
+                value = node[k]
+            except OmegaConfBaseException as err:
+                out.append(f"{full}: cannot be resolved ({str(err).splitlines()[0]})")
+                continue
+            # An interpolated container is a copy of a part walked where it is set.
+            if isinstance(value, DictConfig | ListConfig) and not OmegaConf.is_interpolation(
+                node, k
+            ):
+                walk(value, full)
+
+    walk(cfg, "")
+    return out
+
+
+def model_task_problems(cfg: DictConfig) -> list[str]:
+    """A classifier's task on a model that has no classifier head (the language models)."""
+    task, model = cfg.get("task"), cfg.get("model")
+    if not isinstance(task, DictConfig) or not isinstance(model, DictConfig):
+        return []
+    if not str(task.get("_target_", "")).endswith(("ClassificationTask", "RetrievalTask")):
+        return []
+    if "head_dropout" in model:
+        return []
+    from megalab.utils.paths import CONFIG_DIR
+
+    with_head = sorted(
+        p.relative_to(CONFIG_DIR / "model").with_suffix("").as_posix()
+        for p in (CONFIG_DIR / "model").rglob("*.yaml")
+        if "\nhead_dropout:" in "\n" + p.read_text()
+    )
+    name = _group_choice("model") or "this model"
+    return [
+        f"model={name} is a language model: it sets no classifier head (model.head_dropout); "
+        "train it with task=language_modeling on a language-modelling dataset, or classify "
+        f"with model={', model='.join(with_head)}"
+    ]
+
+
 def task_data_problems(cfg: DictConfig) -> list[str]:
     """A task that cannot work with the data (a classifier on a corpus, and the reverse)."""
     task, data = cfg.get("task"), cfg.get("data")
@@ -296,6 +346,10 @@ def task_data_problems(cfg: DictConfig) -> list[str]:
 def validate(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every setting of the wrong type or range (see module doc)."""
     found = problems(cfg) + unknown_model_options(cfg) + task_data_problems(cfg)
+    headless = model_task_problems(cfg)
+    found += headless + [
+        p for p in unresolved(cfg) if not (headless and "'model.head_" in p) and p not in found
+    ]
     if found:
         lines = "\n".join(f"  {p}" for p in found)
         raise ConfigError(

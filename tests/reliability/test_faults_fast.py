@@ -476,6 +476,25 @@ def test_an_option_of_another_model_is_named_before_anything_is_built(compose_cf
         validate(compose_cfg("+model.backbone.num_layer=2"))
 
 
+def test_a_language_model_asked_to_classify_says_what_to_use(compose_cfg) -> None:
+    """The classification task reads the model's head settings, which the language models
+    lack: an interpolation error when the config was written out, before."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("experiment=quickstart", "model=lamemo"))
+    lines = str(err.value).splitlines()[1:-1]
+    assert lines == [
+        "  model=lamemo is a language model: it sets no classifier head (model.head_dropout); "
+        "train it with task=language_modeling on a language-modelling dataset, or classify with "
+        "model=llama, model=mega, model=megalodon_classifier, model=s4d, model=seqboat, "
+        "model=transformer"
+    ]
+
+
+def test_a_setting_that_cannot_be_resolved_is_named(compose_cfg) -> None:
+    with pytest.raises(ConfigError, match=r"task\.extra: cannot be resolved \(.*model\.nothing"):
+        validate(compose_cfg("+task.extra=${model.nothing}"))
+
+
 def test_misspelled_key_lists_the_closest(fixture_data_dir: Path) -> None:
     from megalab.utils.errors import explain_composition_error
 
