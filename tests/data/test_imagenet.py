@@ -6,10 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import hydra
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.errors import InstantiationException
 from PIL import Image
 
 from megalab.data import imagenet as inet
@@ -27,6 +29,7 @@ from megalab.data.imagenet import (
 )
 from megalab.nn.embedding import FeatureEmbedding
 from megalab.testing.imagenet import WNIDS, write_folder
+from megalab.utils.errors import actionable
 
 NO_TIMM = dict(augment="none", mixup=0.0, cutmix=0.0)
 
@@ -228,6 +231,11 @@ def test_missing_timm_names_the_extra(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(ImportError, match=r"megalab\[vision\]") as info:
         ImageNetDataModule(tmp_path, augment="deit", mixup=0.0, cutmix=0.0)
     assert "data.augment=basic" in str(info.value)
+    # Shown as its message alone (not a traceback), also when Hydra's instantiation wraps it.
+    target = {"_target_": "megalab.data.imagenet.ImageNetDataModule", "augment": "deit"}
+    with pytest.raises(InstantiationException) as wrapped:
+        hydra.utils.instantiate({**target, "data_dir": str(tmp_path)})
+    assert "megalab[vision]" in str(actionable(wrapped.value))
     with pytest.raises(ImportError, match=r"Mixup/CutMix.*megalab\[vision\]"):
         ImageNetDataModule(tmp_path, augment="basic", mixup=0.8, cutmix=1.0)
     ImageNetDataModule(tmp_path, **NO_TIMM)  # evaluation-only settings need no extra

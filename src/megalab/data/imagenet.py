@@ -39,7 +39,7 @@ from megalab.data.base import (
     SequenceDataModule,
     ShardedSampler,
 )
-from megalab.utils.errors import UserError
+from megalab.utils.errors import MissingExtraError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def require_timm(what: str) -> Any:
     try:
         import timm.data
     except Exception as e:  # ImportError, or a torchvision build that does not match torch
-        raise ImportError(
+        raise MissingExtraError(
             f"{what} needs timm (with torchvision): {VISION_EXTRA}. Importing it failed with "
             f"{type(e).__name__}: {e}. Without it, train with `data.augment=basic` (or none), "
             "`data.mixup=0` and `data.cutmix=0`; evaluation needs no extra."

@@ -38,6 +38,11 @@ class UserError(Exception):
     """
 
 
+class MissingExtraError(UserError, ImportError):
+    """An optional package a setting needs is not installed; the message names the extra
+    (`pip install 'megalab[...]'`) and the settings that do without it."""
+
+
 class Interrupted(BaseException):
     """Base of the deliberate stops of a run (a signal, after saving): `message` is printed and
     `code` is the exit status (`megalab.utils.checkpointing.RunInterrupted`)."""

@@ -49,6 +49,7 @@ from torch import Tensor
 
 from megalab.models.convert import load_checkpoint
 from megalab.models.llama.model import LlamaConfig
+from megalab.utils.errors import MissingExtraError
 
 __all__ = [
     "from_hf_state_dict",
@@ -213,7 +214,7 @@ def _safetensors() -> types.ModuleType:
     try:
         import safetensors.torch
     except ImportError:
-        raise ImportError(
+        raise MissingExtraError(
             "reading and writing .safetensors files needs the safetensors package: "
             "pip install 'megalab[hf]'"
         ) from None
