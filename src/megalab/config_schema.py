@@ -265,8 +265,13 @@ def _experiments_for(data: str) -> list[str]:
 
 def unresolved(cfg: DictConfig) -> list[str]:
     """Settings whose interpolation cannot be resolved (a key no chosen group sets), found here
-    rather than when the run's config is first written out."""
+    rather than when the run's config is first written out. Only in a run: outside one,
+    `${hydra:...}` has no Hydra state to read."""
+    from hydra.core.hydra_config import HydraConfig
+
     out: list[str] = []
+    if not HydraConfig.initialized():
+        return out
 
     def walk(node: DictConfig | ListConfig, prefix: str) -> None:
         keys = range(len(node)) if isinstance(node, ListConfig) else list(node)
