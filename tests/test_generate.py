@@ -199,3 +199,6 @@ def test_generate_refuses_a_run_that_is_not_a_language_model(compose_cfg, tmp_pa
     write_checkpoint({"state_dict": hydra.utils.instantiate(cfg.task).state_dict()}, ckpt)
     with pytest.raises(ValueError, match="ClassificationTask is not a language model"):
         load_task(cfg, torch.device("cpu"), torch.float32)
+    # The command itself says so before it reads the data (a classifier's has no text codec).
+    with pytest.raises(ValueError, match="not a language model: megalab-generate needs"):
+        generate(cfg)

@@ -259,7 +259,7 @@ def evaluate_long_context(cfg: Any) -> dict[str, Any]:
 
     opts = cfg.long_context
     device = pick_device(str(opts.get("device", "auto")))
-    task = load_task(cfg, device, torch.float32)
+    task = load_task(cfg, device, torch.float32, "megalab-eval mode=long_context")
     datamodule = hydra.utils.instantiate(cfg.data)
     streams = datamodule.load_streams()
     split = str(opts.split)

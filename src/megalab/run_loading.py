@@ -26,6 +26,7 @@ from megalab.utils.safe_config import (
     check_targets,
     data_settings_from_command_line,
     load_run_config,
+    megalab_object,
     upgrade_backbone_targets,
 )
 
@@ -88,26 +89,39 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def load_task(cfg: DictConfig, device: torch.device, dtype: torch.dtype) -> LanguageModelingTask:
+def require_language_model(cfg: DictConfig, command: str) -> None:
+    """Fail before the data or the weights are read when the run's task is not language
+    modelling (`command` names what needs one in the message)."""
+    from megalab.tasks.language_modeling import LanguageModelingTask
+
+    target = OmegaConf.select(cfg, "task._target_")
+    task_class = megalab_object(target) if isinstance(target, str) else None
+    if isinstance(task_class, type) and issubclass(task_class, LanguageModelingTask):
+        return
+    name = task_class.__name__ if isinstance(task_class, type) else f"task {target!r}"
+    raise ValueError(
+        f"{name} is not a language model: {command} needs a run trained with "
+        "task=language_modeling"
+    )
+
+
+def load_task(
+    cfg: DictConfig, device: torch.device, dtype: torch.dtype, command: str = "megalab-generate"
+) -> LanguageModelingTask:
     """The run's task with the checkpoint's weights (checksum verified, `weights_only=True`)."""
+    require_language_model(cfg, command)
     ckpt_path = Path(cfg.ckpt_path)
     if not ckpt_path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
     # A damaged file fails here naming it, not inside torch.load (ckpt_verify=false: a file
     # without a readable checksum is read unverified; a mismatch is refused all the same).
     verify_checkpoint(ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
-    from megalab.tasks.language_modeling import LanguageModelingTask
 
     task = hydra.utils.instantiate(cfg.task)
     checkpoint = read_checkpoint(ckpt_path, verify=cfg.get("ckpt_verify", True))
     if "state_dict" not in checkpoint:
         raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
     task.load_state_dict(checkpoint["state_dict"], strict=True)
-    if not isinstance(task, LanguageModelingTask):
-        raise ValueError(
-            f"{type(task).__name__} is not a language model: megalab-generate needs "
-            "task=language_modeling"
-        )
     return task.to(device=device, dtype=dtype).eval()
 
 

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from megalab.generation.sampling import sample_tokens
 from megalab.run_loading import load_task as load_task
-from megalab.run_loading import merge_run_config
+from megalab.run_loading import merge_run_config, require_language_model
 from megalab.run_loading import pick_device as pick_device
 from megalab.utils import errors
 from megalab.utils.checkpointing import verify_checkpoint
@@ -73,6 +73,7 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
             f"checkpoint not found: {cfg.ckpt_path} (pass ckpt_path=<run>/checkpoints/last.ckpt)"
         )
     verify_checkpoint(cfg.ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
+    require_language_model(cfg, "megalab-generate")
     device = pick_device(str(cfg.device))
     datamodule = hydra.utils.instantiate(cfg.data)
     codec = datamodule.text_codec()
