@@ -100,8 +100,7 @@ def require_language_model(cfg: DictConfig, command: str) -> None:
         return
     name = task_class.__name__ if isinstance(task_class, type) else f"task {target!r}"
     raise ValueError(
-        f"{name} is not a language model: {command} needs a run trained with "
-        "task=language_modeling"
+        f"{name} is not a language model: {command} needs a run trained with task=language_modeling"
     )
 
 

@@ -179,7 +179,7 @@ def _why_no_best(cfg: DictConfig, trainer: L.Trainer) -> str:
         return "the run has no checkpoint callback"
     monitor = cfg.get("monitor")
     if monitor and monitor in trainer.callback_metrics:
-        return f"{monitor} was never a number"
+        return f"validation ran, but no checkpoint was kept for {monitor} (was it NaN?)"
     settings = cfg.trainer
     if settings.get("limit_val_batches") == 0:
         return "validation is off: trainer.limit_val_batches=0"
