@@ -298,6 +298,18 @@ def test_http_error_and_offline_and_unreachable(tmp_path, server, monkeypatch):
     with pytest.raises(DatasetMissingError, match="cannot reach the server"):
         download(f"http://127.0.0.1:{port}/x.zip", tmp_path / "y.zip", progress=False, retries=0)
 
+    # A file put there by hand that fails its checksum: the message says so, not only that the
+    # file is missing (it was moved aside), and how to use a trusted file as it is.
+    mine = tmp_path / "z.zip"
+    mine.write_bytes(b"my own copy")
+    with pytest.raises(DatasetMissingError) as info:
+        download(f"http://127.0.0.1:{port}/z.zip", mine, sha256="0" * 64, progress=False,
+                 retries=0)  # fmt: skip
+    msg = str(info.value)
+    assert f"{mine} was there but failed its checksum (sha256: expected {'0' * 64}, got " in msg
+    assert f"moved to {mine}.corrupt" in msg and "data.sha256=null" in msg
+    assert "cannot reach the server" in msg and (tmp_path / "z.zip.corrupt").exists()
+
 
 def test_file_url_with_resume(tmp_path):
     blob = os.urandom(40_000)

@@ -60,7 +60,11 @@ def _smoke(args: argparse.Namespace) -> None:
     from megalab.data.smoke import write_smoke_data
 
     out = write_smoke_data(args.out)
-    print(f"smoke-test data for every dataset written to {out}")
+    print(
+        f"smoke-test data for every dataset written to {out}: train on it with "
+        f"paths.data_dir={out}, and data.sha256=null for enwik8 and text8 (their copies here are "
+        "not the official files the checksums name)"
+    )
 
 
 def _lra(args: argparse.Namespace) -> None:

@@ -482,14 +482,23 @@ def download(
     part = dest.with_name(dest.name + ".part")
     corrupt = dest.with_name(dest.name + ".corrupt")
 
+    found = ""  # what became of a file already at `dest` that failed its checksum
     if dest.exists():
-        if not expected or not _digest_mismatches(dest, expected):
+        stale = _digest_mismatches(dest, expected) if expected else {}
+        if not stale:
             return dest
         # A stale or damaged file under the final name: move it aside and fetch again.
         os.replace(dest, corrupt)
+        detail = "; ".join(f"{a}: expected {w}, got {g}" for a, (w, g) in stale.items())
+        found = (
+            f"{dest} was there but failed its checksum ({detail}), so it was moved to "
+            f"{corrupt}; to use a file you trust as it is (another version, smoke-test data), "
+            "set the data config's checksum to null (data.sha256=null). Fetching it again "
+            "failed: "
+        )
 
     if is_offline() and not _is_local(url):
-        raise _unreachable_error(url, dest, dataset, "offline mode is on", offline=True)
+        raise _unreachable_error(url, dest, dataset, found + "offline mode is on", offline=True)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     desc = dest.name if len(dest.name) <= 40 else dest.name[:37] + "..."
@@ -529,12 +538,13 @@ def download(
             continue
         except FileNotFoundError as e:
             if urllib.parse.urlparse(url).scheme.lower() == "file":
-                raise _unreachable_error(url, dest, dataset, f"local file not found: {e}") from e
+                reason = f"{found}local file not found: {e}"
+                raise _unreachable_error(url, dest, dataset, reason) from e
             raise
         except (OSError, HTTPException, DownloadError) as e:
             if attempt >= retries:
                 if _is_connection_failure(e):
-                    reason = f"cannot reach the server ({getattr(e, 'reason', e)})"
+                    reason = f"{found}cannot reach the server ({getattr(e, 'reason', e)})"
                     raise _unreachable_error(url, dest, dataset, reason) from e
                 if isinstance(e, DownloadError):
                     raise DownloadError(
