@@ -37,7 +37,7 @@ def run_folder(
     resolved config.yaml and Hydra's .hydra/overrides.yaml."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
-    values = dict(o.split("=", 1) for o in overrides)
+    values = dict(o.split("=", 1) for o in overrides if "=" in o)
     seed = int(values.get("seed", 1))
     record = {
         "experiment": values.get("experiment"),
@@ -192,3 +192,24 @@ def test_an_edited_experiment_file_splits_the_runs(tmp_path: Path) -> None:
     assert section(text, "| Mega | paper |")[1].startswith("| | ours | 61.50 ± 0.71 |")
     (old,) = other_runs(text)
     assert old.startswith("| mega/lra_listops | `optim.lr=0.01` | 40.00 | 1 | 2000 |")
+
+
+def test_rows_that_overrides_alone_would_not_tell_apart_show_the_keys_that_do(
+    tmp_path: Path,
+) -> None:
+    """`trainer=ddp_cpu` is a setting, yet it sets `trainer.deterministic=false`: two rows both
+    labelled `trainer.max_steps=10` would look alike. A deleted key is shown as typed."""
+    base = ["experiment=quickstart", "seed=1", "trainer.max_steps=10"]
+    run_folder(tmp_path, "cpu", base, 0.2, steps=10, max_steps=10,
+               config={"trainer": {"deterministic": True}})  # fmt: skip
+    run_folder(tmp_path, "ddp", [*base, "trainer=ddp_cpu"], 0.3, steps=10, max_steps=10,
+               config={"trainer": {"deterministic": False}})  # fmt: skip
+    run_folder(tmp_path, "mega", [*base, "model=mega", "~model.backbone.num_heads"], 0.4,
+               steps=10, max_steps=10, config={"model": {"name": "mega"}})  # fmt: skip
+    text = tb.build_report(tb.collect_runs([tmp_path]), TABLES, wanted=TABLE2).markdown
+    labels = sorted(row.split(" | ")[1] for row in other_runs(text))
+    assert labels == [
+        "`trainer.max_steps=10` `model=mega` `~model.backbone.num_heads`",
+        "`trainer.max_steps=10` `trainer.deterministic=false`",
+        "`trainer.max_steps=10` `trainer.deterministic=true`",
+    ]

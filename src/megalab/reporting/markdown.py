@@ -191,14 +191,20 @@ def _differing(group: Sequence[Run], siblings: Sequence[Sequence[Run]]) -> str:
     diff = run.differences()
     if not diff and run.swept:
         diff = {k: str(v) for k, v in run.swept.items()}
-    if not diff:
-        mine = {k: v for k, v in flatten_config(run.config).items() if not is_setting(k)}
-        for other in siblings:
-            theirs = {k: v for k, v in flatten_config(other[0].config).items() if not is_setting(k)}
-            for key in sorted(set(mine) | set(theirs)):
-                if mine.get(key) != theirs.get(key) and key not in diff:
-                    diff[key] = json.dumps(mine.get(key), default=str)
-    return " ".join(f"`{k}={v}`" for k, v in diff.items()) or BLANK
+    # Without overrides of its own, a group is told by the config keys where it differs from
+    # its siblings; with them, from the siblings its overrides alone would not tell it from
+    # (a trainer choice changes `trainer.deterministic`, say, but is itself a setting).
+    alike = siblings if not diff else [o for o in siblings if o[0].differences() == diff]
+    mine = {k: v for k, v in flatten_config(run.config).items() if not is_setting(k)}
+    for other in alike:
+        theirs = {k: v for k, v in flatten_config(other[0].config).items() if not is_setting(k)}
+        for key in sorted(set(mine) | set(theirs)):
+            if mine.get(key) != theirs.get(key) and key not in diff:
+                diff[key] = json.dumps(mine.get(key), default=str)
+    # A deleted key (`~key` on the command line) is shown as it was typed.
+    return (
+        " ".join(f"`{k}`" if k.startswith("~") else f"`{k}={v}`" for k, v in diff.items()) or BLANK
+    )
 
 
 def render_other_runs(runs: Sequence[Run], matched: set[int], metric: str, scale: float) -> str:

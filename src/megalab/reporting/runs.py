@@ -132,7 +132,7 @@ class Run:
         return {
             k: v
             for k, v in self.overrides.items()
-            if not is_setting(k) and k not in self.allowed and k not in (params or {})
+            if not is_setting(k.lstrip("~")) and k not in self.allowed and k not in (params or {})
         }
 
     def metric(self, name: str | None) -> float | None:
@@ -200,11 +200,12 @@ def flatten_config(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _override_items(overrides: Iterable[str]) -> dict[str, str]:
-    """Hydra override strings (`+a.b=1`, `~c`, `d=x`) -> {key: value as typed}."""
+    """Hydra override strings (`+a.b=1`, `~c`, `d=x`) -> {key: value as typed}; a deletion keeps
+    its `~` (`~c`), which no setting's key has."""
     out = {}
     for text in overrides:
         key, _, value = str(text).partition("=")
-        out[key.strip().lstrip("+~")] = value.strip()
+        out[key.strip().lstrip("+")] = value.strip()
     return out
 
 
