@@ -213,3 +213,20 @@ def test_rows_that_overrides_alone_would_not_tell_apart_show_the_keys_that_do(
         "`trainer.max_steps=10` `trainer.deterministic=false`",
         "`trainer.max_steps=10` `trainer.deterministic=true`",
     ]
+
+
+def test_runs_without_the_metric_say_which_they_record(tmp_path: Path) -> None:
+    run_folder(tmp_path, "cls", ["experiment=quickstart", "seed=1"], 0.5)
+    lm = run_folder(tmp_path, "lm", ["model=llama", "task=language_modeling", "seed=1"], 0.0,
+                    config={"task": {"name": "lm"}})  # fmt: skip
+    record = json.loads((lm / "metrics.json").read_text())
+    record["metrics"] = {"test/ppl": 20.5, "test/loss": 3.02}
+    (lm / "metrics.json").write_text(json.dumps(record))
+    text = tb.build_report(tb.collect_runs([tmp_path]), TABLES, wanted=TABLE2).markdown
+    assert (
+        "Runs shown without `test/acc` record `test/ppl`, `test/loss`: `--metric test/ppl "
+        "--scale 1` lists them by it." in text
+    )
+    by_ppl = tb.build_report(tb.collect_runs([tmp_path]), TABLES, wanted=TABLE2,
+                             metric="test/ppl", scale=1.0).markdown  # fmt: skip
+    assert "| `model=llama` `task=language_modeling` | 20.50 | 1 |" in by_ppl

@@ -242,4 +242,23 @@ def render_other_runs(runs: Sequence[Run], matched: set[int], metric: str, scale
     ]
     if notes:
         lines += ["", f"{UNFINISHED} Stopped before the configured schedule:", *notes]
+    # Runs that record another metric (a language model's test/ppl beside classifiers' test/acc)
+    # say which, and how to list them by it.
+    theirs = sorted(  # a loss last: the papers report ppl, bpc, accuracy or BLEU
+        {
+            name
+            for g in groups
+            if aggregate(g, metric, scale) is None
+            for r in g
+            for name in (r.record.get("metrics") or {})
+            if str(name).startswith("test/") and r.metric(name) is not None
+        },
+        key=lambda name: (name.endswith("loss"), name),
+    )
+    if theirs:
+        lines += [
+            "",
+            f"Runs shown without `{metric}` record {', '.join(f'`{m}`' for m in theirs)}: "
+            f"`--metric {theirs[0]} --scale 1` lists them by it.",
+        ]
     return "\n".join(lines) + "\n"
