@@ -502,3 +502,6 @@ def test_misspelled_key_lists_the_closest(fixture_data_dir: Path) -> None:
     assert hint is not None and "model.backbone.num_layers" in hint
     hint = explain_composition_error("train", ["lr=0.1"])
     assert hint is not None and "optim.optimizer.lr" in hint
+    # The right name under the wrong group: the key that has it comes first.
+    hint = explain_composition_error("train", ["model.compile=true"])
+    assert hint is not None and "did you mean: task.compile" in hint

@@ -195,11 +195,13 @@ def _leaf_keys(node: Any, prefix: str = "") -> list[str]:
 
 
 def closest_keys(cfg: Any, key: str, n: int = 3) -> list[str]:
-    """Keys of `cfg` close to the misspelled dotted `key`: siblings first, then anywhere."""
+    """Keys of `cfg` close to the misspelled dotted `key`: the same name under another group
+    first (`model.compile` -> `task.compile`), then close siblings, then close names anywhere."""
     keys = [k for k in _leaf_keys(cfg) if not k.startswith("hydra.")]
     parent, _, leaf = key.rpartition(".")
     siblings = [k for k in keys if k.rpartition(".")[0] == parent]
-    near = difflib.get_close_matches(key, siblings, n=n, cutoff=0.6)
+    near = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+    near += [k for k in difflib.get_close_matches(key, siblings, n=n, cutoff=0.6) if k not in near]
     by_leaf: dict[str, list[str]] = {}
     for k in keys:
         by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
