@@ -456,6 +456,13 @@ def test_bad_values_name_their_key(compose_cfg, override: str, key: str) -> None
         validate(compose_cfg(override))
 
 
+def test_a_choice_lists_each_value_once(compose_cfg) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg("trainer.precision=fp8"))
+    listed = str(err.value).split("expected one of ")[1].splitlines()[0].split(", ")
+    assert "bf16-mixed" in listed and len(listed) == len(set(listed))  # 16 and "16": one "16"
+
+
 def test_language_model_data_with_a_classifier_says_what_to_use(compose_cfg) -> None:
     with pytest.raises(ConfigError, match="task=language_modeling"):
         validate(compose_cfg("data=enwik8"))

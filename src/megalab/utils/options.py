@@ -128,7 +128,7 @@ def choice(*options: Any, null: bool = False) -> Rule:
     def check(v: Any) -> bool:
         return (v is None and null) or (isinstance(v, str | int) and v in options)
 
-    listed = ", ".join(str(o) for o in options)
+    listed = ", ".join(dict.fromkeys(str(o) for o in options))  # 16 and "16" once
     return Rule(check, f"one of {listed}" + (" or null" if null else ""))
 
 
