@@ -316,3 +316,14 @@ def test_llama_exports_for_transformers(compose_cfg, tmp_path: Path) -> None:
     with torch.no_grad():
         ours = task.head.proj(task(tokens).y)
         torch.testing.assert_close(hf(tokens).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_hf_format_of_another_model_says_which_format_holds_it(
+    compose_cfg, tmp_path: Path, capsys
+) -> None:
+    _fake_run(compose_cfg("model=mega", *SMALL), tmp_path / "run")
+    argv = [str(tmp_path / "run"), str(tmp_path / "hf"), "--checkpoint", "last", "--format", "hf"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "not a Llama: the Hugging Face transformers format holds Llamas only" in err
+    assert "megalab-export's default format" in err and "Traceback" not in err

@@ -363,7 +363,11 @@ def run_to_hf(ckpt_path: str | Path, hf_folder: str | Path) -> Path:
     cfg = load_run_config(run_cfg_path)  # the run folder is data: safe YAML, safe resolvers
     target = OmegaConf.select(cfg, "task.backbone._target_")
     if target != "megalab.models.llama.LlamaConfig":  # (an older run's Llama is read as it)
-        raise ValueError(f"{ckpt_path}: the run's backbone is {target}, not a Llama")
+        raise ValueError(
+            f"{ckpt_path}: the run's backbone is {target}, not a Llama: the Hugging Face "
+            "transformers format holds Llamas only (megalab-export's default format, read by "
+            "megalab.from_pretrained, holds any model)"
+        )
     hint = "Convert only run folders written by megalab-train or from-hf"
     check_targets(cfg.task, f"{run_cfg_path} (task)", hint=hint)
     task = hydra.utils.instantiate(cfg.task)
