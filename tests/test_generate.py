@@ -202,3 +202,24 @@ def test_generate_refuses_a_run_that_is_not_a_language_model(compose_cfg, tmp_pa
     # The command itself says so before it reads the data (a classifier's has no text codec).
     with pytest.raises(ValueError, match="not a language model: megalab-generate needs"):
         generate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "message"),
+    [
+        ("temperature=-1", ValueError, "temperature must be >= 0"),
+        ("top_p=0", ValueError, r"top_p must be in \(0, 1\]"),
+        ("prompt_file={tmp}/nope.txt", FileNotFoundError, "prompt_file not found"),
+    ],
+)
+def test_settings_that_cannot_sample_fail_before_anything_is_read_or_shown(
+    compose_cfg, tmp_path: Path, setting: str, error: type, message: str
+) -> None:
+    """The prompt used to be shown, and the model loaded, before a bad temperature failed."""
+    cfg = compose_cfg("task=language_modeling", *_DATA["enwik8"], "prompt=x",
+                      f"ckpt_path={tmp_path / 'never_read.ckpt'}", setting.format(tmp=tmp_path),
+                      config="generate", fast=False)  # fmt: skip
+    printed: list[str] = []
+    with pytest.raises(error, match=message):
+        generate(cfg, print_fn=printed.append)
+    assert printed == []

@@ -42,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import Tensor
 
-from megalab.generation.sampling import sample_tokens
+from megalab.generation.sampling import check_sampling, sample_tokens
 from megalab.run_loading import load_task as load_task
 from megalab.run_loading import merge_run_config, require_language_model
 from megalab.run_loading import pick_device as pick_device
@@ -57,7 +57,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def read_prompt(cfg: DictConfig) -> str:
     if cfg.get("prompt_file"):
-        return Path(cfg.prompt_file).read_text(encoding="utf-8")
+        path = Path(cfg.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt_file not found: {path}")
+        return path.read_text(encoding="utf-8")
     return str(cfg.get("prompt") or "")
 
 
@@ -68,6 +71,8 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
         raise ValueError(f"unknown dtype {cfg.dtype!r}; choose one of {sorted(DTYPES)}")
     if cfg.max_new_tokens < 1 or cfg.num_samples < 1:
         raise ValueError("max_new_tokens and num_samples must be >= 1")
+    check_sampling(float(cfg.temperature), cfg.get("top_p"))
+    read_prompt(cfg)  # a missing prompt_file fails before the model is loaded
     if not Path(cfg.ckpt_path).is_file():  # before the data is loaded
         raise FileNotFoundError(
             f"checkpoint not found: {cfg.ckpt_path} (pass ckpt_path=<run>/checkpoints/last.ckpt)"

@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from megalab.tasks.language_modeling import LanguageModelingTask
 
 
+def check_sampling(temperature: float, top_p: float | None = None) -> None:
+    """Refuse settings no token can be drawn with (before a prompt is read or shown)."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_p is not None and top_p <= 0.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
     """Set to −inf every token outside the `top_k` most likely and outside the nucleus: the
     smallest set of most likely tokens whose probability reaches `top_p` (the most likely token
@@ -28,8 +36,7 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         kth = logits.topk(k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        if top_p <= 0.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        check_sampling(0.0, top_p)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
@@ -46,8 +53,7 @@ def next_token(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Draw one token per row of log_probs (B, V): greedy when temperature is 0."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    check_sampling(temperature)
     if temperature == 0:
         return log_probs.argmax(dim=-1)
     logits = filter_logits(log_probs.float() / temperature, top_k, top_p)
