@@ -71,17 +71,17 @@ class ProbedLoader(DataLoader):
         return super().__iter__()
 
 
-def _fit(tmp_path: Path, max_steps: int, ckpt_path: Path | None = None) -> list[tuple[bool, int]]:
+def _probed_fit(
+    tmp_path: Path, max_steps: int, callbacks: list[Any], ckpt_path: Path | None = None
+) -> tuple[L.Trainer, ProbedLoader]:
+    """A quiet CPU fit of `TinyRegression` on a `ProbedLoader` (checkpointing only by a
+    `ModelCheckpoint` among `callbacks`)."""
     loader = ProbedLoader()
-    callbacks = [
-        L.pytorch.callbacks.ModelCheckpoint(
-            dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_last=False
-        )
-    ]
+    checkpointing = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
     trainer = L.Trainer(
         max_steps=max_steps,
-        callbacks=callbacks if ckpt_path is None else [],
-        enable_checkpointing=ckpt_path is None,
+        callbacks=callbacks,
+        enable_checkpointing=checkpointing,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -90,6 +90,16 @@ def _fit(tmp_path: Path, max_steps: int, ckpt_path: Path | None = None) -> list[
     )
     loader.trainer = trainer
     trainer.fit(TinyRegression(), loader, ckpt_path=ckpt_path)
+    return trainer, loader
+
+
+def _fit(tmp_path: Path, max_steps: int, ckpt_path: Path | None = None) -> list[tuple[bool, int]]:
+    callbacks = [
+        L.pytorch.callbacks.ModelCheckpoint(
+            dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, save_last=False
+        )
+    ]
+    _, loader = _probed_fit(tmp_path, max_steps, [] if ckpt_path else callbacks, ckpt_path)
     return loader.seen
 
 
@@ -156,20 +166,7 @@ class NextEpochAfresh(L.Callback):
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_a_finished_run_resumed_for_longer_runs_its_next_epoch_in_full(tmp_path: Path) -> None:
     def fit(max_steps: int, ckpt_path: Path | None = None) -> tuple[L.Trainer, ProbedLoader]:
-        loader, closing = ProbedLoader(), NextEpochAfresh()
-        trainer = L.Trainer(
-            max_steps=max_steps,
-            callbacks=[closing],
-            enable_checkpointing=False,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            accelerator="cpu",
-            default_root_dir=tmp_path,
-        )
-        loader.trainer = trainer
-        trainer.fit(TinyRegression(), loader, ckpt_path=ckpt_path)
-        return trainer, loader
+        return _probed_fit(tmp_path, max_steps, [NextEpochAfresh()], ckpt_path)
 
     first, _ = fit(3)  # 3 of the epoch's 10 batches, then the epoch is closed
     path = tmp_path / "last.ckpt"
