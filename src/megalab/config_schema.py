@@ -144,28 +144,9 @@ MODEL_PARTS = ("backbone", "encoder_decoder")
 _DROPOUT = number(0.0, 1.0, hi_open=True)
 
 
-def model_rules(cfg: DictConfig) -> dict[str, Rule]:
-    """`model.<part>.<field>` -> rule, for every field of the config dataclass that
-    `model.backbone._target_` (or a translation model's `model.encoder_decoder._target_`)
-    names (`megalab.utils.options`); none for a target that is not one of megalab's models
-    built from a config dataclass."""
-    rules: dict[str, Rule] = {}
-    for part in MODEL_PARTS:
-        try:
-            target = OmegaConf.select(cfg, f"model.{part}._target_")
-        except OmegaConfBaseException:
-            continue
-        model = megalab_object(target) if isinstance(target, str) else None
-        config_class = config_class_of(model) if isinstance(model, type) else None
-        if config_class is not None:
-            rules.update({f"model.{part}.{k}": r for k, r in option_rules(config_class).items()})
-    return rules
-
-
-def unknown_model_options(cfg: DictConfig) -> list[str]:
-    """Keys under `model.<part>` that the config dataclass its `_target_` names has no field for
-    (an experiment written for another model, a key of the wrong model): found here, before
-    Hydra's instantiation fails on them with a bare TypeError."""
+def _model_configs(cfg: DictConfig) -> list[tuple[str, DictConfig, type]]:
+    """(part, its node, its config dataclass) for each `model.<part>` whose `_target_` is one of
+    megalab's models built from a config dataclass (the class, or a backbone class taking it)."""
     out = []
     for part in MODEL_PARTS:
         try:
@@ -173,16 +154,38 @@ def unknown_model_options(cfg: DictConfig) -> list[str]:
         except OmegaConfBaseException:
             continue
         target = node.get("_target_") if isinstance(node, DictConfig) else None
-        config_class = megalab_object(target) if isinstance(target, str) else None
-        if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)):
-            continue
+        model = megalab_object(target) if isinstance(target, str) else None
+        config_class = config_class_of(model) if isinstance(model, type) else None
+        if config_class is not None:
+            out.append((part, node, config_class))
+    return out
+
+
+def model_rules(cfg: DictConfig) -> dict[str, Rule]:
+    """`model.<part>.<field>` -> rule, for every field of the config dataclass that
+    `model.backbone._target_` (or a translation model's `model.encoder_decoder._target_`)
+    names (`megalab.utils.options`); none for a target that is not one of megalab's models
+    built from a config dataclass."""
+    return {
+        f"model.{part}.{k}": r
+        for part, _, config_class in _model_configs(cfg)
+        for k, r in option_rules(config_class).items()
+    }
+
+
+def unknown_model_options(cfg: DictConfig) -> list[str]:
+    """Keys under `model.<part>` that the config dataclass its `_target_` names has no field for
+    (an experiment written for another model, a key of the wrong model): found here, before
+    Hydra's instantiation fails on them with a bare TypeError."""
+    out = []
+    model = _group_choice("model")
+    for part, node, config_class in _model_configs(cfg):
         fields = [f.name for f in dataclasses.fields(config_class) if f.init]
-        for key in node:
-            if str(key).startswith("_") or key in fields:
+        for key in map(str, node):
+            if key.startswith("_") or key in fields:
                 continue
-            close = difflib.get_close_matches(str(key), fields, n=3, cutoff=0.75)
+            close = difflib.get_close_matches(key, fields, n=3, cutoff=0.75)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            model = _group_choice("model")
             out.append(
                 f"model.{part}.{key}: {config_class.__name__}"
                 f"{f' (model={model})' if model else ''} has no such option{hint}; a config "

@@ -72,7 +72,7 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
     if cfg.max_new_tokens < 1 or cfg.num_samples < 1:
         raise ValueError("max_new_tokens and num_samples must be >= 1")
     check_sampling(float(cfg.temperature), cfg.get("top_p"))
-    read_prompt(cfg)  # a missing prompt_file fails before the model is loaded
+    text = read_prompt(cfg)  # a missing prompt_file fails before the model is loaded
     if not Path(cfg.ckpt_path).is_file():  # before the data is loaded
         raise FileNotFoundError(
             f"checkpoint not found: {cfg.ckpt_path} (pass ckpt_path=<run>/checkpoints/last.ckpt)"
@@ -83,7 +83,6 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
     datamodule = hydra.utils.instantiate(cfg.data)
     codec = datamodule.text_codec()
     task = load_task(cfg, device, DTYPES[cfg.dtype])
-    text = read_prompt(cfg)
     ids = codec.encode(text)
     if not ids:
         if codec.eos_id is None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from megalab.tasks.language_modeling import LanguageModelingTask
 
 
-def check_sampling(temperature: float, top_p: float | None = None) -> None:
+def check_sampling(temperature: float = 0.0, top_p: float | None = None) -> None:
     """Refuse settings no token can be drawn with (before a prompt is read or shown)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
@@ -36,7 +36,7 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         kth = logits.topk(k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
-        check_sampling(0.0, top_p)
+        check_sampling(top_p=top_p)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
