@@ -92,12 +92,12 @@ def test_evaluation_is_sorted_by_length_and_predictions_do_not_change(tmp_path: 
         torch.testing.assert_close(p_a, p_b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
 def test_pin_memory_without_a_gpu_pins_nothing_and_says_nothing(
-    tmp_path: Path, recwarn: pytest.WarningsRecorder
+    tmp_path: Path, recwarn: pytest.WarningsRecorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The ImageNet configs pin memory for their GPU copies; on a CPU run that is a no-op that
     torch would warn about at every loader."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU machine
     dm = _listops(tmp_path / "listops", pin_memory=True)
     loader = dm.train_dataloader()
     next(iter(loader))
