@@ -54,7 +54,7 @@ def run(experiment: str, args: argparse.Namespace) -> dict:
         "trainer.limit_test_batches=1", "trainer.num_sanity_val_steps=0",
         "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1",
         "trainer.log_every_n_steps=1", "logger=none", "callbacks.model_checkpoint=null",
-        "callbacks.rich_progress_bar=null", f"hydra.run.dir={out}", "data.download=false",
+        "trainer.enable_progress_bar=false", f"hydra.run.dir={out}", "data.download=false",
         *args.overrides,
     ]  # fmt: skip
     if experiment.endswith("listops"):

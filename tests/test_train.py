@@ -37,6 +37,20 @@ def test_train_writes_metrics_config_and_checkpoints(compose_cfg, tmp_path: Path
     assert not list(run.rglob("*.tmp")), "no partial files are left behind"
 
 
+def test_a_run_prints_nothing_of_lightning_that_is_not_about_it(
+    compose_cfg, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lightning's cloud-service tips, its `weights_only` note on every save and a deprecation
+    raised inside Lightning are dropped; what Lightning says of the run still shows."""
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(compose_cfg())
+    said = caplog.messages
+    assert any(m.startswith("GPU available") for m in said), said  # Lightning is heard
+    assert not [m for m in said if "Tip:" in m or "`weights_only` was not set" in m], said
+    assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
 def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> None:
     train(compose_cfg("debug=fdr", f"paths.output_dir={tmp_path / 'fdr'}"))
     cfg = compose_cfg()

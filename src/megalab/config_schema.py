@@ -101,6 +101,7 @@ RULES: dict[str, Rule] = {
     "trainer.benchmark": boolean(null=True),
     "trainer.fast_dev_run": either(boolean(), integer(0)),
     "trainer.enable_model_summary": boolean(),
+    "trainer.enable_progress_bar": boolean(),
     # megalab's own trainer keys (megalab.memory; removed before Lightning sees the config)
     "trainer.memory_check": boolean(),
     "trainer.max_tokens_per_step": integer(1, null=True, note=" (tokens per micro-batch)"),

@@ -18,6 +18,7 @@ from typing import Any, cast
 import hydra
 import torch
 from lightning import Callback
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -71,6 +72,37 @@ def untrue_warnings_silenced(*messages: str) -> Iterator[None]:
         yield
 
 
+# What Lightning prints on every run that says nothing about the run, and why it is dropped:
+LIGHTNING_TIP = "💡 Tip:"
+"""Lightning's suggestions to install its cloud services (litlogger, litmodels): a megalab run
+logs through the loggers its config names."""
+LIGHTNING_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""A deprecation newer torch raises inside Lightning 2.6's own code
+(`lightning.pytorch.utilities._pytree`) on every batch transfer: nothing a user can change."""
+
+
+class _DropPrefix(logging.Filter):
+    """Drops the log records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_lightning() -> None:
+    """Drop `LIGHTNING_TIP` messages and the `LIGHTNING_LEAFSPEC` warning from this process's
+    output; every other message of Lightning still shows. Called again, it adds nothing."""
+    rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropPrefix) for f in rank_zero_log.filters):
+        rank_zero_log.addFilter(_DropPrefix(LIGHTNING_TIP))
+    warnings.filterwarnings(
+        "ignore", message=LIGHTNING_LEAFSPEC, category=FutureWarning, module="lightning"
+    )
+
+
 # megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
 # (megalab.memory reads them before the trainer is built).
 MEGALAB_TRAINER_KEYS = ("max_tokens_per_step", "memory_check")
@@ -106,8 +138,12 @@ def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
 
 def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
     """Build the Lightning Trainer of a `trainer` config group; every entry point builds its
-    trainer here, so megalab's own keys never reach Lightning."""
+    trainer here, so megalab's own keys never reach Lightning. `enable_progress_bar: false`
+    drops the progress bar of the `callbacks` group (Lightning refuses the two together)."""
     check_accelerator(cfg)
+    quiet_lightning()
+    if cfg.get("enable_progress_bar") is False and kwargs.get("callbacks"):
+        kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, ProgressBar)]
     return hydra.utils.instantiate(lightning_trainer_config(cfg), **kwargs)
 
 

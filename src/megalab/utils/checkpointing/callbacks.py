@@ -450,7 +450,7 @@ class LastCheckpoint(Checkpoint):
             logger.save()
         self._where = where
         try:
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # the resumable kind
         finally:
             self._where = None
         self._last_saved_step = trainer.global_step
