@@ -124,3 +124,23 @@ def test_runs_behind_several_columns_of_a_row_are_listed_once(tmp_path: Path) ->
     rows = [line for line in lines if "| transformer_xl/wikitext103 |" in line]
     assert len(rows) == 1 and "| #Params (M), dev ppl, test ppl |" in rows[0]
     assert sum("| lamemo/wikitext103 |" in line for line in lines) == 1
+
+
+def test_the_efficiency_lines_are_headed_by_what_the_paper_swept(tmp_path: Path) -> None:
+    """A figure over chunk sizes heads its column with the chunk size; an ablation over attention
+    functions heads its rows with the function; a task table keeps Model and Column."""
+    _run(tmp_path, "text", "mega/lra_text", speed=1000.0, mem=800.0)
+    # the run's config: Mega's full attention, as the figure's "full" point
+    config = "model:\n  backbone:\n    chunk_size: -1\n    attention_activation: softmax\n"
+    (tmp_path / "text" / "config.yaml").write_text(config)
+    tables = {t.id: t for t in tb.load_tables(ROOT / "tables")}
+    runs = tb.collect_runs([tmp_path])
+
+    def header(table_id: str) -> str:
+        lines = render_efficiency(tables[table_id], runs).splitlines()
+        return next(line for line in lines if line.endswith("| Experiment | s / step | "
+                    "train tokens/s | peak MB | eval tokens/s | n |"))  # fmt: skip
+
+    assert header("mega/fig4_chunk_size").startswith("| Model | Chunk size c |")
+    assert header("mega/table3_attention").startswith("| Attention function | Column |")
+    assert header("mega/table2_lra").startswith("| Model | Column |")

@@ -65,6 +65,15 @@ def render_efficiency(table: PaperTable, runs: Sequence[Run]) -> str:
             rows.append((cell, seen[key], stats))
     if not rows:
         return ""
+    # The paper's rows (models, or the swept value of an ablation) and columns (tasks, metrics,
+    # or the swept value of a figure) each line reproduces.
+    row_title, column_title = "Model", "Column"
+    if table.xlabel:
+        swept = table.xlabel[:1].upper() + table.xlabel[1:]
+        if any(cell.axis == "column" for cell, _, _ in rows):
+            column_title = swept
+        elif any(cell.axis == "row" for cell, _, _ in rows):
+            row_title = swept
     lines = [
         "",
         f"#### Efficiency ({table.paper} {table.table}): training and evaluation, per run",
@@ -72,7 +81,9 @@ def render_efficiency(table: PaperTable, runs: Sequence[Run]) -> str:
         "Means over seeds of the run averages in `metrics.json` (`megalab.efficiency`: wall "
         "time per optimizer step, tokens/s, per-step peak memory).",
         "",
-        "| Model | Task | Experiment | " + " | ".join(c for c, _, _ in RAW_COLUMNS) + " | n |",
+        f"| {row_title} | {column_title} | Experiment | "
+        + " | ".join(c for c, _, _ in RAW_COLUMNS)
+        + " | n |",
         "|---|---|---|" + "---:|" * (len(RAW_COLUMNS) + 1),
     ]
     for cell, columns, stats in rows:
