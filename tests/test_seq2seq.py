@@ -78,7 +78,8 @@ def test_trains_reports_bleu_and_translates_a_file(
     assert loaded["text_pipeline"]["target_lang"] == "de"
 
     source = tmp_path / "in.en"
-    source.write_text("The house is big.\nMy friend was very nice, and the e-mail is new.\n")
+    # a blank line (a paragraph break) stays blank, in its place
+    source.write_text("The house is big.\n\nMy friend was very nice, and the e-mail is new.\n")
     target = tmp_path / "out.de"
     code = translate_main([
         "--checkpoint", str(ckpt), "--input", str(source), "--output", str(target),
@@ -86,7 +87,8 @@ def test_trains_reports_bleu_and_translates_a_file(
     ])  # fmt: skip
     assert code == 0
     lines = target.read_text().split("\n")
-    assert len(lines) == 3 and lines[-1] == ""
+    assert len(lines) == 4 and lines[1] == "" and lines[-1] == ""
+    assert lines[0] and lines[2]
 
     # The CLI's translation of a sentence is the best beam of the checkpoint's model.
     model, pipeline = load_translator(ckpt)
@@ -94,6 +96,44 @@ def test_trains_reports_bleu_and_translates_a_file(
     cfg = GenerationConfig(beam=5, len_penalty=0.5, max_len_b=20)
     best = beam_search(model, src, None, cfg, SpecialTokens(eos=2, pad=1, unk=3))[0][0]
     assert lines[0] == pipeline.detokenize(pipeline.decode(best.tokens.tolist()))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--input", "missing.en"], "--input missing.en: no such file"),
+        (["--output", "no/such/folder/out.de"], "its folder does not exist"),
+        (["--beam", "0"], "--beam must be >= 1, got 0"),
+        (["--min-len", "-1"], "--min-len must be >= 0"),
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--max-len-b", "-1"], "must be >= 0"),
+        (["--device", "gpu"], "--device gpu: not a device name"),
+    ],
+)
+def test_translate_refuses_bad_arguments_before_loading_anything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, arguments: list[str], message: str
+) -> None:
+    """One usage message and exit status 2, before the checkpoint (here: none) is read."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.en").write_text("The house is big.\n")
+    argv = ["--checkpoint", "none.ckpt", "--input", "in.en", "--device", "cpu", *arguments]
+    with pytest.raises(SystemExit) as exit_info:
+        translate_main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_translate_refuses_cuda_where_there_is_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (tmp_path / "in.en").write_text("The house is big.\n")
+    argv = ["--checkpoint", "none.ckpt", "--input", str(tmp_path / "in.en"), "--device", "cuda"]
+    with pytest.raises(SystemExit):
+        translate_main(argv)
+    assert "--device cuda: no CUDA device here; use --device cpu" in capsys.readouterr().err
 
 
 def test_validation_bleu_on_a_subset_from_a_second_loader(compose_cfg) -> None:

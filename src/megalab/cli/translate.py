@@ -8,7 +8,8 @@ pipeline (Moses tokenizer, joint BPE, dictionary) the run was trained with. Each
 one raw sentence in the source language; it is tokenized and segmented like the test data,
 translated with beam search (the paper's beam 5, length penalty 0.5 by default) and written
 detokenized (`--tokenized` keeps the Moses tokens with BPE removed, what tokenized BLEU scores),
-one line per input line, in input order. Sentences are batched by length.
+one line per input line, in input order; a blank line (a paragraph break) stays blank rather
+than getting a made-up translation. Sentences are batched by length.
 
 The checkpoint is data (megalab's loading policy, `megalab.utils.safe_config`): it is read with
 `torch.load(weights_only=True)` after its checksum is verified, the model class it names must be
@@ -122,25 +123,26 @@ def translate(
     tokenized: bool = False,
     left_pad_source: bool = True,
 ) -> list[str]:
-    """Translations of raw source sentences, in input order."""
+    """Translations of raw source sentences, in input order; blank ones stay blank."""
     from megalab.data.wmt import EOS_ID, PAD_ID, UNK_ID
 
     special = SpecialTokens(eos=EOS_ID, pad=PAD_ID, unk=UNK_ID)
-    ids = pipeline.encode(list(sentences))
+    out: list[str] = [""] * len(sentences)
+    todo = [i for i, sentence in enumerate(sentences) if sentence.strip()]
+    ids = pipeline.encode([sentences[i] for i in todo])
     device = next(model.parameters()).device
-    out: list[str] = [""] * len(ids)
     for batch in batches([len(s) for s in ids], max_tokens, max_sentences):
-        width = max(len(ids[i]) for i in batch)
+        width = max(len(ids[j]) for j in batch)
         src = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros(len(batch), width, dtype=torch.bool)
-        for row, i in enumerate(batch):
-            n = len(ids[i])
+        for row, j in enumerate(batch):
+            n = len(ids[j])
             cols = slice(width - n, width) if left_pad_source else slice(0, n)
-            src[row, cols], mask[row, cols] = torch.tensor(ids[i]), True
+            src[row, cols], mask[row, cols] = torch.tensor(ids[j]), True
         nbest = beam_search(model, src.to(device), mask.to(device), cfg, special)
-        for i, hyps in zip(batch, nbest):
+        for j, hyps in zip(batch, nbest):
             text = pipeline.decode(hyps[0].tokens.tolist())
-            out[i] = text if tokenized else pipeline.detokenize(text)
+            out[todo[j]] = text if tokenized else pipeline.detokenize(text)
     return out
 
 
@@ -166,10 +168,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GenerationConfig:
+    """Refuse bad arguments before the checkpoint is loaded and anything is translated (argparse's
+    usage and message, exit status 2); the decoding settings they give."""
+    if args.input != "-" and not Path(args.input).is_file():
+        parser.error(f"--input {args.input}: no such file")
+    if args.output != "-" and not Path(args.output).resolve().parent.is_dir():
+        parser.error(f"--output {args.output}: its folder does not exist (create it first)")
+    for flag, value in (("--max-tokens", args.max_tokens), ("--batch-size", args.batch_size)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    if args.max_len_a < 0 or args.max_len_b < 0:
+        parser.error(f"--max-len-a/--max-len-b must be >= 0, got {args.max_len_a}/{args.max_len_b}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device}: not a device name (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here; use --device cpu")
+    try:
+        return GenerationConfig(
+            beam=args.beam, len_penalty=args.lenpen, max_len_a=args.max_len_a,
+            max_len_b=args.max_len_b, min_len=args.min_len,
+        )  # fmt: skip
+    except ValueError as err:  # beam < 1, min_len < 0
+        parser.error(str(err).replace("beam", "--beam").replace("min_len", "--min-len"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `megalab-translate`; returns the exit code."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = _checked(parser, args)
     try:
         model, pipeline = load_translator(args.checkpoint, args.device)
     except (FileNotFoundError, CheckpointError) as err:
@@ -181,14 +212,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines = Path(args.input).read_text(encoding="utf-8").split("\n")
     if lines and lines[-1] == "":
         lines = lines[:-1]
-    cfg = GenerationConfig(
-        beam=args.beam, len_penalty=args.lenpen, max_len_a=args.max_len_a,
-        max_len_b=args.max_len_b, min_len=args.min_len,
-    )  # fmt: skip
+    blank = sum(not line.strip() for line in lines)
     log.info(
-        "translating %d sentences %s->%s with %s (beam %d, length penalty %g)",
-        len(lines), pipeline.source_lang, pipeline.target_lang, type(model).__name__,
-        cfg.beam, cfg.len_penalty,
+        "translating %d sentence%s %s->%s with %s (beam %d, length penalty %g)%s",
+        len(lines) - blank, "" if len(lines) - blank == 1 else "s", pipeline.source_lang,
+        pipeline.target_lang, type(model).__name__, cfg.beam, cfg.len_penalty,
+        f"; {blank} blank line{'' if blank == 1 else 's'} kept blank" if blank else "",
     )  # fmt: skip
     out = translate(
         model, pipeline, lines, cfg, args.max_tokens, args.batch_size, args.tokenized,
