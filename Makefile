@@ -184,14 +184,21 @@ reproduce-megalodon-lra: $(REPRO_INSTALL) ## Megalodon Table 6: Megalodon(-chunk
 reproduce-megalodon-sc: $(REPRO_INSTALL) ## Megalodon Table 7: Megalodon and Mega (base, big) on raw SC10
 	$(call reproduce,sweeps/megalodon_sc10.yaml sweeps/mega_sc10.yaml,megalodon/table7_sc)
 
+# SMOKE=1: short LM segments on the fixtures, as Mega's Table 5 (`++`: Table 8's sweep runs two
+# experiments in one multirun, see above); the 1.3B PG-19 model at a tiny width (its weights and
+# Adam moments alone, 21 GB, do not fit a CPU; tests/test_experiments.py does the same).
+PG19_SMOKE = $(LM_SMOKE) data.vocab_size=400 data.tokenizer_sample_books=null \
+	model.d_model=64 model.backbone.num_layers=2 model.backbone.z_dim=32 model.backbone.v_dim=64 \
+	model.backbone.ffn_dim=96 model.backbone.norm_groups=4 model.backbone.chunk_size=16
+
 reproduce-megalodon-wt103: $(REPRO_INSTALL) ## Megalodon Table 8: Megalodon and Mega on WikiText-103
-	$(call reproduce,sweeps/megalodon_wt103.yaml,megalodon/table8_wt103)
+	$(call reproduce,sweeps/megalodon_wt103.yaml,megalodon/table8_wt103,$(if $(SMOKE),$(addprefix ++,$(WT103_SMOKE))))
 
 reproduce-megalodon-pg19: $(REPRO_INSTALL) ## Megalodon Table 5: Megalodon-1.3B on PG-19 (word-level perplexity)
-	$(call reproduce,sweeps/megalodon_pg19.yaml,megalodon/table5_pg19)
+	$(call reproduce,sweeps/megalodon_pg19.yaml,megalodon/table5_pg19,$(if $(SMOKE),$(PG19_SMOKE)))
 
 reproduce-megalodon-imagenet: $(REPRO_INSTALL) ## Megalodon Table 4: Megalodon, Mega and DeiT-B on ImageNet-1k
-	$(call reproduce,sweeps/megalodon_imagenet.yaml,megalodon/table4_imagenet)
+	$(call reproduce,sweeps/megalodon_imagenet.yaml,megalodon/table4_imagenet,$(if $(SMOKE),$(IMAGENET_SMOKE)))
 
 reproduce-megalodon-ablations: $(REPRO_INSTALL) ## Megalodon chunk size, CEMA dim, norm groups, RoPE base on LRA Text/Image
 	$(call reproduce,$(MEGALODON_ABLATIONS),)

@@ -521,6 +521,32 @@ def test_make_reproduce_megalodon_lra_smoke_listops(tmp_path: Path) -> None:
     assert "| Mega | paper | 63.14 |" in text and "**Smoke runs**" in text
 
 
+@pytest.mark.slow
+@needs_make
+@pytest.mark.parametrize(
+    ("target", "rows"),
+    [
+        ("reproduce-megalodon-pg19", ["| Megalodon | paper | 29.5 | 25.4 |"]),
+        ("reproduce-megalodon-wt103", ["| Mega | paper | 252 | 18.07 |",
+                                       "| Megalodon | paper | 252 | 17.23 |"]),
+        ("reproduce-megalodon-imagenet", ["| Mega | paper | 90 | 82.3 |",
+                                          "| Megalodon | paper | 90 | 83.1 |"]),
+    ],
+)  # fmt: skip
+def test_make_reproduce_megalodon_lm_and_imagenet_smoke(
+    tmp_path: Path, target: str, rows: list[str]
+) -> None:
+    """SMOKE=1 fits these on a CPU: short LM segments, the 1.3B PG-19 model at a tiny width,
+    ImageNet's fixture classes (and, without timm, a plain transform); every row is filled."""
+    proc = _make(tmp_path, target)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = _table(tmp_path, target)
+    for row in rows:
+        ours = text[text.index(row) :].splitlines()[1]
+        cells = [c.strip() for c in ours.split("|")[3:-1]]
+        assert ours.startswith("| | ours |") and all(c[0].isdigit() for c in cells), (row, ours)
+
+
 def test_megalodon_tables_match_the_paper() -> None:
     """Transcription check of Table 6's averages (five tasks when Path-X is ✗)."""
     t6 = BY_ID["megalodon/table6_lra"]
