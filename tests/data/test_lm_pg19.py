@@ -102,3 +102,48 @@ def test_missing_column_and_offline_without_data(tmp_path: Path) -> None:
     with pytest.raises(DatasetMissingError) as err:
         module(tmp_path / "nothing").setup()
     assert "deepmind/pg19" in str(err.value) and str(tmp_path / "nothing") in str(err.value)
+
+
+def test_evaluation_reads_the_tokenizer_training_made(
+    pg19_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trained tokenizer's cache is marked finished, so an evaluation (which reads only
+    finished caches from the data folder) uses it instead of training its own copy."""
+    from tokenizers import Tokenizer
+
+    from megalab.data.cache import MARKER, caches_written_under
+
+    module(pg19_dir).setup()  # training: trains and caches the tokenizer
+    (trained,) = (pg19_dir / "prepared" / "tokenizer").glob("*/tokenizer.json")
+    assert (trained.parent / MARKER).is_file()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("evaluation must read the tokenizer training cached")
+
+    monkeypatch.setattr(pg19, "train_tokenizer", fail)
+    with caches_written_under(tmp_path / "eval"):
+        dm = module(pg19_dir)
+        dm.setup("test")
+        assert dm.tokenizer().to_str() == Tokenizer.from_file(str(trained)).to_str()
+    assert not (tmp_path / "eval" / "prepared" / "tokenizer").exists()
+
+
+def test_a_tokenizer_cached_without_its_marker_is_adopted(
+    pg19_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer.json an earlier version saved (atomically, but unmarked) is reused, and
+    marked, by the next training run, not trained again."""
+    from megalab.data.cache import MARKER
+
+    module(pg19_dir).setup()
+    (trained,) = (pg19_dir / "prepared" / "tokenizer").glob("*/tokenizer.json")
+    (trained.parent / MARKER).unlink()
+    for stamp in trained.parent.glob(".verified"):
+        stamp.unlink()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cached tokenizer must be reused")
+
+    monkeypatch.setattr(pg19, "train_tokenizer", fail)
+    module(pg19_dir).tokenizer()
+    assert (trained.parent / MARKER).is_file()

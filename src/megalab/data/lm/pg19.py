@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megalab.data.cache import cache_dir, prepared
+from megalab.data.cache import cache_dir, mark_prepared, may_write, prepared
 from megalab.data.download import DatasetMissingError, is_offline
 from megalab.data.hub import HubDataset
 from megalab.data.lm.codec import TokenizerCodec
@@ -195,7 +195,11 @@ class PG19DataModule(LMStreamDataModule):
         else:
             self.source.require()  # fetches missing splits first: the path is keyed on the files
             path = self.tokenizer_path()
-            if path.exists():
+            if path.exists() and not prepared(path.parent) and may_write(path):
+                # saved whole (atomically) by a version that did not mark the cache finished;
+                # unmarked, evaluation (which reads only finished caches) trained it again
+                mark_prepared(path.parent)
+            if prepared(path.parent):
                 tok = Tokenizer.from_file(str(path))
             else:
                 texts, n = self._sample_texts()
@@ -211,6 +215,7 @@ class PG19DataModule(LMStreamDataModule):
                 tmp = path.with_name(".tokenizer.json.tmp")
                 tok.save(str(tmp))
                 tmp.replace(path)
+                mark_prepared(path.parent)
         size = tok.get_vocab_size()
         if size > vocab_size:
             raise ValueError(
