@@ -144,3 +144,18 @@ def test_the_efficiency_lines_are_headed_by_what_the_paper_swept(tmp_path: Path)
     assert header("mega/fig4_chunk_size").startswith("| Model | Chunk size c |")
     assert header("mega/table3_attention").startswith("| Attention function | Column |")
     assert header("mega/table2_lra").startswith("| Model | Column |")
+
+
+def test_a_test_from_a_checkpoint_keeps_the_runs_own_numbers() -> None:
+    """Lightning restores callback states when a test loads a checkpoint (the run's best, saved
+    before its last steps, or another run's): only fitting takes them."""
+    saved = {"steps": [{"time": 9.0, "tokens": 1.0, "peak_mb": 1.0}], "eval_time": 9.0,
+             "eval_tokens": 9}  # fmt: skip
+    monitor = EfficiencyMonitor()
+    monitor.steps = [{"time": 1.0, "tokens": 10.0, "peak_mb": 1.0}] * 3
+    monitor.setup(None, None, stage="test")  # type: ignore[arg-type]
+    monitor.load_state_dict(saved)
+    assert len(monitor.steps) == 3 and monitor.eval_time == 0.0
+    monitor.setup(None, None, stage="fit")  # type: ignore[arg-type]
+    monitor.load_state_dict(saved)  # a resumed run continues the saved record
+    assert monitor.steps == saved["steps"] and monitor.eval_time == 9.0

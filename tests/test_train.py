@@ -316,3 +316,22 @@ def test_a_run_too_short_to_validate_says_why_it_tests_its_final_weights(
         "no best checkpoint (no validation in the run's 2 steps: it runs every 100 training "
         "batches (trainer.val_check_interval)): testing the final weights"
     ) in caplog.text
+
+
+def test_testing_another_runs_checkpoint_says_nothing_of_its_best_checkpoint_record(
+    compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`train=false ckpt_path=<a run's best>` (LaMemo's Fig. 5 tests) reads the weights only:
+    no "run folder moved" note, no warning of files "forgotten", no best score or training
+    speed borrowed from the run that wrote it."""
+    record = train(compose_cfg())
+    cfg = compose_cfg("train=false", f"ckpt_path={record['best_checkpoint']}")
+    cfg.paths.output_dir = str(tmp_path / "test_only")
+    with caplog.at_level("INFO"):
+        tested = train(cfg)
+    assert "test/acc" in tested["metrics"] and tested["monitor_value"] is None
+    # the efficiency numbers are this run's: it trained no step
+    assert "eff/train_step_s" not in tested["metrics"], tested["metrics"]
+    assert tested["metrics"]["eff/eval_tokens_per_s"] > 0
+    said = caplog.text
+    assert "run folder moved" not in said and "forgotten" not in said, said

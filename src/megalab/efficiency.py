@@ -123,6 +123,7 @@ class EfficiencyMonitor(Callback):
         self._counter: Any = None
         self._device = torch.device("cpu")
         self._world = 1
+        self._fitting = True  # `setup`'s stage: state is restored only when fitting
 
     # -- timing helpers ----------------------------------------------------------------------
     def _now(self) -> float:
@@ -144,6 +145,7 @@ class EfficiencyMonitor(Callback):
     # -- training ----------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Before a resumed run restores this callback's state (`load_state_dict`).
+        self._fitting = stage == "fit"
         if stage == "fit":
             self.steps, self._open = [], None
             self.eval_time, self.eval_tokens = 0.0, 0
@@ -268,7 +270,11 @@ class EfficiencyMonitor(Callback):
                 "eval_tokens": self.eval_tokens}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # A resumed run averages over all its steps, before and after the interruption.
+        # A resumed run averages over all its steps, before and after the interruption. A test
+        # from a checkpoint (the run's best, or another run's) keeps this run's own numbers:
+        # the file holds the steps up to when it was saved.
+        if not self._fitting:
+            return
         self.steps = list(state_dict.get("steps", []))
         self.eval_time = float(state_dict.get("eval_time", 0.0))
         self.eval_tokens = int(state_dict.get("eval_tokens", 0))

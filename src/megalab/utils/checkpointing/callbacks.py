@@ -484,8 +484,17 @@ class BestCheckpoint(ModelCheckpoint):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("enable_version_counter", False)
         super().__init__(*args, **kwargs)
+        self._fitting = True
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._fitting = stage == "fit"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._fitting:
+            # A test (`train=false ckpt_path=<another run's checkpoint>`) reads the weights; the
+            # best-so-far record serves training only, and this run's folder never held it.
+            return
         old = state_dict.get("dirpath")
         if old and self.dirpath and old != self.dirpath:
             state_dict = _rebase_paths(state_dict, str(old), str(self.dirpath))
