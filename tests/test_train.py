@@ -330,6 +330,8 @@ def test_testing_another_runs_checkpoint_says_nothing_of_its_best_checkpoint_rec
     with caplog.at_level("INFO"):
         tested = train(cfg)
     assert "test/acc" in tested["metrics"] and tested["monitor_value"] is None
+    # the steps are those of the weights tested; no table marks it as a run stopped early
+    assert tested["global_step"] == record["global_step"] == 2 and tested["finished"] is None
     # the efficiency numbers are this run's: it trained no step
     assert "eff/train_step_s" not in tested["metrics"], tested["metrics"]
     assert tested["metrics"]["eff/eval_tokens_per_s"] > 0

@@ -161,6 +161,12 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         "memory_plan": objs["memory_plan"],
         "output_dir": str(output_dir),
     }
+    if not cfg.get("train", True) and isinstance(task, TaskBase):
+        # A test of a checkpoint: the steps of the weights it tested; whether their training
+        # finished its schedule is the record of the run that wrote them.
+        steps = task.checkpoint_step
+        record.update(stop_reason="test_only", finished=None)
+        record["global_step"] = steps if steps is not None else trainer.global_step
     record["metrics"].update(efficiency_metrics(trainer))
     best = getattr(trainer.checkpoint_callback, "best_model_score", None)
     if best is not None and monitor:

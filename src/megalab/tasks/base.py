@@ -95,6 +95,8 @@ class TaskBase(L.LightningModule):
         self.compile_for_fit = compile
         self._t_last: float | None = None
         self._pending_metric_states: dict[str, Any] | None = None
+        # The training step of the last checkpoint loaded (a test-only run records it).
+        self.checkpoint_step: int | None = None
 
     def record_extras(self) -> dict[str, Any]:
         """What a run's `metrics.json` and `eval_metrics.json` record beside the logged metrics
@@ -207,6 +209,8 @@ class TaskBase(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._pending_metric_states = None
+        step = checkpoint.get("global_step")
+        self.checkpoint_step = step if type(step) is int else None
         saved = checkpoint.get("resume_states")
         if saved is None and checkpoint.get("rng_states"):  # checkpoints of earlier versions
             saved = {"ranks": [{"rng": checkpoint["rng_states"], "metrics": {}}]}
