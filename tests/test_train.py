@@ -337,3 +337,17 @@ def test_testing_another_runs_checkpoint_says_nothing_of_its_best_checkpoint_rec
     assert tested["metrics"]["eff/eval_tokens_per_s"] > 0
     said = caplog.text
     assert "run folder moved" not in said and "forgotten" not in said, said
+
+
+def test_a_checkpoint_of_other_model_options_fails_with_the_names_that_differ(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """Testing (or resuming) a checkpoint with other model options: one message naming the
+    weights that differ and how to give the right options, not Lightning's traceback."""
+    from megalab.tasks.base import CheckpointMismatchError
+
+    record = train(compose_cfg())
+    cfg = compose_cfg("train=false", f"ckpt_path={record['best_checkpoint']}", "model.d_model=24")
+    cfg.paths.output_dir = str(tmp_path / "other")
+    with pytest.raises(CheckpointMismatchError, match=r"other shapes: .* here .*megalab-eval"):
+        train(cfg)

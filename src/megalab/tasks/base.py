@@ -54,6 +54,27 @@ class NonFiniteLossError(UserError, RuntimeError):
     """The training loss became NaN or infinite."""
 
 
+class CheckpointMismatchError(UserError, RuntimeError):
+    """A checkpoint's weights do not fit the model the config builds."""
+
+
+def _mismatch(own: Mapping[str, Tensor], saved: Mapping[str, Any]) -> str:
+    """The names and shapes that differ between a model's state dict and a saved one."""
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} here {tuple(own[k].shape)}"
+        for k in own
+        if k in saved and hasattr(saved[k], "shape") and saved[k].shape != own[k].shape
+    ]
+    found = {"missing": missing, "not in this model": unexpected, "other shapes": shapes}
+    return "; ".join(f"{label}: {some(names)}" for label, names in found.items() if names)
+
+
 class TaskOptions(TypedDict, total=False):
     """The keyword arguments every task passes on to `TaskBase` (`task.optim`, `task.scheduler`,
     `task.check_finite` and `task.compile` in the Hydra configs)."""
@@ -206,6 +227,24 @@ class TaskBase(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["resume_states"] = {"ranks": gather_from_ranks(self._own_resume_state())}
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """`nn.Module.load_state_dict`; weights saved for another model configuration (a
+        `ckpt_path` given to a run with other model options) fail with the names that differ,
+        as one message."""
+        try:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        except RuntimeError as err:
+            if "Error(s) in loading state_dict" not in str(err):
+                raise
+            raise CheckpointMismatchError(
+                f"the checkpoint's weights do not fit the model this config builds "
+                f"({_mismatch(self.state_dict(), state_dict)}): it was saved with other model "
+                "options. Give the options of the run that wrote it (its .hydra/config.yaml), "
+                "or evaluate it with `megalab-eval ckpt_path=<checkpoint>`, which reads them."
+            ) from None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._pending_metric_states = None
