@@ -236,6 +236,9 @@ reproduce-seqboat-enwik8: $(REPRO_INSTALL) ## SeqBoat Table 3: SeqBoat and Mega 
 LAMEMO_SMOKE_WT103 := ++data.vocab_size=61056 ++data.max_len=64 ++data.eval_max_len=64
 LAMEMO_SMOKE_CHAR := ++data.sha256=null ++data.valid_size=3000 ++data.test_size=3000 \
 	++data.max_len=64 ++data.eval_max_len=64
+# Fig. 5's tests on the fixture: six batches of two segments, so that the memory length changes
+# the numbers (the first segment of a stream has no memory: with one batch every point is equal).
+LAMEMO_SMOKE_FIG5 := trainer.limit_test_batches=6 data.eval_batch_size=2
 # Checkpoints for the Fig. 5 extrapolation (empty: train both models first).
 LAMEMO_CKPT ?=
 XL_CKPT ?=
@@ -271,9 +274,11 @@ reproduce-lamemo-extrapolation: $(REPRO_INSTALL) ## LaMemo Fig. 5: test memory 6
 		xl=$${xl:-$$($(call best_ckpt,$$dir/train,transformer_xl/wikitext103))}; \
 	fi; \
 	$(REPRO_PY) -m megalab.cli.sweep sweeps/lamemo_extrapolation.yaml --out "$$dir" --seeds 1 \
-		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$lamemo" || status=1; \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$lamemo" \
+		$(if $(SMOKE),$(LAMEMO_SMOKE_FIG5)) || status=1; \
 	$(REPRO_PY) -m megalab.cli.sweep sweeps/lamemo_extrapolation_xl.yaml --out "$$dir" --seeds 1 \
-		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$xl" || status=1; \
+		$(if $(SMOKE),--smoke) $(if $(TRAINER),trainer=$(TRAINER)) $(ARGS) "ckpt_path=$$xl" \
+		$(if $(SMOKE),$(LAMEMO_SMOKE_FIG5)) || status=1; \
 	$(REPRO_PY) -m megalab.cli.tables "$$dir" --table lamemo/fig5_extrapolation || status=1; \
 	echo "Runs, table.md and the plot: $$dir"; \
 	exit $$status

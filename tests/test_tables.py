@@ -547,6 +547,24 @@ def test_make_reproduce_megalodon_lm_and_imagenet_smoke(
         assert ours.startswith("| | ours |") and all(c[0].isdigit() for c in cells), (row, ours)
 
 
+@pytest.mark.slow
+@needs_make
+def test_make_reproduce_lamemo_extrapolation_smoke(tmp_path: Path) -> None:
+    """Fig. 5: two models trained, then 20 test-only runs of their checkpoints: each point
+    counts the checkpoint's steps (no "stopped before its schedule" mark), and the evaluation
+    memory changes the numbers."""
+    proc = _make(tmp_path, "reproduce-lamemo-extrapolation")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = _table(tmp_path, "reproduce-lamemo-extrapolation")
+    assert "Stopped before" not in text and "†" not in text.split("Notes:")[0]
+    for row in ("LaMemo", "Transformer-XL"):
+        lines = text[text.index(f"| {row} | paper |") :].splitlines()
+        ours = [c.strip() for c in lines[1].split("|")[3:-1]]
+        steps = [c.strip() for c in lines[3].split("|")[3:-1]]
+        assert len(ours) == 10 and len(set(ours)) > 1, ours  # memory 64 ... 640
+        assert set(steps) == {"2 (smoke)"}, steps
+
+
 def test_megalodon_tables_match_the_paper() -> None:
     """Transcription check of Table 6's averages (five tasks when Path-X is ✗)."""
     t6 = BY_ID["megalodon/table6_lra"]
