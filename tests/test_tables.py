@@ -556,12 +556,13 @@ def test_make_reproduce_lamemo_extrapolation_smoke(tmp_path: Path) -> None:
     proc = _make(tmp_path, "reproduce-lamemo-extrapolation")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = _table(tmp_path, "reproduce-lamemo-extrapolation")
-    assert "Stopped before" not in text and "†" not in text.split("Notes:")[0]
+    assert "Stopped before" not in text
     for row in ("LaMemo", "Transformer-XL"):
         lines = text[text.index(f"| {row} | paper |") :].splitlines()
         ours = [c.strip() for c in lines[1].split("|")[3:-1]]
         steps = [c.strip() for c in lines[3].split("|")[3:-1]]
-        assert len(ours) == 10 and len(set(ours)) > 1, ours  # memory 64 ... 640
+        assert len(ours) == 10 and all(c[0].isdigit() and "†" not in c for c in ours), ours
+        assert len(set(ours)) > 1, ours  # the memory, 64 ... 640, changes the numbers
         assert set(steps) == {"2 (smoke)"}, steps
 
 
