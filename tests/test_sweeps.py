@@ -187,6 +187,8 @@ def test_seeds_only_and_values() -> None:
     assert sw.parse_seeds("3") == [1, 2, 3]
     assert sw.parse_seeds("1,4,7") == [1, 4, 7] == sw.parse_seeds("1 4 7")
     assert sw.parse_seeds("") is None and sw.parse_seeds(None) is None
+    with pytest.raises(sw.SweepError, match=r"--seeds takes N .* got 'x'"):
+        sw.parse_seeds("x")
     assert sw.parse_only(["experiment=a/b,c/d"]) == {"experiment": ["a/b", "c/d"]}
     assert sw.format_value(-1) == "-1" and sw.format_value(True) == "true"
     assert sw.format_value(None) == "null" and sw.format_value("mega/lra_text") == "mega/lra_text"
@@ -252,6 +254,23 @@ def test_extra_overrides_must_not_set_swept_keys(tmp_path: Path) -> None:
     s = sw.load_sweep(_sweep_file(tmp_path, [16, -1]))
     with pytest.raises(sw.SweepError, match="--only"):
         sw.plan_sweep(s, tmp_path / "out", extra=["model.backbone.chunk_size=8"], check=False)
+
+
+def test_a_misspelt_only_value_is_refused_with_the_values_there_are(capsys) -> None:
+    """`--only experiment=mega/lra_listop` would drop its points silently; it names the values."""
+    mega, megalodon = (str(ROOT / "sweeps" / f"{n}_lra.yaml") for n in ("mega", "megalodon"))
+    typo = "experiment=mega/lra_text,mega/lra_listop"
+    with pytest.raises(SystemExit):
+        sw.main([mega, megalodon, "--dry-run", "--only", typo])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--only experiment=mega/lra_listop: not among the values" in err
+    assert "mega/lra_listops" in err and "megalodon/lra_listops" in err
+    # a value one of several sweeps gives is enough (make's ONLY= over a target's sweeps)
+    only = "experiment=megalodon/lra_listops"
+    assert sw.main([mega, megalodon, "--dry-run", "--smoke", "--only", only]) == 0
+    with pytest.raises(SystemExit):
+        sw.main([mega, "--dry-run", "--seeds", "two"])
+    assert "--seeds takes N" in capsys.readouterr().err
 
 
 def test_dry_run_prints_and_writes_nothing(tmp_path: Path, capsys) -> None:

@@ -262,12 +262,18 @@ def parse_seeds(text: str | None) -> list[int] | None:
         return None
     text = str(text).strip()
     parts = [p for p in re.split(r"[,\s]+", text) if p]
+    try:
+        numbers = [int(p) for p in parts]
+    except ValueError:
+        raise SweepError(
+            f"--seeds takes N (seeds 1..N) or a list such as 1,2,7, got {text!r}"
+        ) from None
     if len(parts) == 1 and "," not in text:
-        n = int(parts[0])
+        n = numbers[0]
         if n < 1:
             raise SweepError(f"--seeds must be >= 1, got {n}")
         return list(range(1, n + 1))
-    return [int(p) for p in parts]
+    return numbers
 
 
 def parse_only(items: Iterable[str]) -> dict[str, list[str]]:
@@ -279,6 +285,24 @@ def parse_only(items: Iterable[str]) -> dict[str, list[str]]:
             raise SweepError(f"--only expects key=v1,v2, got {item!r}")
         only[key] = [v for v in values.split(",") if v]
     return only
+
+
+def check_only(sweeps: Sequence[Sweep], only: dict[str, list[str]]) -> None:
+    """Refuse an `--only` value that no sweep's grid has: a misspelt value would otherwise drop
+    its points without a word. Seeds (`--seeds`) and distributions have no list to check."""
+    for key, wanted in only.items():
+        specs = [s.parameters[key] for s in sweeps if key in s.parameters]
+        if key == "seed" or not specs or not all("values" in p or "value" in p for p in specs):
+            continue
+        values = [v for spec in specs for v in grid_values(key, spec)]
+        offered = {format_value(v) for v in values} | {str(v) for v in values}
+        missing = [v for v in wanted if v not in offered]
+        if missing:
+            shown = ", ".join(dict.fromkeys(format_value(v) for v in values))
+            raise SweepError(
+                f"--only {key}={','.join(missing)}: not among the values the sweeps give it "
+                f"({shown})"
+            )
 
 
 def expand(
@@ -612,6 +636,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         known = {k for s in sweeps for k in s.parameters} | {"seed"}
         if set(only) - known:
             raise SweepError(f"--only names no swept parameter: {sorted(set(only) - known)}")
+        check_only(sweeps, only)
     except (SweepError, UnsafeConfigError, OSError, yaml.YAMLError) as err:
         parser.error(str(err))
     stamp = dt.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
