@@ -406,6 +406,28 @@ def test_cli_writes_table_and_rejects_unknown_tables(tmp_path: Path, capsys) -> 
         tables_main([str(tmp_path), "--table", "mega/no_such_table"])
 
 
+def test_a_wandb_project_that_cannot_be_read_says_why_in_one_line(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not logged in (here: W&B's own error, raised by a stand-in for the API call)."""
+    import wandb.errors
+
+    import megalab.cli.tables as tables_cli
+
+    def not_logged_in(path: str) -> list:
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(tables_cli, "collect_wandb_runs", not_logged_in)
+    with pytest.raises(SystemExit) as exit_info:
+        tables_main([str(tmp_path), "--wandb", "team/megalab"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "megalab-tables: error: --wandb team/megalab: No API key configured. "
+        "Use `wandb login` to log in."
+    )
+
+
 # -- make targets ----------------------------------------------------------------------------
 def _make(tmp_path: Path, target: str, *args: str) -> subprocess.CompletedProcess:
     env = {

@@ -62,7 +62,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     if ns.wandb:
-        runs += collect_wandb_runs(ns.wandb)
+        try:
+            runs += collect_wandb_runs(ns.wandb)
+        except Exception as err:  # not logged in, no such project, no network: W&B's message
+            if not type(err).__module__.startswith("wandb"):
+                raise
+            parser.error(f"--wandb {ns.wandb}: {err}")
     out = ns.out or (ns.paths[0] if ns.paths and ns.paths[0].is_dir() else None)
     try:
         report = build_report(runs, tables, planned, ns.table, ns.all, out, ns.metric, ns.scale)
