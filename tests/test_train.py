@@ -351,3 +351,18 @@ def test_a_checkpoint_of_other_model_options_fails_with_the_names_that_differ(
     cfg.paths.output_dir = str(tmp_path / "other")
     with pytest.raises(CheckpointMismatchError, match=r"other shapes: .* here .*megalab-eval"):
         train(cfg)
+
+
+def test_eval_without_a_checkpoint_file_says_what_to_give(compose_cfg, tmp_path: Path) -> None:
+    """No `ckpt_path`, or a run folder instead of one of its checkpoints: one message, before
+    a config is read (megalab-eval and megalab-generate load through `merge_run_config`)."""
+    from megalab.cli.eval import merge_run_config
+
+    with pytest.raises(ValueError, match=r"no checkpoint given: add ckpt_path=<run>/checkpoints/"):
+        merge_run_config(compose_cfg(config="eval"), [])
+    run = tmp_path / "a_run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    cfg = compose_cfg(f"ckpt_path={run}", config="eval")
+    with pytest.raises(ValueError, match=r"is a folder: give one checkpoint file, e\.g\. .*last"):
+        merge_run_config(cfg, [f"ckpt_path={run}"])

@@ -54,11 +54,30 @@ def run_data_dir(run_cfg: DictConfig, source: str = "the run config") -> str | N
     return None if value is None else str(value)
 
 
+def checkpoint_file(cfg: DictConfig) -> Path:
+    """`cfg.ckpt_path`, refused when it is not given or names a folder (a run folder rather
+    than one of its checkpoints), before any config is read from next to it."""
+    if "ckpt_path" not in cfg or OmegaConf.is_missing(cfg, "ckpt_path") or not cfg.ckpt_path:
+        raise ValueError(
+            "no checkpoint given: add ckpt_path=<run>/checkpoints/<name>.ckpt (last.ckpt, or "
+            "the best-*.ckpt a run's metrics.json names as best_checkpoint)"
+        )
+    path = Path(str(cfg.ckpt_path)).expanduser()
+    if path.is_dir():
+        found = sorted(path.rglob("*.ckpt"))
+        listed = ", ".join(str(p) for p in found[:4]) + (", ..." if len(found) > 4 else "")
+        raise ValueError(
+            f"ckpt_path={path} is a folder: give one checkpoint file"
+            + (f", e.g. {listed}" if found else " (none below it ends in .ckpt)")
+        )
+    return path
+
+
 def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """Replace this config's model/data/task groups with the checkpoint's run config (and its
     data folder), checked by the loading policy; turn off data generation and downloads that
     the command line does not ask for."""
-    run_cfg_path = find_run_config(Path(cfg.ckpt_path))
+    run_cfg_path = find_run_config(checkpoint_file(cfg))
     if run_cfg_path is None or not cfg.get("use_run_config", True):
         upgrade_backbone_targets(cfg)  # composed here: an old model target reads as its config
         data_settings_from_command_line(cfg, overrides)
