@@ -357,6 +357,7 @@ def test_eval_without_a_checkpoint_file_says_what_to_give(compose_cfg, tmp_path:
     """No `ckpt_path`, or a run folder instead of one of its checkpoints: one message, before
     a config is read (megalab-eval and megalab-generate load through `merge_run_config`)."""
     from megalab.cli.eval import merge_run_config
+    from megalab.utils.run_folder import RunFolderError
 
     with pytest.raises(ValueError, match=r"no checkpoint given: add ckpt_path=<run>/checkpoints/"):
         merge_run_config(compose_cfg(config="eval"), [])
@@ -364,5 +365,9 @@ def test_eval_without_a_checkpoint_file_says_what_to_give(compose_cfg, tmp_path:
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "last.ckpt").write_bytes(b"")
     cfg = compose_cfg(f"ckpt_path={run}", config="eval")
-    with pytest.raises(ValueError, match=r"is a folder: give one checkpoint file, e\.g\. .*last"):
+    folder = r"is a folder: give one checkpoint file, e\.g\. .*last\.ckpt"
+    with pytest.raises(RunFolderError, match=folder):
         merge_run_config(cfg, [f"ckpt_path={run}"])
+    # and training (resume, or train=false) as well
+    with pytest.raises(RunFolderError, match=folder):
+        train(compose_cfg(f"ckpt_path={run}"))

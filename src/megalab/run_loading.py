@@ -20,7 +20,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from megalab.utils.checkpointing import read_checkpoint, verify_checkpoint
-from megalab.utils.run_folder import find_run_config
+from megalab.utils.run_folder import find_run_config, refuse_folder
 from megalab.utils.safe_config import (
     UnsafeConfigError,
     check_targets,
@@ -63,13 +63,7 @@ def checkpoint_file(cfg: DictConfig) -> Path:
             "the best-*.ckpt a run's metrics.json names as best_checkpoint)"
         )
     path = Path(str(cfg.ckpt_path)).expanduser()
-    if path.is_dir():
-        found = sorted(path.rglob("*.ckpt"))
-        listed = ", ".join(str(p) for p in found[:4]) + (", ..." if len(found) > 4 else "")
-        raise ValueError(
-            f"ckpt_path={path} is a folder: give one checkpoint file"
-            + (f", e.g. {listed}" if found else " (none below it ends in .ckpt)")
-        )
+    refuse_folder(path)
     return path
 
 

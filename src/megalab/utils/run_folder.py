@@ -70,9 +70,23 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | os.PathLike[str])
                 "when there is none)"
             )
         return str(last)
+    refuse_folder(Path(ckpt_path))
     if not Path(ckpt_path).exists():
         raise RunFolderError(f"checkpoint not found: {ckpt_path}")
     return str(ckpt_path)
+
+
+def refuse_folder(path: Path) -> None:
+    """Refuse a folder given as `ckpt_path` (a run folder rather than one of its checkpoints),
+    naming the checkpoint files below it."""
+    if not path.is_dir():
+        return
+    found = sorted(path.rglob("*.ckpt"))
+    listed = ", ".join(str(p) for p in found[:4]) + (", ..." if len(found) > 4 else "")
+    raise RunFolderError(
+        f"ckpt_path={path} is a folder: give one checkpoint file"
+        + (f", e.g. {listed}" if found else " (none below it ends in .ckpt)")
+    )
 
 
 def _peek(path: Path) -> tuple[int, bool] | None:
