@@ -19,7 +19,7 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from megalab.utils.checkpointing import read_checkpoint, verify_checkpoint
+from megalab.utils.checkpointing import read_checkpoint
 from megalab.utils.run_folder import find_run_config, refuse_folder
 from megalab.utils.safe_config import (
     UnsafeConfigError,
@@ -124,13 +124,13 @@ def load_task(
     require_language_model(cfg, command)
     ckpt_path = Path(cfg.ckpt_path)
     if not ckpt_path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {ckpt_path}")
-    # A damaged file fails here naming it, not inside torch.load (ckpt_verify=false: a file
-    # without a readable checksum is read unverified; a mismatch is refused all the same).
-    verify_checkpoint(ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
-
-    task = hydra.utils.instantiate(cfg.task)
+        raise FileNotFoundError(
+            f"checkpoint not found: {ckpt_path} (pass ckpt_path=<run>/checkpoints/last.ckpt)"
+        )
+    # Verified before torch.load reads it: a damaged file fails naming it (ckpt_verify=false: a
+    # file without a readable checksum is read unverified; a mismatch is refused all the same).
     checkpoint = read_checkpoint(ckpt_path, verify=cfg.get("ckpt_verify", True))
+    task = hydra.utils.instantiate(cfg.task)
     if "state_dict" not in checkpoint:
         raise ValueError(f"{ckpt_path}: no state_dict (not a megalab/Lightning checkpoint)")
     task.load_state_dict(checkpoint["state_dict"], strict=True)

@@ -44,10 +44,9 @@ from torch import Tensor
 
 from megalab.generation.sampling import check_sampling, sample_tokens
 from megalab.run_loading import load_task as load_task
-from megalab.run_loading import merge_run_config, require_language_model
+from megalab.run_loading import merge_run_config
 from megalab.run_loading import pick_device as pick_device
 from megalab.utils import errors
-from megalab.utils.checkpointing import verify_checkpoint
 from megalab.utils.paths import CONFIG_DIR
 
 log = logging.getLogger(__name__)
@@ -73,16 +72,11 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
         raise ValueError("max_new_tokens and num_samples must be >= 1")
     check_sampling(float(cfg.temperature), cfg.get("top_p"))
     text = read_prompt(cfg)  # a missing prompt_file fails before the model is loaded
-    if not Path(cfg.ckpt_path).is_file():  # before the data is loaded
-        raise FileNotFoundError(
-            f"checkpoint not found: {cfg.ckpt_path} (pass ckpt_path=<run>/checkpoints/last.ckpt)"
-        )
-    verify_checkpoint(cfg.ckpt_path, allow_unverified=not cfg.get("ckpt_verify", True))
-    require_language_model(cfg, "megalab-generate")
     device = pick_device(str(cfg.device))
+    # Before the data is read: the run's task must be a language model, the checkpoint whole.
+    task = load_task(cfg, device, DTYPES[cfg.dtype])
     datamodule = hydra.utils.instantiate(cfg.data)
     codec = datamodule.text_codec()
-    task = load_task(cfg, device, DTYPES[cfg.dtype])
     ids = codec.encode(text)
     if not ids:
         if codec.eos_id is None:
