@@ -195,11 +195,13 @@ class PG19DataModule(LMStreamDataModule):
         else:
             self.source.require()  # fetches missing splits first: the path is keyed on the files
             path = self.tokenizer_path()
-            if path.exists() and not prepared(path.parent) and may_write(path):
+            done = prepared(path.parent)
+            if not done and path.exists() and may_write(path):
                 # saved whole (atomically) by a version that did not mark the cache finished;
                 # unmarked, evaluation (which reads only finished caches) trained it again
                 mark_prepared(path.parent)
-            if prepared(path.parent):
+                done = True
+            if done:
                 tok = Tokenizer.from_file(str(path))
             else:
                 texts, n = self._sample_texts()
