@@ -65,11 +65,11 @@ SMOKE_TRAINER = [
     "trainer.num_sanity_val_steps=0",
     "trainer.log_every_n_steps=1",
     "trainer.enable_model_summary=false",
-    "trainer.enable_progress_bar=false",
 ]
 SMOKE_OVERRIDES = [
     *SMOKE_TRAINER,
     "trainer.accumulate_grad_batches=1",
+    "trainer.enable_progress_bar=false",
     "data.batch_size=4",
     "data.eval_batch_size=4",
     "data.num_workers=0",
