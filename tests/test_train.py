@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -49,6 +50,50 @@ def test_a_run_prints_nothing_of_lightning_that_is_not_about_it(
     assert any(m.startswith("GPU available") for m in said), said  # Lightning is heard
     assert not [m for m in said if "Tip:" in m or "`weights_only` was not set" in m], said
     assert not [w for w in caught if "LeafSpec" in str(w.message)]
+
+
+def test_other_ranks_keep_only_megalabs_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`log_from_rank_zero`: on a DDP rank other than zero, megalab's info and warnings are
+    dropped (rank zero says them), its errors and other libraries' records pass."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from megalab.utils.run import log_from_rank_zero
+
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{record.name}:{record.getMessage()}")
+
+    handler = Collect(logging.DEBUG)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        log_from_rank_zero()
+        log_from_rank_zero()  # twice: one filter
+        assert len(handler.filters) == 1
+        ours, theirs = logging.getLogger("megalab.cli.train"), logging.getLogger("lightning.x")
+        for logger in (ours, theirs):
+            logger.setLevel(logging.INFO)
+        monkeypatch.setattr(rank_zero_only, "rank", 1, raising=False)
+        ours.info("info 1")
+        ours.warning("warning 1")
+        ours.error("error 1")
+        logging.getLogger("__main__").warning("warning 1")  # python -m megalab.cli.train
+        theirs.info("theirs 1")
+        monkeypatch.setattr(rank_zero_only, "rank", 0, raising=False)
+        ours.info("info 0")
+        ours.warning("warning 0")
+    finally:
+        root.removeHandler(handler)
+        for logger in (ours, theirs):
+            logger.setLevel(logging.NOTSET)
+    assert seen == [
+        "megalab.cli.train:error 1",
+        "lightning.x:theirs 1",
+        "megalab.cli.train:info 0",
+        "megalab.cli.train:warning 0",
+    ]
 
 
 def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> None:
@@ -280,7 +325,14 @@ def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_metrics(tmp_path)
     assert record["global_step"] == 2
-    assert "GLOBAL_RANK: 1" in proc.stderr + proc.stdout or "world_size=2" in proc.stderr
+    said = proc.stderr + proc.stdout
+    assert "GLOBAL_RANK: 1" in said or "world_size=2" in proc.stderr
+    # Both processes run the whole program; what megalab says, it says once, from rank zero.
+    log_file = (tmp_path / "train.log").read_text()
+    for line in ("metrics written to", "efficiency: train_step_s", "param group default"):
+        assert said.count(line) == 1, (line, said[-3000:])
+        assert log_file.count(line) == 1, (line, log_file)
+    assert proc.stdout.count("test/acc = ") == 1, proc.stdout
 
 
 def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) -> None:

@@ -114,14 +114,16 @@ def _evaluate_in(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
 def hydra_main(cfg: DictConfig) -> None:
     """Hydra entry point."""
+    run_utils.log_from_rank_zero()
     log_settings()
     overrides = list(HydraConfig.get().overrides.task)
     with errors.reported():
         cfg = merge_run_config(cfg, overrides)
         record = evaluate(cfg)
-    for key, val in sorted(record["metrics"].items()):
-        if isinstance(val, float):
-            print(f"{key} = {val:.4f}")
+    if run_utils.is_rank_zero():  # every DDP/FSDP process ends here: print the numbers once
+        for key, val in sorted(record["metrics"].items()):
+            if isinstance(val, float):
+                print(f"{key} = {val:.4f}")
 
 
 def main() -> None:

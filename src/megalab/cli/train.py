@@ -203,14 +203,16 @@ def _why_no_best(cfg: DictConfig, trainer: L.Trainer) -> str:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
+    run_utils.log_from_rank_zero()
     log_settings()
     with errors.reported():
         record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
-    for key, val in sorted(record["metrics"].items()):
-        if key.startswith("test/") and isinstance(val, float):
-            print(f"{key} = {val:.4f}")
+    if run_utils.is_rank_zero():  # every DDP/FSDP process ends here: print the numbers once
+        for key, val in sorted(record["metrics"].items()):
+            if key.startswith("test/") and isinstance(val, float):
+                print(f"{key} = {val:.4f}")
     return float(value) if value is not None else None
 
 

@@ -103,6 +103,35 @@ def quiet_lightning() -> None:
     )
 
 
+def is_rank_zero() -> bool:
+    """Whether this process is global rank zero (the only process, outside DDP and FSDP)."""
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
+class _RankZeroOnly(logging.Filter):
+    """Passes megalab's records below ERROR only on the process of global rank zero (the entry
+    point's own logger is `__main__` when it runs as `python -m megalab.cli.<command>`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ours = record.name.startswith("megalab") or record.name == "__main__"
+        return record.levelno >= logging.ERROR or not ours or is_rank_zero()
+
+
+def log_from_rank_zero() -> None:
+    """Show megalab's info and warnings once per run, from global rank zero.
+
+    Under DDP and FSDP every process runs the same program: each line (the parameter groups,
+    the efficiency summary with that process's own numbers, "metrics written", a warning about
+    the settings) would print once per process, on the console and in the run's log. The other
+    ranks keep their errors, and other libraries' records (Lightning's per-rank "Initializing
+    distributed") pass. The rank is read when a record is logged (Lightning sets it from the
+    launcher's environment and again when the processes join). Filters the handlers the root
+    logger has now (Hydra's console and file); called again, it adds nothing."""
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _RankZeroOnly) for f in handler.filters):
+            handler.addFilter(_RankZeroOnly())
+
+
 # megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
 # (megalab.memory reads them before the trainer is built).
 MEGALAB_TRAINER_KEYS = ("max_tokens_per_step", "memory_check")
