@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -96,6 +99,27 @@ def test_other_ranks_keep_only_megalabs_errors(monkeypatch: pytest.MonkeyPatch) 
     ]
 
 
+def test_eval_and_generate_find_the_folder_train_uses(tmp_path: Path) -> None:
+    """Run from any folder, `megalab-eval` and `megalab-generate` resolve `paths.root_dir` (so
+    `data/` and `logs/`) as `megalab-train` does: they read a run's data where it trained
+    (they looked below the current folder instead, and did not find it)."""
+    script = (
+        "import os\n"
+        "roots = []\n"
+        "for command in ('train', 'eval', 'generate'):\n"
+        "    __import__('megalab.cli.' + command)\n"
+        "    roots.append(os.environ.pop('MEGALAB_ROOT', None))\n"
+        "print(roots)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MEGALAB_ROOT"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    train_root, eval_root, generate_root = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert train_root is not None and eval_root == train_root and generate_root == train_root
+
+
 def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> None:
     train(compose_cfg("debug=fdr", f"paths.output_dir={tmp_path / 'fdr'}"))
     cfg = compose_cfg()
@@ -109,6 +133,28 @@ def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> 
     # Lightning asks a test for the callbacks the checkpoint was trained with; a test needs none.
     assert not [w for w in caught if "callbacks used to create" in str(w.message)]
     assert (tmp_path / "run" / "eval_metrics.json").exists()
+
+
+def test_process_count_warning_only_when_resuming(
+    compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint saved by 2 DDP processes: resuming it in 1 process warns that its random
+    numbers cannot continue exactly; evaluating its weights continues nothing and says
+    nothing of it."""
+    from megalab.utils.checkpointing.files import write_checkpoint
+
+    train(compose_cfg("trainer.max_steps=2", "test=false"))
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=False)
+    ranks = checkpoint["resume_states"]["ranks"]
+    checkpoint["resume_states"]["ranks"] = [ranks[0], ranks[0]]  # as 2 processes save it
+    write_checkpoint(checkpoint, ckpt)
+    warning = "the checkpoint comes from 2 process(es), this run has 1"
+    with caplog.at_level("WARNING", logger="megalab"):
+        evaluate(compose_cfg(f"ckpt_path={ckpt}", config="eval"))
+        assert warning not in caplog.text
+        train(compose_cfg("trainer.max_steps=3", "test=false", "ckpt_path=last"))
+    assert warning in caplog.text
 
 
 def test_eval_of_a_run_records_its_metrics_in_the_run(compose_cfg, tmp_path: Path) -> None:

@@ -49,13 +49,16 @@ from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import set_verification  # noqa: E402
-from megalab.utils.paths import CONFIG_DIR  # noqa: E402
+from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
     find_run_config as find_run_config,
 )
 from megalab.utils.safe_config import upgrade_backbone_targets  # noqa: E402
 
 log = logging.getLogger(__name__)
+
+# `paths.root_dir` (data, logs) is the folder `megalab-train` uses, wherever this runs from.
+export_project_root()
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

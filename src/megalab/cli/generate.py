@@ -47,9 +47,12 @@ from megalab.run_loading import load_task as load_task
 from megalab.run_loading import merge_run_config
 from megalab.run_loading import pick_device as pick_device
 from megalab.utils import errors
-from megalab.utils.paths import CONFIG_DIR
+from megalab.utils.paths import CONFIG_DIR, export_project_root
 
 log = logging.getLogger(__name__)
+
+# `paths.root_dir` (data, logs) is the folder `megalab-train` uses, wherever this runs from.
+export_project_root()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

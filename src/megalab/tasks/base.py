@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypedDict, cast
 import lightning as L
 import numpy as np
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
@@ -216,13 +217,20 @@ class TaskBase(L.LightningModule):
 
     def _same_processes(self, ranks: list[Any], saved: str, otherwise: str) -> bool:
         """Whether per-process states saved by `len(ranks)` processes match this run's number of
-        processes; if not, a warning says what is `saved` and what happens `otherwise`."""
+        processes; if not, a warning says what is `saved` and what happens `otherwise` (when
+        resuming training only: a test or an evaluation of the weights continues nothing)."""
         world = self.trainer.world_size if self._trainer is not None else 1
         if len(ranks) == world:
             return True
-        log.warning(
-            "%s comes from %d process(es), this run has %d: %s", saved, len(ranks), world, otherwise
-        )
+        fitting = self._trainer is None or self.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            log.warning(
+                "%s comes from %d process(es), this run has %d: %s",
+                saved,
+                len(ranks),
+                world,
+                otherwise,
+            )
         return False
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
