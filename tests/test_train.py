@@ -381,6 +381,29 @@ def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> N
     assert proc.stdout.count("test/acc = ") == 1, proc.stdout
 
 
+def test_ddp_cpu_missing_data_is_one_message_last(tmp_path: Path) -> None:
+    """Rank zero alone prepares the data and finds it missing; the other process, waiting for
+    it, is stopped rather than ending in a traceback of its own after the message."""
+    proc = run_cli(
+        "-m",
+        "megalab.cli.train",
+        *FAST,
+        "trainer=ddp_cpu",
+        "trainer.max_steps=2",
+        "data.batch_size=4",
+        "data.generate_if_missing=false",
+        f"paths.data_dir={tmp_path / 'no_data'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "GLOBAL_RANK: 1" in said, said[-3000:]
+    assert "Traceback" not in said and "Connection closed" not in said, said[-3000:]
+    assert said.count("Error:") == 1, said[-3000:]
+    last = proc.stderr.strip().splitlines()[-2]
+    assert last.startswith("Error: LRA ListOps files missing"), proc.stderr[-3000:]
+
+
 def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) -> None:
     from megalab.cli.eval import merge_run_config
 

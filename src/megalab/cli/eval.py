@@ -94,7 +94,10 @@ def _evaluate_in(cfg: DictConfig) -> dict[str, Any]:
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(cfg.trainer, logger=loggers or False, callbacks=[])
     set_verification(trainer, cfg.get("ckpt_verify", True))
-    with run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED):
+    with (
+        run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED),
+        run_utils.launched_processes_stopped_on_user_error(trainer),
+    ):
         results = trainer.test(task, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()}
     record = {"ckpt_path": str(cfg.ckpt_path), "metrics": metrics}

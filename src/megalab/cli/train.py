@@ -120,6 +120,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         with (
             shared_with_launched_processes(objs["memory_plan"]),  # DDP ranks: the same plan
             run_utils.untrue_warnings_silenced(*untrue),
+            run_utils.launched_processes_stopped_on_user_error(trainer),
         ):
             trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
         fit_metrics = {k: run_utils.to_number(v) for k, v in trainer.callback_metrics.items()}
@@ -137,7 +138,10 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
             log.warning(
                 "no best checkpoint (%s): testing the final weights", _why_no_best(cfg, trainer)
             )
-        with run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED):
+        with (
+            run_utils.untrue_warnings_silenced(run_utils.CALLBACKS_NOT_RESTORED),
+            run_utils.launched_processes_stopped_on_user_error(trainer),
+        ):
             results = trainer.test(task, datamodule=datamodule, ckpt_path=best_path)
         test_metrics = {
             k: run_utils.to_number(v) for k, v in (results[0] if results else {}).items()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import lightning as L
 import torch
 from lightning import Callback
 from lightning.pytorch.callbacks import ProgressBar
@@ -130,6 +131,32 @@ def log_from_rank_zero() -> None:
     for handler in logging.getLogger().handlers:
         if not any(isinstance(f, _RankZeroOnly) for f in handler.filters):
             handler.addFilter(_RankZeroOnly())
+
+
+@contextmanager
+def launched_processes_stopped_on_user_error(trainer: L.Trainer) -> Iterator[None]:
+    """Around `trainer.fit` / `trainer.test`: when this process started the run's other
+    processes itself (Lightning's launcher of `trainer=ddp`, `fsdp`, `ddp_cpu`, ... on one
+    machine) and stops on an error the user can act on (a dataset missing, found by rank zero
+    alone as it prepares the data), stop them too, as Lightning does on Ctrl-C. Each would
+    otherwise end in a traceback of its own ("Connection closed by peer") printed after the
+    message, which would then be neither last nor alone. Other errors are left as they are."""
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
+
+    from megalab.utils.errors import actionable
+
+    try:
+        yield
+    except Exception as err:
+        launcher = trainer.strategy.launcher
+        if isinstance(launcher, _SubprocessScriptLauncher) and actionable(err) is not None:
+            for process in getattr(launcher, "procs", []):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+        raise
 
 
 # megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
