@@ -66,6 +66,25 @@ def test_classification_task_builds_its_head_from_the_backbone_width() -> None:
     torch.testing.assert_close(task(tokens2, mask), logits)
 
 
+def test_evaluation_loss_is_the_mean_over_examples_not_over_batches() -> None:
+    """val/test loss over batches of 5 and 2 examples (a last, smaller batch) is the mean of
+    the 7 examples' losses. torchmetrics' MeanMetric(nan_strategy="disable") drops the weight
+    it is given, which made it the mean of the two batch means."""
+    torch.manual_seed(0)
+    task = ClassificationTask(*_parts(), num_classes=3).eval()
+    batches = [
+        {"inputs": torch.randint(1, 12, (n, 6)), "targets": torch.randint(0, 3, (n,))}
+        for n in (5, 2)
+    ]
+    with torch.no_grad():
+        for batch in batches:
+            task._step(batch, "test")
+        logits = torch.cat([task(b["inputs"]) for b in batches])
+    targets = torch.cat([b["targets"] for b in batches])
+    expected = torch.nn.functional.cross_entropy(logits, targets)
+    torch.testing.assert_close(task.losses["test_loss"].compute(), expected)
+
+
 def test_retrieval_task_combines_two_documents() -> None:
     for combine, width in (("concat", 16), ("nli", 32)):
         task = RetrievalTask(*_parts(), num_classes=3, combine=combine)

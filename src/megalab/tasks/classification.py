@@ -87,7 +87,10 @@ class ClassificationTask(SequenceTask):
         hard = targets.argmax(-1) if targets.is_floating_point() else targets
         n = logits.shape[0]
         aux_loss = self.aux_loss(out, split, n)
-        self.losses[f"{split}_loss"](loss.detach(), n)
+        # The batch mean once per example: the epoch's loss is the mean over examples however
+        # the batches fall. (MeanMetric(nan_strategy="disable"), which keeps NaN checks and
+        # their host syncs out of the step, ignores a `weight` argument: torchmetrics 1.9.)
+        self.losses[f"{split}_loss"](loss.detach().expand(n))
         self.accs[f"{split}_acc"](logits.detach(), hard)
         for name, metric in (
             ("loss", self.losses[f"{split}_loss"]),
