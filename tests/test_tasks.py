@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import functools
 
+import lightning as L
 import pytest
 import torch
 from torch import nn
 
+from megalab.models.base import BackboneOutput
 from megalab.models.transformer.model import TransformerConfig
 from megalab.nn.embedding import FeatureEmbedding, SequenceEncoder, init_bert_params
 from megalab.nn.heads import ClassificationHead, masked_mean, pool
 from megalab.tasks import ClassificationTask, RetrievalTask
-from megalab.tasks.base import NonFiniteLossError
+from megalab.tasks.base import NonFiniteLossError, SequenceTask
 
 
 def test_pooling_modes_respect_lengths() -> None:
@@ -83,6 +85,39 @@ def test_evaluation_loss_is_the_mean_over_examples_not_over_batches() -> None:
     targets = torch.cat([b["targets"] for b in batches])
     expected = torch.nn.functional.cross_entropy(logits, targets)
     torch.testing.assert_close(task.losses["test_loss"].compute(), expected)
+
+
+class _RankAux(L.LightningModule):
+    """Logs its rank as a backbone's aux value through `SequenceTask.aux_loss`, one example each."""
+
+    aux_loss = SequenceTask.aux_loss
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(()))
+
+    def step(self, split: str) -> None:
+        rank = torch.tensor([float(self.global_rank)] * 2)  # per layer: two layers
+        self.aux_loss(BackboneOutput(self.w.expand(1, 1, 1), None, {"share": rank}), split, 1)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.step("test")
+
+    def test_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.zeros(1, 1), batch_size=1)
+
+
+def test_evaluation_aux_values_are_averaged_over_ddp_processes() -> None:
+    """A backbone's aux values in a test (SeqBoat's activation share, its attention span) are
+    the mean over both processes' batches, not rank zero's alone."""
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    (results,) = trainer.test(_RankAux())
+    assert results == {
+        "test/aux/share": 0.5, "test/aux/share/layer0": 0.5, "test/aux/share/layer1": 0.5
+    }  # fmt: skip
 
 
 def test_retrieval_task_combines_two_documents() -> None:

@@ -378,7 +378,9 @@ class SequenceTask(TaskBase):
         """Log the backbone's `aux` values under `{split}/aux/...`; return its "loss" if any.
 
         A value with one entry per layer is logged per layer (`.../name/layer{i}`) and as its
-        mean (`.../name`). Training adds the returned loss to the task's loss.
+        mean (`.../name`). Training adds the returned loss to the task's loss. Under DDP an
+        evaluation's values are averaged over every process's batches (training's stay each
+        process's own: a reduction per value and step would cost a collective each).
         """
         loss = out.aux.get("loss")
         for name, value in out.aux.items():
@@ -388,9 +390,10 @@ class SequenceTask(TaskBase):
             if value.dim() and value.numel() > 1:
                 for i, v in enumerate(value.flatten()):
                     self.log(f"{key}/layer{i}", v, on_step=on_step, on_epoch=True,
-                             batch_size=batch_size)  # fmt: skip
+                             batch_size=batch_size, sync_dist=not on_step)  # fmt: skip
                 value = value.mean()
-            self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size)
+            self.log(key, value.reshape(()), on_step=on_step, on_epoch=True, batch_size=batch_size,
+                     sync_dist=not on_step)  # fmt: skip
         return loss
 
 
