@@ -1,4 +1,4 @@
-"""The two Lightning internals megalab relies on, checked against the installed Lightning.
+"""The Lightning internals megalab relies on, checked against the installed Lightning.
 
 `pyproject.toml` bounds Lightning below the next minor version; before raising the bound, these
 tests must pass with the new version:
@@ -12,11 +12,15 @@ tests must pass with the new version:
    under `loops.fit_loop` (cleared by `close_finished_epoch`), and the fit loop's `_restarting`,
    the epoch loop's `restarting` and `reset_restart_stage` still let a resumed run enter its
    next epoch afresh (`start_next_epoch`).
+4. `_SubprocessScriptLauncher.procs` (emptied by `launched_processes_stopped_on_user_error`
+   after it kills the processes on bad input) is the list Lightning's child-process observer
+   watches, so the observer ends instead of killing the launching process before it prints.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -182,3 +186,37 @@ def test_a_finished_run_resumed_for_longer_runs_its_next_epoch_in_full(tmp_path:
     assert [done for _, done in loader.seen] == [0], "the next epoch must skip no batch"
     assert longer.current_epoch == 2 and longer.global_step == 13
     assert longer.fit_loop.epoch_loop.batch_progress.current.processed == 10
+
+
+def test_launched_processes_stopped_on_user_error_leave_the_launcher_alive() -> None:
+    """On bad input the processes Lightning launched are killed, and Lightning's observer of
+    them (which kills the launching process when a child dies) lets the launcher live to
+    print its message. Here the observer watches a stand-in for the launching process."""
+    import subprocess as sp
+    from types import SimpleNamespace
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.pytorch.strategies.launchers.subprocess_script import (
+        _SubprocessScriptLauncher,
+    )
+
+    from megalab.utils.errors import UserError
+    from megalab.utils.run import launched_processes_stopped_on_user_error
+
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=2, num_nodes=1)
+    child = sp.Popen(["sleep", "60"])
+    launching = sp.Popen(["sleep", "60"])  # what the observer kills when a child dies
+    launcher.procs.append(child)
+    _ChildProcessObserver(launching.pid, launcher.procs, sleep_period=0.05).start()
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher))
+    try:
+        with pytest.raises(UserError), launched_processes_stopped_on_user_error(trainer):
+            raise UserError("dataset missing")
+        assert child.poll() is not None  # killed
+        time.sleep(0.5)  # ten rounds of the observer
+        assert launching.poll() is None, "the observer killed the launching process"
+    finally:
+        for process in (child, launching):
+            process.kill()
+            process.wait()
