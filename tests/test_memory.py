@@ -472,6 +472,8 @@ def test_a_gpu_trainer_without_cuda_fails_early_in_one_message(
     err = capsys.readouterr().err
     assert err.count("Error: ") == 1 and "Traceback" not in err
     assert "no CUDA device is visible" in err and "trainer=cpu" in err and "trainer=default" in err
+    # A layout with a CPU counterpart names it.
+    assert ("trainer=ddp_cpu (trainer=ddp's layout on CPU processes)" in err) == (trainer == "ddp")
 
 
 def test_an_accumulation_that_does_not_divide_the_batch_fails_early(compose_cfg) -> None:

@@ -25,6 +25,8 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megalab.utils.paths import CONFIG_DIR
+
 log = logging.getLogger(__name__)
 
 
@@ -179,12 +181,26 @@ def check_accelerator(cfg: DictConfig) -> None:
     accelerator = str(cfg.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None else "torch with CUDA"
+        layout = ""
+        choice = _trainer_choice()
+        if choice and (CONFIG_DIR / "trainer" / f"{choice}_cpu.yaml").is_file():
+            layout = f", or with trainer={choice}_cpu (trainer={choice}'s layout on CPU processes)"
         raise ConfigError(
             f"trainer.accelerator={accelerator} asks for a CUDA GPU, but no CUDA device is "
             f"visible to this process ({build} {torch.__version__}). Train on the CPU with "
-            "trainer=cpu (or trainer=default, which takes a GPU only when there is one), or run "
-            "on a machine where torch.cuda.is_available() is true"
+            "trainer=cpu (or trainer=default, which takes a GPU only when there is one)"
+            f"{layout}, or run on a machine where torch.cuda.is_available() is true"
         )
+
+
+def _trainer_choice() -> str | None:
+    """The `trainer` option of the Hydra run composing this process's config, if any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    choice = HydraConfig.get().runtime.choices.get("trainer")
+    return str(choice) if choice else None
 
 
 def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
