@@ -502,6 +502,23 @@ def test_a_setting_that_cannot_be_resolved_is_named(compose_cfg) -> None:
         validate(compose_cfg("+task.extra=${model.nothing}"))
 
 
+def test_an_option_that_is_not_there_lists_the_nested_ones() -> None:
+    """Hydra lists only a group's top folder ("Available options in 'experiment': quickstart");
+    the hint names the close options in every folder, and those of the folder asked for."""
+    from megalab.utils.errors import explain_composition_error
+
+    hint = explain_composition_error("train", ["experiment=megalodon/enwik8"])
+    assert hint is not None
+    first, folder = hint.splitlines()
+    assert "did you mean: experiment=lamemo/enwik8, experiment=mega/enwik8" in first
+    assert folder.startswith("The options under experiment/megalodon/: imagenet, lra_image")
+    assert "wikitext103" in folder
+    hint = explain_composition_error("train", ["model=megalodon/7B"])
+    assert hint is not None and "did you mean: model=megalodon/7b" in hint
+    hint = explain_composition_error("eval", ["ckpt_path=x", "experiment=nothing"])
+    assert hint is not None and "more options of experiment in its folders: lamemo, llama" in hint
+
+
 def test_misspelled_key_lists_the_closest(fixture_data_dir: Path) -> None:
     from megalab.utils.errors import explain_composition_error
 

@@ -239,6 +239,9 @@ def explain_composition_error(config_name: str, argv: Sequence[str]) -> str | No
                 return None
             except HydraException as err:
                 message = "\n".join(str(e) for e in _chain(err))
+            missing = re.search(r"Could not find '([^'/]+)/([^']+)'", message)
+            if missing:
+                return missing_option_hint(*missing.groups())
             key = _bad_key(message)
             if key is None or "Could not find" in message:
                 return None
@@ -253,6 +256,35 @@ def explain_composition_error(config_name: str, argv: Sequence[str]) -> str | No
     if not near:
         return f"'{key}' is not a key of this configuration"
     return f"'{key}' is not a key of this configuration; did you mean: " + ", ".join(near) + "?"
+
+
+def missing_option_hint(group: str, name: str, n: int = 5) -> str | None:
+    """After `group=name` named no config: the closest options of the group, nested folders
+    included (Hydra's own list, "Available options", shows only the group's top folder, so
+    `experiment=megalodon/enwik8` was told only of `quickstart`)."""
+    from megalab.utils.paths import CONFIG_DIR
+
+    folder = CONFIG_DIR / group
+    if not folder.is_dir():
+        return None
+    options = sorted(
+        p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml")
+    )
+    leaf = name.rpartition("/")[2]
+    near = [o for o in options if o.rpartition("/")[2] == leaf]  # the same name elsewhere
+    near += [o for o in difflib.get_close_matches(name, options, n=n, cutoff=0.6) if o not in near]
+    hint = f"'{name}' is not an option of {group}"
+    if near:
+        hint += "; did you mean: " + ", ".join(f"{group}={o}" for o in near[:n]) + "?"
+    here = name.rpartition("/")[0]
+    inside = [o.rpartition("/")[2] for o in options if o.rpartition("/")[0] == here]
+    if here and inside:
+        hint += f"\nThe options under {group}/{here}/: " + ", ".join(inside)
+    else:
+        folders = sorted({o.partition("/")[0] for o in options if "/" in o})
+        if folders:
+            hint += f"\n(more options of {group} in its folders: " + ", ".join(folders) + ")"
+    return hint
 
 
 def task_started() -> bool:
