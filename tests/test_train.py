@@ -55,6 +55,28 @@ def test_a_run_prints_nothing_of_lightning_that_is_not_about_it(
     assert not [w for w in caught if "LeafSpec" in str(w.message)]
 
 
+def test_the_sync_dist_hint_is_dropped_for_evaluation_values_only() -> None:
+    """Lightning's DDP hint to log with `sync_dist=True` is untrue of megalab's validation and
+    test values (already reduced over the processes); for others it still shows."""
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    from megalab.utils.run import quiet_lightning
+
+    def hint(name: str) -> str:  # Lightning's text (logger_connector/result.py)
+        return (
+            f"It is recommended to use `self.log({name!r}, ..., sync_dist=True)` when logging "
+            "on epoch level in distributed setting to accumulate the metric across devices."
+        )
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_lightning()
+        for name in ("val/loss", "test/ppl", "val/bleu", "train/aux/tau", "my/metric"):
+            warnings.warn(hint(name), PossibleUserWarning, stacklevel=1)
+    shown = [str(w.message).split("'")[1] for w in caught]
+    assert shown == ["train/aux/tau", "my/metric"]
+
+
 def test_other_ranks_keep_only_megalabs_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """`log_from_rank_zero`: on a DDP rank other than zero, megalab's info and warnings are
     dropped (rank zero says them), its errors and other libraries' records pass."""

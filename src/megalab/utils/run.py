@@ -85,6 +85,13 @@ LIGHTNING_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 (`lightning.pytorch.utilities._pytree`) on every batch transfer: nothing a user can change."""
 
 
+LIGHTNING_SYNC_DIST = r"It is recommended to use `self.log\('(val|test)/"
+"""Under DDP, Lightning suggests `sync_dist=True` for every tensor logged per epoch. megalab's
+validation and test values are already the whole run's: torchmetrics states reduced over the
+processes (accuracy, loss, the language models' and translation's sums, BLEU), SacreBLEU of the
+gathered translations, and the aux values logged with `sync_dist`."""
+
+
 class _DropPrefix(logging.Filter):
     """Drops the log records whose message starts with `prefix`."""
 
@@ -97,14 +104,15 @@ class _DropPrefix(logging.Filter):
 
 
 def quiet_lightning() -> None:
-    """Drop `LIGHTNING_TIP` messages and the `LIGHTNING_LEAFSPEC` warning from this process's
-    output; every other message of Lightning still shows. Called again, it adds nothing."""
+    """Drop `LIGHTNING_TIP` messages and the `LIGHTNING_LEAFSPEC` and `LIGHTNING_SYNC_DIST`
+    warnings from this process's output; every other message of Lightning still shows."""
     rank_zero_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(f, _DropPrefix) for f in rank_zero_log.filters):
         rank_zero_log.addFilter(_DropPrefix(LIGHTNING_TIP))
     warnings.filterwarnings(
         "ignore", message=LIGHTNING_LEAFSPEC, category=FutureWarning, module="lightning"
     )
+    warnings.filterwarnings("ignore", message=LIGHTNING_SYNC_DIST)
 
 
 def is_rank_zero() -> bool:
