@@ -241,7 +241,7 @@ def explain_composition_error(config_name: str, argv: Sequence[str]) -> str | No
                 message = "\n".join(str(e) for e in _chain(err))
             missing = re.search(r"Could not find '([^'/]+)/([^']+)'", message)
             if missing:
-                return missing_option_hint(*missing.groups())
+                return missing_option_hint(missing.group(1), missing.group(2))
             key = _bad_key(message)
             if key is None or "Could not find" in message:
                 return None
