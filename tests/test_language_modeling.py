@@ -75,6 +75,17 @@ def make_task(backbone: nn.Module | None = None, head: nn.Module | None = None, 
     return LanguageModelingTask(encoder, backbone or Recurrent(4), head, optim=optim, **kwargs)
 
 
+def test_the_loss_sums_stay_float64_when_the_task_is_cast_to_16_bits() -> None:
+    """`trainer.precision=bf16-true` casts the module with `.to(torch.bfloat16)`; the NLL and
+    token sums behind the loss and perplexity stay float64 (1e6 + 1 is 999,424 in bfloat16)."""
+    task = make_task().to(torch.bfloat16)
+    assert {m.sum_value.dtype for m in task.sums.values()} == {torch.float64}
+    nll = task.sums["val_nll"]
+    nll(torch.tensor(1e6, dtype=torch.float64))
+    nll(torch.tensor(1.0, dtype=torch.float64))
+    assert nll.compute().item() == 1_000_001.0
+
+
 def batch(inputs, reset=False, group=0, **extra) -> dict[str, Tensor]:
     inputs = torch.as_tensor(inputs)
     out = {

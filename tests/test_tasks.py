@@ -87,6 +87,25 @@ def test_evaluation_loss_is_the_mean_over_examples_not_over_batches() -> None:
     torch.testing.assert_close(task.losses["test_loss"].compute(), expected)
 
 
+def test_metric_states_keep_their_dtype_when_the_task_is_cast_to_16_bits() -> None:
+    """`trainer.precision=bf16-true` casts the module with `.to(torch.bfloat16)`. The loss's
+    sum and example count stay float32: in bfloat16 the count stops at 256 (256 + 1 == 256)."""
+    torch.manual_seed(0)
+    task = ClassificationTask(*_parts(), num_classes=3).eval().to(torch.bfloat16)
+    loss = task.losses["test_loss"]
+    assert loss.mean_value.dtype == torch.float32 and loss.weight.dtype == torch.float32
+    assert next(task.encoder.parameters()).dtype == torch.bfloat16  # the model is cast
+    losses = []
+    with torch.no_grad():
+        for _ in range(300):
+            batch = {"inputs": torch.randint(1, 12, (1, 6)), "targets": torch.randint(0, 3, (1,))}
+            logits = task(batch["inputs"])
+            losses.append(torch.nn.functional.cross_entropy(logits.float(), batch["targets"]))
+            task._step(batch, "test")
+    assert loss.weight.item() == 300
+    torch.testing.assert_close(loss.compute(), torch.stack(losses).mean())
+
+
 class _RankAux(L.LightningModule):
     """Logs its rank as a backbone's aux value through `SequenceTask.aux_loss`, one example each."""
 

@@ -86,6 +86,26 @@ class TaskOptions(TypedDict, total=False):
     compile: bool
 
 
+def _state_dtypes(metric: Metric) -> dict[str, torch.dtype]:
+    """The dtype of each floating tensor state of `metric` (a list state: its default's)."""
+    dtypes: dict[str, torch.dtype] = {}
+    for key, default in metric._defaults.items():
+        state = getattr(metric, key)
+        sample = state if isinstance(state, Tensor) else default
+        if isinstance(sample, Tensor) and sample.is_floating_point():
+            dtypes[key] = sample.dtype
+    return dtypes
+
+
+def _cast_state(state: Any, dtype: torch.dtype) -> Any:
+    """A metric state (a tensor or a list of tensors) in `dtype`."""
+    if isinstance(state, Tensor):
+        return state.to(dtype) if state.is_floating_point() else state
+    if isinstance(state, list):
+        return [_cast_state(s, dtype) for s in state]
+    return state
+
+
 class TaskBase(L.LightningModule):
     """What every task shares, whatever its model: optimizer and schedule from config,
     throughput, loud failures, compilation and exact resume.
@@ -119,6 +139,25 @@ class TaskBase(L.LightningModule):
         self._pending_metric_states: dict[str, Any] | None = None
         # The training step of the last checkpoint loaded (a test-only run records it).
         self.checkpoint_step: int | None = None
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> TaskBase:
+        """Move and cast as `nn.Module` does, but leave the dtype of every metric's state as it
+        was made (float32, or float64 for the language models' sums).
+
+        Lightning's `bf16-true` and `16-true` precisions cast the whole module with
+        `.to(dtype)`, which torchmetrics lets through to its states (it guards only `.half()`
+        and the like): losses, perplexities and example counts would then accumulate in 16 bits,
+        where 256 + 1 == 256. Only the states' device follows `fn`.
+        """
+        metrics = [m for m in self.modules() if isinstance(m, Metric)]
+        kept = [(m, m._dtype, _state_dtypes(m)) for m in metrics]
+        out = super()._apply(fn, recurse)
+        for metric, dtype, states in kept:
+            metric._dtype = dtype
+            for key, state_dtype in states.items():
+                metric._defaults[key] = _cast_state(metric._defaults[key], state_dtype)
+                setattr(metric, key, _cast_state(getattr(metric, key), state_dtype))
+        return out
 
     def record_extras(self) -> dict[str, Any]:
         """What a run's `metrics.json` and `eval_metrics.json` record beside the logged metrics
