@@ -85,11 +85,15 @@ LIGHTNING_LEAFSPEC = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 (`lightning.pytorch.utilities._pytree`) on every batch transfer: nothing a user can change."""
 
 
-LIGHTNING_SYNC_DIST = r"It is recommended to use `self.log\('(val|test)/"
-"""Under DDP, Lightning suggests `sync_dist=True` for every tensor logged per epoch. megalab's
-validation and test values are already the whole run's: torchmetrics states reduced over the
-processes (accuracy, loss, the language models' and translation's sums, BLEU), SacreBLEU of the
-gathered translations, and the aux values logged with `sync_dist`."""
+LIGHTNING_SYNC_DIST = r"It is recommended to use `self.log\('(train|val|test)/"
+"""Under DDP, Lightning suggests `sync_dist=True` for every tensor logged per epoch, once per
+name (a SeqBoat run: three per layer). It is advice to the code that logs, and megalab's logging
+is settled: validation and test values are already the whole run's (torchmetrics states reduced
+over the processes: accuracy, loss, the language models' and translation's sums, BLEU; SacreBLEU
+of the gathered translations; the aux values logged with `sync_dist`), and training values
+logged step by step (a language model's loss, the aux values) are each process's own, their
+epoch means rank zero's, as `docs/cluster.md` says: reducing them would cost a collective per
+value and step."""
 
 
 class _DropPrefix(logging.Filter):
