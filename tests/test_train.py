@@ -17,7 +17,7 @@ import pytest
 import torch
 from lightning import Callback
 
-from conftest import FAST, run_cli
+from conftest import FAST, ROOT, run_cli
 from megalab.cli.eval import evaluate
 from megalab.cli.train import train
 from megalab.utils.checkpointing import RunInterrupted
@@ -425,6 +425,36 @@ def test_ddp_cpu_missing_data_is_one_message_last(tmp_path: Path) -> None:
     assert said.count("Error:") == 1, said[-3000:]
     last = proc.stderr.strip().splitlines()[-2]
     assert last.startswith("Error: LRA ListOps files missing"), proc.stderr[-3000:]
+
+
+def test_ddp_cpu_signal_to_one_process_stops_all_with_one_message(
+    fixture_data_dir: Path, tmp_path: Path
+) -> None:
+    """SIGINT reaches rank 1 alone (`kill -INT <pid>`): both processes save and stop at the
+    same step, and the message, once and from rank zero, names the signal that arrived (rank
+    zero said SIGTERM of a signal it had not received) with the exit status of SIGINT."""
+    proc = run_cli(
+        "-m",
+        "megalab.cli.train",
+        *FAST,
+        "trainer=ddp_cpu",
+        "trainer.max_steps=50",
+        "data.batch_size=4",
+        "+callbacks.fault._target_=faults.Fault",
+        "+callbacks.fault.phase=step",
+        "+callbacks.fault.step=2",
+        "+callbacks.fault.how=int",
+        "+callbacks.fault.rank=1",
+        f"paths.data_dir={fixture_data_dir}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests/reliability")])},
+    )
+    assert proc.returncode == 128 + signal.SIGINT, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert said.count("Error:") == 1, said[-3000:]
+    assert "Error: SIGINT received: training stopped at step" in said, said[-3000:]
+    assert "ckpt_path=last" in proc.stderr.splitlines()[-1]
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_eval_uses_the_run_config_with_overrides(compose_cfg, tmp_path: Path) -> None:

@@ -71,17 +71,17 @@ class Fault(L.Callback):
     """At `phase` (once `trainer.global_step >= step`), deliver `how` to this process.
 
     `how`: "kill" (SIGKILL: nothing runs after it), "term" (SIGTERM), "int" (SIGINT) or "usr1"
-    (SIGUSR1: the requeue signal of a SLURM job).
+    (SIGUSR1: the requeue signal of a SLURM job); `rank`: only that process (default: all).
     Phases: `step` (after an optimizer step), `validation` (mid-validation batch), `epoch_end`
     (in the epoch-end hooks), `test` (a test batch), `checkpoint` (after the temporary file of
     a checkpoint is complete, before its rename), `checkpoint_partial` (half-way through the
     bytes of a checkpoint).
     """
 
-    def __init__(self, phase: str, step: int = 1, how: str = "kill") -> None:
+    def __init__(self, phase: str, step: int = 1, how: str = "kill", rank: int | None = None):
         if phase not in PHASES:
             raise ValueError(f"unknown phase {phase!r}; one of {PHASES}")
-        self.phase, self.step, self.how = phase, step, how
+        self.phase, self.step, self.how, self.rank = phase, step, how, rank
         self.done = False
 
     def _fire(self) -> None:
@@ -98,8 +98,10 @@ class Fault(L.Callback):
 
     def _due(self, trainer: L.Trainer) -> bool:
         # Every process of a distributed run dies at the same point (a node failure), except
-        # in a checkpoint write, which only rank 0 does.
+        # in a checkpoint write, which only rank 0 does, and where `rank` names the one process.
         if self.phase.startswith("checkpoint") and not trainer.is_global_zero:
+            return False
+        if self.rank is not None and trainer.global_rank != self.rank:
             return False
         return trainer.global_step >= self.step
 

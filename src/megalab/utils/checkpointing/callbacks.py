@@ -168,16 +168,17 @@ def _requeue_slurm_job() -> None:
         log.warning("requeueing SLURM job %s failed (scontrol exit status %d)", job_id, result)
 
 
-def _any_rank(trainer: L.Trainer, flags: list[bool]) -> list[bool]:
-    """Element-wise OR of `flags` over all processes (one small all-reduce when distributed)."""
+def _max_over_ranks(trainer: L.Trainer, values: list[int]) -> list[int]:
+    """Element-wise maximum of `values` over all processes (one small all-reduce when
+    distributed): of flags, whether any process has it; of signal numbers, one that arrived."""
     if trainer.world_size <= 1 or not torch.distributed.is_initialized():
-        return flags
+        return values
     device = trainer.strategy.root_device
     if torch.distributed.get_backend() == "gloo":
         device = torch.device("cpu")
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    t = torch.tensor(values, dtype=torch.int32, device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return [bool(v) for v in t.tolist()]
+    return [int(v) for v in t.tolist()]
 
 
 # -- last.ckpt ------------------------------------------------------------------------------------
@@ -216,7 +217,7 @@ class LastCheckpoint(Checkpoint):
         self._last_saved_step = -1
         self._pending = False
         self._signal: int | None = None
-        self._requeue = False
+        self._signal_elsewhere: int | None = None  # received by another process of the run
         self._previous_handlers: dict[int, Any] = {}
         self._resume_state: dict[str, Any] | None = None
         self._saved_results: list[dict[str, Any]] = []
@@ -377,7 +378,6 @@ class LastCheckpoint(Checkpoint):
             os.kill(os.getpid(), signum)
             return
         self._signal = signum
-        self._requeue = signum not in (signal.SIGINT, signal.SIGTERM)
         name = signal.Signals(signum).name
         log.warning(
             "%s received: saving %s after the current step, then stopping (send it again to "
@@ -391,13 +391,14 @@ class LastCheckpoint(Checkpoint):
         """(save now?, stop after saving?) for the step that just finished, on every rank."""
         step = trainer.global_step
         by_steps = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
-        by_time = (
+        clock_due = (
             self.every_n_minutes is not None
             and trainer.is_global_zero
             and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
         )
-        signalled, by_time = _any_rank(trainer, [self._signal is not None, bool(by_time)])
-        return by_steps or by_time or signalled or self._pending, signalled
+        signum, by_time = _max_over_ranks(trainer, [self._signal or 0, int(clock_due)])
+        signalled = self._signalled_anywhere(signum)
+        return by_steps or bool(by_time) or signalled or self._pending, signalled
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
@@ -425,7 +426,8 @@ class LastCheckpoint(Checkpoint):
         if trainer.state.fn != "fit" or trainer.sanity_checking or trainer.fast_dev_run:  # type: ignore[attr-defined]
             return
         # A signal during validation is acted on once the validation is complete.
-        (signalled,) = _any_rank(trainer, [self._signal is not None])
+        (signum,) = _max_over_ranks(trainer, [self._signal or 0])
+        signalled = self._signalled_anywhere(signum)
         if self._pending or signalled:
             self._save(trainer, signalled, "validation_end")
 
@@ -460,10 +462,20 @@ class LastCheckpoint(Checkpoint):
         if stop:
             self._stop(trainer)
 
+    def _signalled_anywhere(self, signum: int) -> bool:
+        """Whether a process of the run got a signal (`signum`, the largest number of those
+        that arrived); this one takes it as its own, so every process stops on the signal a
+        process received (a kill of rank zero alone: SIGINT everywhere, not SIGTERM)."""
+        if signum and self._signal is None:
+            self._signal_elsewhere = signum
+        return bool(signum)
+
     def _stop(self, trainer: L.Trainer) -> None:
-        signum = self._signal if self._signal is not None else signal.SIGTERM
+        signum = self._signal or self._signal_elsewhere or signal.SIGTERM
         name = signal.Signals(signum).name
-        if self._requeue and trainer.is_global_zero:
+        # The requeue signal (handled beside SIGINT and SIGTERM only where SLURM requeues),
+        # whichever process it reached.
+        if signum not in (signal.SIGINT, signal.SIGTERM) and trainer.is_global_zero:
             _requeue_slurm_job()
         message = (
             f"{name} received: training stopped at step {trainer.global_step}; {self.path} holds it"
