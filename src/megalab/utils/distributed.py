@@ -27,6 +27,14 @@ def slurm_environment(auto_requeue: bool = True, requeue_signal: str = "SIGUSR1"
     return SLURMEnvironment(auto_requeue=auto_requeue, requeue_signal=sig)
 
 
+def is_rank_zero() -> bool:
+    """Whether this process is global rank zero (the only process, outside DDP and FSDP): the
+    rank Lightning sets from the launcher's environment and again when the processes join."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    return getattr(rank_zero_only, "rank", 0) == 0
+
+
 def gather_from_ranks(obj: Any) -> list[Any]:
     """`obj` from every process, in rank order (a one-element list without distributed training).
 

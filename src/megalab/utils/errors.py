@@ -145,13 +145,6 @@ def _to_log_files(err: BaseException) -> list[str]:
     return files
 
 
-def _rank_zero() -> bool:
-    """Whether this process is global rank zero (the only one, outside DDP and FSDP)."""
-    from lightning.pytorch.utilities import rank_zero_only
-
-    return getattr(rank_zero_only, "rank", 0) == 0
-
-
 def print_error(message: str, where: Sequence[str] = ()) -> None:
     """The message, last on stderr (after flushing what came before)."""
     sys.stdout.flush()
@@ -170,7 +163,9 @@ def reported(exit_code: int = 1) -> Iterator[None]:
     try:
         yield
     except Interrupted as err:
-        if _rank_zero():  # every DDP/FSDP process stops at the same step: rank zero says so
+        from megalab.utils.distributed import is_rank_zero
+
+        if is_rank_zero():  # every DDP/FSDP process stops at the same step: rank zero says so
             print_error(err.message)
         raise SystemExit(err.code) from None
     except Exception as err:

@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megalab.utils.distributed import is_rank_zero
 from megalab.utils.paths import CONFIG_DIR
 
 log = logging.getLogger(__name__)
@@ -117,11 +118,6 @@ def quiet_lightning() -> None:
         "ignore", message=LIGHTNING_LEAFSPEC, category=FutureWarning, module="lightning"
     )
     warnings.filterwarnings("ignore", message=LIGHTNING_SYNC_DIST)
-
-
-def is_rank_zero() -> bool:
-    """Whether this process is global rank zero (the only process, outside DDP and FSDP)."""
-    return getattr(rank_zero_only, "rank", 0) == 0
 
 
 class _RankZeroOnly(logging.Filter):
