@@ -15,6 +15,11 @@ tests must pass with the new version:
 4. `_SubprocessScriptLauncher.procs` (emptied by `launched_processes_stopped_on_user_error`
    after it kills the processes on bad input) is the list Lightning's child-process observer
    watches, so the observer ends instead of killing the launching process before it prints.
+5. The launcher starts the other processes with `sys.argv` and `HydraConfig.get().run.dir`
+   (`_hydra_subprocess_cmd`), which `processes_launched_per_job` sets to one multirun job's,
+   and leaves `LOCAL_RANK` and the rest in the launching process's environment, which it
+   clears after the job: checked end to end by
+   `tests/test_train.py::test_multirun_with_a_trainer_that_starts_processes_runs_each_job_once`.
 """
 
 from __future__ import annotations

@@ -367,6 +367,46 @@ def test_multirun_gives_each_job_its_own_dir(fixture_data_dir: Path, tmp_path: P
     assert records[0]["params"]["total"] < records[1]["params"]["total"]
 
 
+def test_a_multirun_jobs_command_line_keeps_the_flags_and_takes_the_jobs_overrides() -> None:
+    from megalab.utils.run import single_run_argv
+
+    argv = ["megalab-train", "-m", "-cn", "train", "seed=1,2", "--config-dir=/c", "x.y=3"]
+    assert single_run_argv(argv, ["seed=2", "x.y=3"]) == [
+        "megalab-train", "-cn", "train", "--config-dir=/c", "seed=2", "x.y=3"
+    ]  # fmt: skip
+
+
+def test_multirun_with_a_trainer_that_starts_processes_runs_each_job_once(
+    fixture_data_dir: Path, tmp_path: Path
+) -> None:
+    """`-m trainer=ddp_cpu,cpu,ddp_cpu`: each two-process job starts its other process for
+    that job alone, and the next starts its own. Lightning relaunches the command line, `-m`
+    included: the other process ran a sweep of its own, in step only while every job had the
+    same processes (with `trainer=cpu,ddp_cpu` it trained job 0 again, into job 0's folder,
+    and the run was killed)."""
+    sweep = tmp_path / "sweep"
+    proc = run_cli(
+        "-m",
+        "megalab.cli.train",
+        "-m",
+        *FAST,
+        "trainer=ddp_cpu,cpu,ddp_cpu",  # after FAST's trainer=cpu
+        "trainer.max_steps=2",
+        "data.batch_size=4",
+        f"paths.data_dir={fixture_data_dir}",
+        f"paths.log_dir={tmp_path / 'logs'}",
+        f"hydra.sweep.dir={sweep}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert said.count("Launching 3 jobs locally") == 1, said[-3000:]
+    assert said.count("GLOBAL_RANK: 1") == 2, said[-3000:]
+    for job in ("0", "1", "2"):
+        assert read_metrics(sweep / job)["global_step"] == 2
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "2", "multirun.yaml"]
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.mark.slow
 def test_quickstart_beats_majority_class(tmp_path: Path) -> None:
     proc = run_cli(

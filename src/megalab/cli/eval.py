@@ -124,7 +124,7 @@ def hydra_main(cfg: DictConfig) -> None:
     run_utils.log_from_rank_zero()
     log_settings()
     overrides = list(HydraConfig.get().overrides.task)
-    with errors.reported():
+    with errors.reported(), run_utils.processes_launched_per_job():
         cfg = merge_run_config(cfg, overrides)
         record = evaluate(cfg)
     if is_rank_zero():  # every DDP/FSDP process ends here: print the numbers once

@@ -210,7 +210,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
     """Hydra entry point; returns the monitored metric for sweepers."""
     run_utils.log_from_rank_zero()
     log_settings()
-    with errors.reported():
+    with errors.reported(), run_utils.processes_launched_per_job():
         record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")

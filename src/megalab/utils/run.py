@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import tempfile
 import warnings
 from collections.abc import Iterator, Mapping
@@ -166,11 +167,78 @@ def launched_processes_stopped_on_user_error(trainer: L.Trainer) -> Iterator[Non
             launcher.kill(signal.SIGKILL)  # as Lightning's Ctrl-C path; they wait in a collective
             for process in launcher.procs:
                 process.wait()
-            # Lightning internal (4 of 4, hence the `lightning<2.7` bound in pyproject.toml):
+            # Lightning internal (4 of 5, hence the `lightning<2.7` bound in pyproject.toml):
             # its child-process observer polls this same list every 5 s and kills this process
             # when a child has died; emptied, it ends instead, so the message is shown.
             launcher.procs.clear()
         raise
+
+
+_HYDRA_VALUE_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir")
+# What Lightning's launcher sets in the launching process's environment before it starts the
+# other processes; left there, the next job of a multirun would take them as started already.
+_LAUNCH_ENV = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def single_run_argv(argv: list[str], job_overrides: list[str]) -> list[str]:
+    """The command line of one job of a Hydra multirun: `argv`'s program and Hydra flags (the
+    config path, name and folder), without `-m` and the sweep's overrides, then the job's own
+    overrides."""
+    out = [argv[0]]
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in ("-m", "--multirun") or not arg.startswith("-"):
+            continue  # the multirun flag, or an override: the job's own come last
+        out.append(arg)
+        if arg in _HYDRA_VALUE_FLAGS:
+            value = next(args, None)
+            if value is not None:
+                out.append(value)
+    return [*out, *job_overrides]
+
+
+@contextmanager
+def processes_launched_per_job() -> Iterator[None]:
+    """Around one job of a Hydra multirun (`megalab-train -m seed=1,2 trainer=ddp`): the other
+    processes a trainer starts (Lightning's launcher on one machine) run this job alone, and
+    are gone, with the process group, when it ends.
+
+    Lightning starts them with this process's command line, `-m` included: each ran a sweep of
+    its own, in step with this one only while every job had the same processes (a job on one
+    process was trained again by the others, into its folder, while this one waited for them
+    at the next job's rendezvous), and left a sweep folder of its own. Here the command line
+    they get is the job's (`single_run_argv`) and their run folder the job's; after the job
+    the next one starts its own. Processes started by a cluster (SLURM, torchrun) are left as
+    they are. Outside a multirun, this does nothing."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import read_write
+
+    launcher = "LOCAL_RANK" not in os.environ  # no process of this run was started yet
+    if not (launcher and HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN):
+        yield
+        return
+    root = HydraConfig.instance().cfg
+    assert isinstance(root, DictConfig)
+    hydra_cfg = root.hydra
+    argv, run_dir = list(sys.argv), hydra_cfg.run.dir
+    # Lightning internal (5 of 5, hence the `lightning<2.7` bound in pyproject.toml): the
+    # launcher builds the other processes' command line from
+    # `sys.argv` and `HydraConfig.get().run.dir` (`_hydra_subprocess_cmd`).
+    sys.argv = single_run_argv(argv, list(hydra_cfg.overrides.task))
+    with read_write(hydra_cfg), open_dict(hydra_cfg):
+        hydra_cfg.run.dir = hydra_cfg.runtime.output_dir
+    try:
+        yield
+    finally:
+        sys.argv = argv
+        with read_write(hydra_cfg), open_dict(hydra_cfg):
+            hydra_cfg.run.dir = run_dir
+        if "LOCAL_RANK" in os.environ:  # this job started processes: the next starts its own
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            for key in _LAUNCH_ENV:
+                os.environ.pop(key, None)
 
 
 # megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
