@@ -222,6 +222,7 @@ def processes_launched_per_job() -> Iterator[None]:
     assert isinstance(root, DictConfig)
     hydra_cfg = root.hydra
     argv, run_dir = list(sys.argv), hydra_cfg.run.dir
+    environment = {key: os.environ.get(key) for key in _LAUNCH_ENV}  # a user's MASTER_PORT
     # Lightning internal (5 of 5, hence the `lightning<2.7` bound in pyproject.toml): the
     # launcher builds the other processes' command line from
     # `sys.argv` and `HydraConfig.get().run.dir` (`_hydra_subprocess_cmd`).
@@ -237,8 +238,11 @@ def processes_launched_per_job() -> Iterator[None]:
         if "LOCAL_RANK" in os.environ:  # this job started processes: the next starts its own
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
-            for key in _LAUNCH_ENV:
-                os.environ.pop(key, None)
+            for key, value in environment.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 # megalab's own keys of the `trainer` group, which `lightning.Trainer` does not take
