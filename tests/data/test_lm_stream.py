@@ -239,5 +239,9 @@ def test_clear_errors_for_bad_settings_and_data() -> None:
         ArrayLM({"train": 60}, max_len=4, train_len_multiples=[2, 4], train_len_unit=2)
     with pytest.raises(ValueError, match=r"at most data.max_len"):
         RandomWindowBatches(positions(100), 1, 8, multiples=(2, 4), unit=4)
+    # When the data module is built (before a trainer starts its processes), not at training.
+    with pytest.raises(ValueError, match=r"train_len_unit=4 must give windows of at most"):
+        ArrayLM({"train": 60}, max_len=8, sampler="random", train_len_multiples=[2, 4],
+                train_len_unit=4)  # fmt: skip
     with pytest.raises(ValueError, match=r"d_input and data.num_classes"):
         ArrayLM({"train": 60}, max_len=4, num_classes=3)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -421,6 +421,18 @@ class EvalBatches(Dataset):
         return _batch(self.stream, index, index + 1, valid, scored, True, 0, self.words)
 
 
+def check_window_multiples(multiples: Sequence[int] | None, unit: int | None, max_len: int) -> None:
+    """Variable-length windows of m x `unit` tokens, m in [lo, hi], fit in `max_len`."""
+    if multiples is None:
+        return
+    lo, hi = multiples
+    if unit is None or not 1 <= lo <= hi or hi * unit > max_len:
+        raise ValueError(
+            f"train_len_multiples={list(multiples)} with train_len_unit={unit} must give "
+            f"windows of at most data.max_len={max_len} tokens"
+        )
+
+
 @dataclass(eq=False)
 class RandomWindowBatches(_TrainingBatches):
     """Independent random windows (stateless training); every batch has `reset`.
@@ -436,13 +448,7 @@ class RandomWindowBatches(_TrainingBatches):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.multiples is not None:
-            lo, hi = self.multiples
-            if self.unit is None or not 1 <= lo <= hi or hi * self.unit > self.seq_len:
-                raise ValueError(
-                    f"train_len_multiples={list(self.multiples)} with train_len_unit={self.unit} "
-                    f"must give windows of at most data.max_len={self.seq_len} tokens"
-                )
+        check_window_multiples(self.multiples, self.unit, self.seq_len)
         n_pred = len(self.stream) - 1
         longest = self.seq_len
         if n_pred < longest:
@@ -547,6 +553,8 @@ class LMStreamDataModule(SequenceDataModule):
             raise ValueError("train_len_multiples (variable-length windows) needs sampler=random")
         if max_len < 1:
             raise ValueError(f"max_len must be positive, got {max_len}")
+        # Here, before a trainer starts its processes, not when training asks for batches.
+        check_window_multiples(train_len_multiples, train_len_unit, max_len)
         if ext_len < 0:
             raise ValueError(f"ext_len must be >= 0, got {ext_len}")
         if ext_len and sampler != "stream":
