@@ -179,7 +179,7 @@ def unknown_model_options(cfg: DictConfig) -> list[str]:
     (an experiment written for another model, a key of the wrong model): found here, before
     Hydra's instantiation fails on them with a bare TypeError."""
     out = []
-    model = _group_choice("model")
+    model = group_choice("model")
     for part, node, config_class in _model_configs(cfg):
         fields = [f.name for f in dataclasses.fields(config_class) if f.init]
         for key in map(str, node):
@@ -249,7 +249,9 @@ def problems(cfg: DictConfig) -> list[str]:
     return out
 
 
-def _group_choice(group: str) -> str | None:
+def group_choice(group: str) -> str | None:
+    """The option of config group `group` in the Hydra run composing this process's config
+    (None outside one)."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
@@ -314,7 +316,7 @@ def model_task_problems(cfg: DictConfig) -> list[str]:
         for p in (CONFIG_DIR / "model").rglob("*.yaml")
         if "\nhead_dropout:" in "\n" + p.read_text()
     )
-    name = _group_choice("model") or "this model"
+    name = group_choice("model") or "this model"
     return [
         f"model={name} is a language model: it sets no classifier head (model.head_dropout); "
         "train it with task=language_modeling on a language-modelling dataset, or classify "
@@ -328,8 +330,8 @@ def task_data_problems(cfg: DictConfig) -> list[str]:
     if not isinstance(task, DictConfig) or not isinstance(data, DictConfig):
         return []
     target = str(task.get("_target_", ""))
-    data_name = _group_choice("data") or str(data.get("_target_", "the data")).rsplit(".", 1)[-1]
-    experiments = _experiments_for(data_name) if _group_choice("data") else []
+    data_name = group_choice("data") or str(data.get("_target_", "the data")).rsplit(".", 1)[-1]
+    experiments = _experiments_for(data_name) if group_choice("data") else []
     suggestion = (
         f" (or an experiment: {', '.join('experiment=' + e for e in experiments)})"
         if experiments

@@ -49,7 +49,6 @@ from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import set_verification  # noqa: E402
-from megalab.utils.distributed import is_rank_zero  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
     find_run_config as find_run_config,
@@ -127,10 +126,7 @@ def hydra_main(cfg: DictConfig) -> None:
     with errors.reported(), run_utils.processes_launched_per_job():
         cfg = merge_run_config(cfg, overrides)
         record = evaluate(cfg)
-    if is_rank_zero():  # every DDP/FSDP process ends here: print the numbers once
-        for key, val in sorted(record["metrics"].items()):
-            if isinstance(val, float):
-                print(f"{key} = {val:.4f}")
+    run_utils.print_numbers(record["metrics"])
 
 
 def main() -> None:

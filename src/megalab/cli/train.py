@@ -31,7 +31,6 @@ from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
 from megalab.utils.checkpointing import RunInterrupted, set_verification  # noqa: E402
-from megalab.utils.distributed import is_rank_zero  # noqa: E402
 from megalab.utils.locking import unlock_run_folder  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
@@ -214,10 +213,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
         record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
-    if is_rank_zero():  # every DDP/FSDP process ends here: print the numbers once
-        for key, val in sorted(record["metrics"].items()):
-            if key.startswith("test/") and isinstance(val, float):
-                print(f"{key} = {val:.4f}")
+    run_utils.print_numbers(record["metrics"], "test/")
     return float(value) if value is not None else None
 
 

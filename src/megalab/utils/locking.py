@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megalab.utils.distributed import is_rank_zero
 from megalab.utils.errors import UserError
 
 LOCK_NAME = ".megalab.lock"
@@ -30,12 +31,6 @@ _HELD: dict[Path, list[int]] = {}
 
 class RunFolderLockedError(UserError, RuntimeError):
     """Another process is running in this run folder."""
-
-
-def _is_rank_zero() -> bool:
-    from lightning.fabric.utilities.rank_zero import _get_rank
-
-    return (_get_rank() or 0) == 0
 
 
 def _describe_holder(path: Path) -> str:
@@ -54,7 +49,7 @@ def lock_run_folder(folder: str | os.PathLike[str]) -> None:
 
     Raises `RunFolderLockedError` naming the holder when another process has it.
     """
-    if not _is_rank_zero():
+    if not is_rank_zero():
         return
     folder = Path(folder).absolute()
     if folder in _HELD:

@@ -256,13 +256,13 @@ def check_accelerator(cfg: DictConfig) -> None:
     Lightning would only fail later, inside `torch.cuda`, with a bare `AssertionError: Torch not
     compiled with CUDA enabled` (or a device count of 0).
     """
-    from megalab.config_schema import ConfigError
+    from megalab.config_schema import ConfigError, group_choice
 
     accelerator = str(cfg.get("accelerator", "auto"))
     if accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
         build = "a CPU-only build of torch" if torch.version.cuda is None else "torch with CUDA"
         layout = ""
-        choice = _trainer_choice()
+        choice = group_choice("trainer")
         if choice and (CONFIG_DIR / "trainer" / f"{choice}_cpu.yaml").is_file():
             layout = f", or with trainer={choice}_cpu (trainer={choice}'s layout on CPU processes)"
         raise ConfigError(
@@ -271,16 +271,6 @@ def check_accelerator(cfg: DictConfig) -> None:
             "trainer=cpu (or trainer=default, which takes a GPU only when there is one)"
             f"{layout}, or run on a machine where torch.cuda.is_available() is true"
         )
-
-
-def _trainer_choice() -> str | None:
-    """The `trainer` option of the Hydra run composing this process's config, if any."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if not HydraConfig.initialized():
-        return None
-    choice = HydraConfig.get().runtime.choices.get("trainer")
-    return str(choice) if choice else None
 
 
 def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
@@ -339,6 +329,16 @@ def write_metrics(path: str | Path, record: Mapping[str, Any]) -> None:
 def save_config(cfg: DictConfig, path: str | Path) -> None:
     """Save the fully resolved config of a run."""
     atomic_write_text(path, OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def print_numbers(metrics: Mapping[str, Any], prefix: str = "") -> None:
+    """`name = value` of each number in `metrics` whose name starts with `prefix`, what an
+    entry point prints last; from global rank zero only, as every DDP/FSDP process ends there."""
+    if not is_rank_zero():
+        return
+    for key, val in sorted(metrics.items()):
+        if key.startswith(prefix) and isinstance(val, float):
+            print(f"{key} = {val:.4f}")
 
 
 def count_parameters(module: torch.nn.Module) -> dict[str, int]:

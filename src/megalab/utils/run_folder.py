@@ -21,8 +21,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
 from megalab.utils.checkpointing import CheckpointError, read_checkpoint, verify_checkpoint
+from megalab.utils.distributed import is_rank_zero
 from megalab.utils.errors import UserError
-from megalab.utils.locking import _is_rank_zero, lock_run_folder
+from megalab.utils.locking import lock_run_folder
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def start_run(cfg: DictConfig, output_dir: str | os.PathLike[str]) -> str | None
         if earlier and cfg.get("ckpt_path") == "auto":
             # Nothing there resumes exactly (no checkpoint with the loop state passes its
             # checksum): start over, keeping the earlier files, so a requeued job never loops.
-            if _is_rank_zero():
+            if is_rank_zero():
                 aside = set_aside_earlier_run(output_dir)
                 log.warning(
                     "ckpt_path=auto: no checkpoint in %s resumes exactly; the earlier run's "
