@@ -420,17 +420,17 @@ def test_quickstart_beats_majority_class(tmp_path: Path) -> None:
     assert read_metrics(tmp_path)["metrics"]["test/acc"] > 0.3
 
 
+def train_ddp_cpu(*overrides: str, env: dict[str, str] | None = None):
+    """`megalab-train` with the test settings on two CPU processes (2 steps, batches of 4;
+    `overrides` come last)."""
+    return run_cli(
+        "-m", "megalab.cli.train", *FAST, "trainer=ddp_cpu", "trainer.max_steps=2",
+        "data.batch_size=4", *overrides, env=env,
+    )  # fmt: skip
+
+
 def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> None:
-    proc = run_cli(
-        "-m",
-        "megalab.cli.train",
-        *FAST,
-        "trainer=ddp_cpu",
-        "trainer.max_steps=2",
-        "data.batch_size=4",
-        f"paths.data_dir={fixture_data_dir}",
-        f"hydra.run.dir={tmp_path}",
-    )
+    proc = train_ddp_cpu(f"paths.data_dir={fixture_data_dir}", f"hydra.run.dir={tmp_path}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_metrics(tmp_path)
     assert record["global_step"] == 2
@@ -447,13 +447,7 @@ def test_ddp_cpu_runs_two_processes(fixture_data_dir: Path, tmp_path: Path) -> N
 def test_ddp_cpu_missing_data_is_one_message_last(tmp_path: Path) -> None:
     """Rank zero alone prepares the data and finds it missing; the other process, waiting for
     it, is stopped rather than ending in a traceback of its own after the message."""
-    proc = run_cli(
-        "-m",
-        "megalab.cli.train",
-        *FAST,
-        "trainer=ddp_cpu",
-        "trainer.max_steps=2",
-        "data.batch_size=4",
+    proc = train_ddp_cpu(
         "data.generate_if_missing=false",
         f"paths.data_dir={tmp_path / 'no_data'}",
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -473,13 +467,8 @@ def test_ddp_cpu_signal_to_one_process_stops_all_with_one_message(
     """SIGINT reaches rank 1 alone (`kill -INT <pid>`): both processes save and stop at the
     same step, and the message, once and from rank zero, names the signal that arrived (rank
     zero said SIGTERM of a signal it had not received) with the exit status of SIGINT."""
-    proc = run_cli(
-        "-m",
-        "megalab.cli.train",
-        *FAST,
-        "trainer=ddp_cpu",
+    proc = train_ddp_cpu(
         "trainer.max_steps=50",
-        "data.batch_size=4",
         "+callbacks.fault._target_=faults.Fault",
         "+callbacks.fault.phase=step",
         "+callbacks.fault.step=2",
