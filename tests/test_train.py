@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -213,6 +214,17 @@ class SigtermAt(Callback):
     def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SleepAt(Callback):
+    """Sleep 1.1 s after optimizer step `step` (a step that outlasts a 1 s `max_time`)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+        if trainer.global_step == self.step:
+            time.sleep(1.1)
 
 
 @pytest.fixture(scope="module")
@@ -542,6 +554,47 @@ def test_testing_another_runs_checkpoint_says_nothing_of_its_best_checkpoint_rec
     assert "run folder moved" not in said and "forgotten" not in said, said
 
 
+def _best_files(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").glob("best-*.ckpt"))
+
+
+def test_a_moved_run_resumes_with_its_best_record_and_another_run_continues_in_its_own(
+    compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run folder moved elsewhere resumes with its best-checkpoint record rebased: the top-k
+    bookkeeping goes on managing the moved best file (one best file, not a second beside it).
+    Training continued from that run's checkpoint into a new folder says so once, leaves the
+    first run's files as they are and keeps its own best."""
+    import shutil
+
+    train(compose_cfg("trainer.max_steps=2", "test=false"))
+    moved = tmp_path / "moved"
+    shutil.move(tmp_path / "run", moved)
+    assert len(_best_files(moved)) == 1
+    resumed = compose_cfg("trainer.max_steps=4", "test=false", "ckpt_path=last")
+    resumed.paths.output_dir = str(moved)
+    with caplog.at_level("INFO", logger="megalab"):
+        record = train(resumed)
+    assert "run folder moved" in caplog.text and "outside" not in caplog.text, caplog.text
+    assert len(_best_files(moved)) == 1, _best_files(moved)
+    assert Path(record["best_checkpoint"]).parent == moved / "checkpoints"
+
+    caplog.clear()
+    before = sorted(p.name for p in (moved / "checkpoints").iterdir())
+    other = compose_cfg(
+        "trainer.max_steps=6", "test=false", f"ckpt_path={moved}/checkpoints/last.ckpt"
+    )
+    other.paths.output_dir = str(tmp_path / "new")
+    with caplog.at_level("INFO", logger="megalab"):
+        record = train(other)
+    said = caplog.text
+    assert "run folder moved" not in said and "outside" not in said, said
+    assert said.count(f"continuing from a checkpoint of {moved}:") == 1, said
+    assert sorted(p.name for p in (moved / "checkpoints").iterdir()) == before
+    assert len(_best_files(tmp_path / "new")) == 1
+    assert Path(record["best_checkpoint"]).parent == tmp_path / "new" / "checkpoints"
+
+
 def test_a_checkpoint_of_other_model_options_fails_with_the_names_that_differ(
     compose_cfg, tmp_path: Path
 ) -> None:
@@ -574,3 +627,41 @@ def test_eval_without_a_checkpoint_file_says_what_to_give(compose_cfg, tmp_path:
     # and training (resume, or train=false) as well
     with pytest.raises(RunFolderError, match=folder):
         train(compose_cfg(f"ckpt_path={run}"))
+
+
+def test_a_run_out_of_time_saves_says_so_and_resumes_exactly(
+    compose_cfg, tmp_path: Path, straight_run: dict[str, Path]
+) -> None:
+    """`trainer.max_time` (Lightning's Timer; here 1 s, spent by the first step): the run
+    saves `last.ckpt`, records `stop_reason: time_limit` (not early stopping, which the tables
+    would footnote), and `ckpt_path=last` with more time continues exactly."""
+    common = (
+        "trainer.limit_train_batches=2",
+        "trainer.limit_val_batches=1",
+        "test=false",
+        "scheduler=constant",
+        "scheduler.warmup_steps=2",
+        "trainer.max_steps=5",
+    )
+    if not (straight_run["dir"] / "checkpoints").is_dir():
+        straight = compose_cfg(*common)
+        straight.paths.output_dir = str(straight_run["dir"])
+        train(straight)
+    first = compose_cfg(
+        *common,
+        "trainer.max_time=00:00:00:01",
+        "+callbacks.slow._target_=test_train.SleepAt",
+        "+callbacks.slow.step=1",
+    )
+    first.paths.output_dir = str(tmp_path / "timed")
+    record = train(first)
+    assert record["stop_reason"] == "time_limit" and record["finished"] is False, record
+    assert 0 < record["global_step"] < 5
+    second = compose_cfg(*common, "ckpt_path=last", "trainer.max_time={days: 1}")
+    second.paths.output_dir = str(tmp_path / "timed")
+    record = train(second)
+    assert record["stop_reason"] == "schedule" and record["global_step"] == 5
+    a = _final_weights(straight_run["dir"])
+    b = _final_weights(tmp_path / "timed")
+    for name, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -48,6 +49,18 @@ def _str_list(v: Any) -> bool:
     return isinstance(v, list | tuple) and all(isinstance(x, str) for x in v)
 
 
+_TIMEDELTA_KEYS = {"weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds"}
+
+
+def _duration(v: Any) -> bool:
+    """Lightning's `max_time`: "DD:HH:MM:SS" or a dict of `datetime.timedelta` arguments."""
+    if isinstance(v, str):
+        return re.fullmatch(r"\d+:\d+:\d+:\d+", v) is not None
+    if isinstance(v, dict):
+        return bool(v) and set(v) <= _TIMEDELTA_KEYS and all(is_number(x) for x in v.values())
+    return v is None
+
+
 _FRACTION_OR_COUNT = either(integer(0), number(0.0, 1.0))
 PRECISIONS = (
     "64", "32", "16", "bf16", "transformer-engine", "transformer-engine-float16",
@@ -71,6 +84,10 @@ RULES: dict[str, Rule] = {
     "trainer.max_epochs": integer(-1, null=True, note=" (-1 or null: no epoch limit)"),
     "trainer.min_steps": integer(0, null=True),
     "trainer.min_epochs": integer(0, null=True),
+    "trainer.max_time": Rule(
+        _duration,
+        '"DD:HH:MM:SS" (days:hours:minutes:seconds), a dict such as {hours: 20}, or null',
+    ),
     "trainer.val_check_interval": either(
         integer(1, note=" (every N training batches)"),
         number(0.0, 1.0, lo_open=True, note=" (a fraction of an epoch)"),

@@ -449,11 +449,18 @@ def test_listops_over_long_inputs_fail_unless_truncate(tmp_path: Path, caplog) -
         ("trainer.val_check_interval=0", "trainer.val_check_interval"),
         ("model.backbone.num_layers=0", "model.backbone.num_layers"),
         ("data.eval_batch_size=0", "data.eval_batch_size"),
+        ("trainer.max_time=20h", "trainer.max_time"),
+        ("trainer.max_time={hour: 20}", "trainer.max_time"),
     ],
 )
 def test_bad_values_name_their_key(compose_cfg, override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=f"{key}="):
         validate(compose_cfg(override))
+
+
+@pytest.mark.parametrize("value", ["00:20:00:00", "{hours: 20}", "{days: 1, minutes: 30.5}"])
+def test_a_time_limit_is_taken_in_lightnings_forms(compose_cfg, value: str) -> None:
+    validate(compose_cfg(f"trainer.max_time={value}"))
 
 
 def test_a_choice_lists_each_value_once(compose_cfg) -> None:

@@ -126,10 +126,9 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
         fit_metrics = {k: run_utils.to_number(v) for k, v in trainer.callback_metrics.items()}
 
     test_metrics: dict[str, Any] = {}
-    best_path = None
+    # Recorded with or without a test: `megalab.cli.eval_runs` tests a run's best checkpoint.
+    best_path = getattr(trainer.checkpoint_callback, "best_model_path", "") or None
     if cfg.get("test", True):
-        ckpt_cb = trainer.checkpoint_callback
-        best_path = getattr(ckpt_cb, "best_model_path", "") or None
         if best_path is None and not cfg.get("train", True) and cfg.get("ckpt_path"):
             # Test only: the given checkpoint, with this config's overrides (e.g. a longer
             # evaluation memory, LaMemo's Fig. 5).

@@ -4,6 +4,7 @@ writing the run's `config.yaml` and `metrics.json` (checkpoints: `megalab.utils.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import logging
 import math
@@ -290,6 +291,9 @@ def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
     quiet_lightning()
     if cfg.get("enable_progress_bar") is False and kwargs.get("callbacks"):
         kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, ProgressBar)]
+    max_time = cfg.get("max_time")
+    if isinstance(max_time, DictConfig):  # {hours: 20}: Lightning takes a dict, not a DictConfig
+        kwargs["max_time"] = datetime.timedelta(**cast(dict, OmegaConf.to_container(max_time)))
     return hydra.utils.instantiate(lightning_trainer_config(cfg), **kwargs)
 
 

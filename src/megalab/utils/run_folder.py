@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, open_dict
 
 from megalab.utils.checkpointing import CheckpointError, read_checkpoint, verify_checkpoint
+from megalab.utils.checkpointing.callbacks import time_limit_reached
 from megalab.utils.distributed import is_rank_zero
 from megalab.utils.errors import UserError
 from megalab.utils.locking import lock_run_folder
@@ -242,7 +243,12 @@ def schedule_record(trainer: Any) -> dict[str, Any]:
     steps_done = max_steps is not None and max_steps >= 0 and trainer.global_step >= max_steps
     epochs_done = max_epochs not in (None, -1) and trainer.current_epoch >= max_epochs
     finished = bool(steps_done or epochs_done)
-    reason = "schedule" if finished else "early_stopping" if trainer.should_stop else "other"
+    if finished:
+        reason = "schedule"
+    elif time_limit_reached(trainer):
+        reason = "time_limit"  # trainer.max_time: Lightning's Timer stopped it
+    else:
+        reason = "early_stopping" if trainer.should_stop else "other"
     return {
         "max_steps": max_steps,
         "max_epochs": max_epochs,

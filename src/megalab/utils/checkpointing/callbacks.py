@@ -18,7 +18,7 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.fabric.plugins.environments import SLURMEnvironment
-from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint, Timer
 
 from megalab.utils.checkpointing.files import remove_stale_temporaries
 from megalab.utils.errors import Interrupted
@@ -181,6 +181,16 @@ def _max_over_ranks(trainer: L.Trainer, values: list[int]) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
+def time_limit_reached(trainer: L.Trainer) -> bool:
+    """Whether `trainer.max_time` is spent (Lightning's Timer, present only when it is set)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by the connector
+        if isinstance(callback, Timer):
+            remaining = callback.time_remaining()
+            if remaining is not None and remaining <= 0:
+                return True
+    return False
+
+
 # -- last.ckpt ------------------------------------------------------------------------------------
 class LastCheckpoint(Checkpoint):
     """Write `<dirpath>/last.ckpt` on a schedule, at the end of training and on interruption.
@@ -194,6 +204,10 @@ class LastCheckpoint(Checkpoint):
     prints how to resume and raises `RunInterrupted` (exit status 128 + signal). A second signal
     stops at once without saving. In a SLURM job with Lightning's auto-requeue, the requeue
     signal (SIGUSR1 unless configured) saves the same way and requeues the job.
+
+    When `trainer.max_time` is spent, it saves at the step the Timer stopped (the training then
+    ends, and tests, as Lightning's Timer has it) and not again at the end of training: the fit
+    loop marks a stopped epoch finished, and a resume from there would skip the epoch's rest.
     """
 
     def __init__(
@@ -223,6 +237,7 @@ class LastCheckpoint(Checkpoint):
         self._saved_results: list[dict[str, Any]] = []
         self._where: str | None = None
         self._closed_epoch = False
+        self._out_of_time = False
 
     @property
     def path(self) -> Path:
@@ -396,9 +411,15 @@ class LastCheckpoint(Checkpoint):
             and trainer.is_global_zero
             and time.monotonic() - self._last_save_time >= 60.0 * self.every_n_minutes
         )
-        signum, by_time = _max_over_ranks(trainer, [self._signal or 0, int(clock_due)])
+        # Lightning's Timer (before this callback: checkpoints run last) has set should_stop.
+        time_up = trainer.should_stop and time_limit_reached(trainer)
+        signum, by_time, out_of_time = _max_over_ranks(
+            trainer, [self._signal or 0, int(clock_due), int(time_up)]
+        )
         signalled = self._signalled_anywhere(signum)
-        return by_steps or bool(by_time) or signalled or self._pending, signalled
+        ran_out = bool(out_of_time) and not self._out_of_time  # once (min_steps may go on)
+        self._out_of_time = self._out_of_time or bool(out_of_time)
+        return by_steps or bool(by_time) or signalled or self._pending or ran_out, signalled
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
@@ -434,8 +455,13 @@ class LastCheckpoint(Checkpoint):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # The final state, after the last epoch-end hooks: evaluating last.ckpt evaluates the
         # trained model, and resuming a finished run goes straight to its test.
-        if not trainer.fast_dev_run:  # type: ignore[attr-defined]
-            self._save(trainer, False, "train_end")
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]
+            return
+        spent = self._out_of_time or (trainer.should_stop and time_limit_reached(trainer))
+        (out_of_time,) = _max_over_ranks(trainer, [int(spent)])  # every process alike
+        if out_of_time and self._last_saved_step == trainer.global_step:
+            return  # saved where the time ran out (or a resume found it spent): exact from there
+        self._save(trainer, False, "train_end")
 
     @staticmethod
     def _validation_due(trainer: L.Trainer) -> bool:
@@ -508,32 +534,54 @@ class BestCheckpoint(ModelCheckpoint):
             # best-so-far record serves training only, and this run's folder never held it.
             return
         old = state_dict.get("dirpath")
+        other_run = None
         if old and self.dirpath and old != self.dirpath:
-            state_dict = _rebase_paths(state_dict, str(old), str(self.dirpath))
+            state_dict, moved = _rebase_paths(state_dict, str(old), str(self.dirpath))
+            if moved:
+                log.info(
+                    "the run folder moved from %s to %s: best-checkpoint paths rebased",
+                    old,
+                    self.dirpath,
+                )
+            else:
+                other_run = str(old)
         super().load_state_dict(state_dict)
-        self._confine_paths()
+        self._confine_paths(other_run)
 
-    def _confine_paths(self) -> None:
+    def _confine_paths(self, other_run: str | None = None) -> None:
         """Forget recorded paths outside this run's checkpoint folder: a checkpoint is data, and
-        the top-k bookkeeping deletes the files it records (megalab.utils.safe_config)."""
+        the top-k bookkeeping deletes the files it records (megalab.utils.safe_config).
+
+        `other_run`: the checkpoint folder of another run the checkpoint comes from (training
+        continued in a new folder); its best checkpoints stay there, and this run's best is
+        chosen among its own validations from here on.
+        """
         if not self.dirpath:
             return
         root = Path(self.dirpath).resolve()
 
-        def inside(path: Any) -> bool:
-            return isinstance(path, str) and root in Path(path).resolve().parents
+        def inside(path: Any, folder: Path = root) -> bool:
+            return isinstance(path, str) and folder in Path(path).resolve().parents
 
         outside = [p for p in self.best_k_models if not inside(p)]
         for path in outside:
             del self.best_k_models[path]
         named = [getattr(self, a) for a in ("best_model_path", "kth_best_model_path")]
-        if not outside and all(not p or inside(p) for p in named):
+        forgotten = list(dict.fromkeys(str(p) for p in [*outside, *named] if p and not inside(p)))
+        if not forgotten:
             return
-        log.warning(
-            "the checkpoint records files outside %s (%s): forgotten, never deleted",
-            root,
-            ", ".join(str(p) for p in [*outside, *named] if p and not inside(p)),
-        )
+        if other_run is not None and all(inside(p, Path(other_run).resolve()) for p in forgotten):
+            log.info(
+                "continuing from a checkpoint of %s: its best checkpoints stay there, untouched; "
+                "this run's best checkpoint is chosen among its own validations",
+                Path(other_run).parent,
+            )
+        else:
+            log.warning(
+                "the checkpoint records files outside %s (%s): forgotten, never deleted",
+                root,
+                ", ".join(forgotten),
+            )
         if self.last_model_path and not inside(self.last_model_path):
             self.last_model_path = ""
         best, kth = (min, max) if self.mode == "min" else (max, min)
@@ -546,14 +594,20 @@ class BestCheckpoint(ModelCheckpoint):
             self.best_model_path = self.kth_best_model_path = ""
 
 
-def _rebase_paths(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
-    """The recorded checkpoint paths under `old` moved to `new` (files that exist there)."""
+def _rebase_paths(state: dict[str, Any], old: str, new: str) -> tuple[dict[str, Any], bool]:
+    """The recorded checkpoint paths under `old` moved to `new` (files that exist there), and
+    whether any did (a moved run folder; else the checkpoint comes from another run's)."""
+    rebased = False
 
     def move(path: Any) -> Any:
+        nonlocal rebased
         if not isinstance(path, str) or not path.startswith(old.rstrip("/") + "/"):
             return path
         moved = str(Path(new) / Path(path).relative_to(old))
-        return moved if Path(moved).exists() else path
+        if not Path(moved).exists():
+            return path
+        rebased = True
+        return moved
 
     out = dict(state)
     for key in ("best_model_path", "kth_best_model_path", "last_model_path"):
@@ -562,5 +616,4 @@ def _rebase_paths(state: dict[str, Any], old: str, new: str) -> dict[str, Any]:
     if isinstance(out.get("best_k_models"), dict):
         out["best_k_models"] = {move(k): v for k, v in out["best_k_models"].items()}
     out["dirpath"] = new
-    log.info("the run folder moved from %s to %s: best-checkpoint paths rebased", old, new)
-    return out
+    return out, rebased
