@@ -20,6 +20,8 @@ tests must pass with the new version:
    and leaves `LOCAL_RANK` and the rest in the launching process's environment, which it
    clears after the job: checked end to end by
    `tests/test_train.py::test_multirun_with_a_trainer_that_starts_processes_runs_each_job_once`.
+6. Lightning's message for a `val_check_interval` longer than an epoch, which
+   `megalab.utils.errors` recognises and turns into one message naming the settings.
 """
 
 from __future__ import annotations
@@ -225,3 +227,26 @@ def test_launched_processes_stopped_on_user_error_leave_the_launcher_alive() -> 
         for process in (child, launching):
             process.kill()
             process.wait()
+
+
+def test_a_validation_interval_longer_than_an_epoch_becomes_one_message(tmp_path: Path) -> None:
+    from megalab.utils.errors import ValidationIntervalError, actionable
+
+    trainer = L.Trainer(
+        max_steps=30,
+        val_check_interval=15,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(TinyRegression(), _loader())  # 10 batches an epoch
+    found = actionable(raised.value)
+    assert isinstance(found, ValidationIntervalError), raised.value
+    assert str(found).startswith(
+        "trainer.val_check_interval=15 is more than the 10 training batches of an epoch"
+    )
+    assert "trainer.check_val_every_n_epoch=null" in str(found)

@@ -107,6 +107,36 @@ def _worker_died(err: BaseException) -> DataLoaderWorkerError | None:
     return None
 
 
+class ValidationIntervalError(UserError, ValueError):
+    """`trainer.val_check_interval` is longer than an epoch while validation is per epoch."""
+
+
+# Lightning internal (6 of 6, hence the `lightning<2.7` bound in pyproject.toml): its message
+# (loops/fit_loop.py, setup_data) "`val_check_interval` (100) must be less than or equal to the
+# number of the training batches (40). ..."
+_VAL_CHECK_TOO_LONG = re.compile(
+    r"`val_check_interval` \((\d+)\) must be less than or equal to the number of the "
+    r"training batches \((\d+)\)"
+)
+
+
+def _val_check_too_long(err: BaseException) -> ValidationIntervalError | None:
+    for e in _chain(err):
+        found = _VAL_CHECK_TOO_LONG.search(str(e)) if isinstance(e, ValueError) else None
+        if found:
+            interval, batches = found.groups()
+            return ValidationIntervalError(
+                f"trainer.val_check_interval={interval} is more than the {batches} training "
+                "batches of an epoch (per process), and validation runs within each epoch "
+                "(trainer.check_val_every_n_epoch). Validate every "
+                f"{interval} training batches across epochs with "
+                "trainer.check_val_every_n_epoch=null, give an interval of at most "
+                f"{batches} (or a fraction of an epoch, such as 0.5), or train without "
+                "validation with trainer.limit_val_batches=0"
+            )
+    return None
+
+
 def actionable(err: BaseException) -> BaseException | None:
     """The exception in `err`'s chain whose message a user can act on, or None (a bug)."""
     types = user_error_types()
@@ -117,7 +147,7 @@ def actionable(err: BaseException) -> BaseException | None:
     for e in reversed(chain):
         if type(e) in (ValueError, FileNotFoundError) and _raised_in_megalab(e):
             return e
-    return _worker_died(err)
+    return _worker_died(err) or _val_check_too_long(err)
 
 
 def full_errors() -> bool:
