@@ -176,12 +176,46 @@ def test_the_command_line_uses_the_run_config(compose_cfg, tmp_path: Path) -> No
         "max_new_tokens=8",
         "num_samples=2",
         "temperature=1.0",
+        # a key of the run's data (enwik8) that the command's default group (PG-19) lacks
+        "data.drop_newlines=false",
         f"hydra.run.dir={tmp_path / 'gen'}",  # the data: the run's own folder (no paths.data_dir)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("--- sample") == 2 and "Once upon a time" in proc.stdout
     record = json.loads((tmp_path / "gen" / "generations.json").read_text())
     assert len(record["tokens"]) == 2 and all(len(t) == 8 for t in record["tokens"])
+
+
+def test_overrides_of_the_run_configs_keys_compose_and_misspelled_ones_name_its_keys(
+    tmp_path: Path,
+) -> None:
+    """Hydra checks an evaluation's overrides against the command's default groups before the
+    run's config replaces them: keys only the run has are marked `++`, and a misspelled one is
+    answered with the run's closest keys."""
+    from megalab.run_loading import run_config_in_argv, run_overrides_composable
+    from megalab.utils.errors import explain_composition_error
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    run_cfg = {
+        "data": {"eval_max_len": None, "max_len": 64},
+        "model": {"backbone": {"chunk_size": 32}},
+    }
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(run_cfg)))
+    ckpt = f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}"
+    argv = [ckpt, "data.eval_max_len=256", "model.backbone.chunk_size=64", "data=enwik8",
+            "+data.extra=1", "data.eval_max_lenn=2", "trainer.max_steps=1", "-m"]  # fmt: skip
+    found = run_config_in_argv(argv)
+    assert found is not None
+    assert run_overrides_composable(argv, found) == [
+        ckpt, "++data.eval_max_len=256", "++model.backbone.chunk_size=64", "data=enwik8",
+        "+data.extra=1", "data.eval_max_lenn=2", "trainer.max_steps=1", "-m",
+    ]  # fmt: skip
+    assert run_config_in_argv([*argv, "use_run_config=false"]) is None
+    assert run_config_in_argv(["ckpt_path=/nowhere/last.ckpt"]) is None
+    hint = explain_composition_error("eval", [ckpt, "data.eval_max_lenn=2"], found)
+    assert hint is not None and "did you mean: data.eval_max_len" in hint, hint
 
 
 def test_generate_refuses_a_run_that_is_not_a_language_model(compose_cfg, tmp_path) -> None:

@@ -67,6 +67,43 @@ def checkpoint_file(cfg: DictConfig) -> Path:
     return path
 
 
+def _has_key(cfg: DictConfig, key: str) -> bool:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return isinstance(node, DictConfig) and leaf in node
+
+
+def run_config_in_argv(argv: list[str]) -> DictConfig | None:
+    """The saved config of the run whose checkpoint the command line names (`ckpt_path=`), or
+    None: no such run, `use_run_config=false`, or a config that cannot be read
+    (`merge_run_config` then says why)."""
+    settings = dict(a.partition("=")[::2] for a in argv if "=" in a and not a.startswith("-"))
+    ckpt = settings.get("ckpt_path")
+    if not ckpt or str(settings.get("use_run_config", "true")).lower() in ("false", "0"):
+        return None
+    try:
+        run_cfg_path = find_run_config(Path(ckpt).expanduser())
+        return load_run_config(run_cfg_path) if run_cfg_path is not None else None
+    except Exception:
+        return None
+
+
+def run_overrides_composable(argv: list[str], run_cfg: DictConfig | None) -> list[str]:
+    """`argv` with the overrides of keys of the run's config (`data.eval_max_len=...`) marked
+    `++`, so that Hydra composes them: it checks overrides against the entry point's default
+    groups (ListOps, a Transformer) before `merge_run_config` swaps in the run's. Keys the run
+    lacks stay as typed, for Hydra to refuse; `+`/`~` overrides and group choices are left
+    alone."""
+    if run_cfg is None:
+        return argv
+    out = []
+    for arg in argv:
+        key, eq, _ = arg.partition("=")
+        ours = eq and "." in key and key.split(".")[0] in RUN_GROUPS and key[0].isalpha()
+        out.append("++" + arg if ours and _has_key(run_cfg, key) else arg)
+    return out
+
+
 def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """Replace this config's model/data/task groups with the checkpoint's run config (and its
     data folder), checked by the loading policy; turn off data generation and downloads that

@@ -27,6 +27,7 @@ from megalab.utils.runtime import configure_runtime, log_settings
 configure_runtime()
 
 import logging  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -42,6 +43,7 @@ from megalab.run_loading import (  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     merge_run_config as merge_run_config,
 )
+from megalab.run_loading import run_config_in_argv, run_overrides_composable  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     run_data_dir as run_data_dir,
 )
@@ -131,7 +133,9 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """`megalab-eval`: the Hydra entry point, with the closest keys after a misspelled one."""
-    errors.run_entry_point(hydra_main, "eval")
+    run_cfg = run_config_in_argv(sys.argv[1:])  # the run's keys compose; hints name them
+    sys.argv[1:] = run_overrides_composable(sys.argv[1:], run_cfg)
+    errors.run_entry_point(hydra_main, "eval", keys_from=run_cfg)
 
 
 if __name__ == "__main__":

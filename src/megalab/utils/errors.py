@@ -255,8 +255,11 @@ def _bad_key(message: str) -> str | None:
     return None
 
 
-def explain_composition_error(config_name: str, argv: Sequence[str]) -> str | None:
-    """After Hydra refused the overrides in `argv`: a hint listing the closest valid keys."""
+def explain_composition_error(
+    config_name: str, argv: Sequence[str], keys_from: Any = None
+) -> str | None:
+    """After Hydra refused the overrides in `argv`: a hint listing the closest valid keys (of
+    `keys_from` when it has the key's top-level group)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
@@ -279,10 +282,13 @@ def explain_composition_error(config_name: str, argv: Sequence[str]) -> str | No
             if key is None or "Could not find" in message:
                 return None
             rest = [o for o in overrides if o.lstrip("+~").split("=")[0] != key]
-            try:
-                cfg = compose(config_name, overrides=rest)
-            except HydraException:
-                return None
+            if keys_from is not None and key.split(".")[0] in keys_from:
+                cfg = keys_from
+            else:
+                try:
+                    cfg = compose(config_name, overrides=rest)
+                except HydraException:
+                    return None
     finally:
         GlobalHydra.instance().clear()
     near = closest_keys(cfg, key)
@@ -324,15 +330,16 @@ def task_started() -> bool:
     return bool(_state["task_started"])
 
 
-def run_entry_point(hydra_main: Any, config_name: str) -> None:
-    """Call a `@hydra.main` function; after a composition error, suggest the closest keys."""
+def run_entry_point(hydra_main: Any, config_name: str, keys_from: Any = None) -> None:
+    """Call a `@hydra.main` function; after a composition error, suggest the closest keys (of
+    `keys_from` for its top-level groups: the run config an evaluation takes them from)."""
     _state["task_started"] = False
     try:
         hydra_main()
     except SystemExit as err:
         if err.code not in (0, None) and not task_started() and not full_errors():
             with contextlib.suppress(Exception):
-                hint = explain_composition_error(config_name, sys.argv[1:])
+                hint = explain_composition_error(config_name, sys.argv[1:], keys_from)
                 if hint:
                     sys.stderr.write(hint + "\n")
         raise
