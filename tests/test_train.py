@@ -159,6 +159,29 @@ def test_fast_dev_run_then_eval_on_a_checkpoint(compose_cfg, tmp_path: Path) -> 
     assert (tmp_path / "run" / "eval_metrics.json").exists()
 
 
+@pytest.mark.parametrize("debug", ["overfit", "limit"])
+def test_debug_options_run_with_an_experiment_that_validates_by_steps(
+    compose_cfg, tmp_path: Path, debug: str
+) -> None:
+    """The quickstart validates every 500 batches: `debug=overfit` (3 batches an epoch) and
+    `debug=limit` (20) validate per epoch instead, not failing on an interval longer than their
+    epochs or never validating; `limit` takes a few batches of a small split too."""
+    cfg = compose_cfg(
+        "experiment=quickstart",
+        f"debug={debug}",
+        "data.num_train=1000",  # the quickstart's data, smaller (generated here)
+        "data.num_val=200",
+        "data.num_test=200",
+        "logger=none",
+        "trainer.enable_progress_bar=false",
+        fast=False,
+    )
+    cfg.paths.data_dir = str(tmp_path / "data")
+    record = train(cfg)
+    assert record["global_step"] == cfg.trainer.max_steps and "test/acc" in record["metrics"]
+    assert record["best_checkpoint"] is not None, "it validated"
+
+
 def test_process_count_warning_only_when_resuming(
     compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
