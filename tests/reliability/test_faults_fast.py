@@ -536,3 +536,14 @@ def test_misspelled_key_lists_the_closest(fixture_data_dir: Path) -> None:
     # The right name under the wrong group: the key that has it comes first.
     hint = explain_composition_error("train", ["model.compile=true"])
     assert hint is not None and "did you mean: task.compile" in hint
+    # Hydra names the first bad key only; the hint names each.
+    argv = ["experiment=transformer/wmt16_en_de", "model.encoder_layers=1",
+            "model.decoder_layers=1", "trainer.max_steps=2"]  # fmt: skip
+    hint = explain_composition_error("train", argv)
+    lines = (hint or "").splitlines()
+    assert len(lines) == 2, hint
+    for line, part in zip(lines, ("encoder", "decoder"), strict=True):
+        assert line.startswith(
+            f"'model.{part}_layers' is not a key of this configuration; did you mean: "
+            f"model.encoder_decoder.{part}_layers, "
+        ), hint

@@ -259,42 +259,43 @@ def explain_composition_error(
     config_name: str, argv: Sequence[str], keys_from: Any = None
 ) -> str | None:
     """After Hydra refused the overrides in `argv`: a hint listing the closest valid keys (of
-    `keys_from` when it has the key's top-level group)."""
+    `keys_from` when it has the key's top-level group). Hydra names the first bad key only; the
+    hint names each (composed again without the ones found)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
     from megalab.utils.paths import CONFIG_DIR
 
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
+    rest = [a for a in argv if "=" in a and not a.startswith("-")]
+    bad: list[str] = []
+    cfg = None
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
-            try:
-                compose(config_name, overrides=overrides)
-                return None
-            except HydraException as err:
-                message = "\n".join(str(e) for e in _chain(err))
-            missing = re.search(r"Could not find '([^'/]+)/([^']+)'", message)
-            if missing:
-                return missing_option_hint(missing.group(1), missing.group(2))
-            key = _bad_key(message)
-            if key is None or "Could not find" in message:
-                return None
-            rest = [o for o in overrides if o.lstrip("+~").split("=")[0] != key]
-            if keys_from is not None and key.split(".")[0] in keys_from:
-                cfg = keys_from
-            else:
+            for _ in range(len(rest) + 1):
                 try:
                     cfg = compose(config_name, overrides=rest)
-                except HydraException:
-                    return None
+                    break
+                except HydraException as err:
+                    message = "\n".join(str(e) for e in _chain(err))
+                missing = re.search(r"Could not find '([^'/]+)/([^']+)'", message)
+                if missing and not bad:
+                    return missing_option_hint(missing.group(1), missing.group(2))
+                key = _bad_key(message)
+                if key is None or key in bad or "Could not find" in message:
+                    break  # another kind of error: hint at the keys found so far
+                bad.append(key)
+                rest = [o for o in rest if o.lstrip("+~").split("=")[0] != key]
     finally:
         GlobalHydra.instance().clear()
-    near = closest_keys(cfg, key)
-    if not near:
-        return f"'{key}' is not a key of this configuration"
-    return f"'{key}' is not a key of this configuration; did you mean: " + ", ".join(near) + "?"
+    lines = []
+    for key in bad:
+        source = keys_from if keys_from is not None and key.split(".")[0] in keys_from else cfg
+        near = closest_keys(source, key) if source is not None else []
+        line = f"'{key}' is not a key of this configuration"
+        lines.append(line + ("; did you mean: " + ", ".join(near) + "?" if near else ""))
+    return "\n".join(lines) or None
 
 
 def missing_option_hint(group: str, name: str, n: int = 5) -> str | None:
