@@ -240,13 +240,15 @@ class SigtermAt(Callback):
 
 
 class SleepAt(Callback):
-    """Sleep 1.1 s after optimizer step `step` (a step that outlasts a 1 s `max_time`)."""
+    """Sleep 1.1 s after the first batch with `step` optimizer steps done and index `batch` in
+    its epoch (a batch that outlasts a 1 s `max_time`)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, batch: int) -> None:
+        self.step, self.batch, self.slept = step, batch, False
 
-    def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
-        if trainer.global_step == self.step:
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if (trainer.global_step, batch_idx) == (self.step, self.batch) and not self.slept:
+            self.slept = True
             time.sleep(1.1)
 
 
@@ -652,12 +654,15 @@ def test_eval_without_a_checkpoint_file_says_what_to_give(compose_cfg, tmp_path:
         train(compose_cfg(f"ckpt_path={run}"))
 
 
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["step", "mid-accumulation"])
 def test_a_run_out_of_time_saves_says_so_and_resumes_exactly(
-    compose_cfg, tmp_path: Path, straight_run: dict[str, Path]
+    compose_cfg, tmp_path: Path, straight_run: dict[str, Path], accumulate: int
 ) -> None:
-    """`trainer.max_time` (Lightning's Timer; here 1 s, spent by the first step): the run
-    saves `last.ckpt`, records `stop_reason: time_limit` (not early stopping, which the tables
-    would footnote), and `ckpt_path=last` with more time continues exactly."""
+    """`trainer.max_time` (Lightning's Timer; here 1 s, spent by one batch): the run saves
+    `last.ckpt`, records `stop_reason: time_limit` (not early stopping, which the tables would
+    footnote), and `ckpt_path=last` with more time continues exactly. Under gradient
+    accumulation the time runs out inside one (the first micro-batch of an epoch) and the run
+    stops after its optimizer step."""
     common = (
         "trainer.limit_train_batches=2",
         "trainer.limit_val_batches=1",
@@ -665,16 +670,20 @@ def test_a_run_out_of_time_saves_says_so_and_resumes_exactly(
         "scheduler=constant",
         "scheduler.warmup_steps=2",
         "trainer.max_steps=5",
+        f"trainer.accumulate_grad_batches={accumulate}",
+        "trainer.memory_check=false",  # keeps the accumulation as given
     )
-    if not (straight_run["dir"] / "checkpoints").is_dir():
+    straight_dir = straight_run["dir"].parent / f"straight_accumulate_{accumulate}"
+    if not (straight_dir / "checkpoints").is_dir():
         straight = compose_cfg(*common)
-        straight.paths.output_dir = str(straight_run["dir"])
+        straight.paths.output_dir = str(straight_dir)
         train(straight)
     first = compose_cfg(
         *common,
         "trainer.max_time=00:00:00:01",
         "+callbacks.slow._target_=test_train.SleepAt",
         "+callbacks.slow.step=1",
+        "+callbacks.slow.batch=0",  # mid-epoch after step 1; or mid-accumulation of step 2
     )
     first.paths.output_dir = str(tmp_path / "timed")
     record = train(first)
@@ -684,7 +693,7 @@ def test_a_run_out_of_time_saves_says_so_and_resumes_exactly(
     second.paths.output_dir = str(tmp_path / "timed")
     record = train(second)
     assert record["stop_reason"] == "schedule" and record["global_step"] == 5
-    a = _final_weights(straight_run["dir"])
+    a = _final_weights(straight_dir)
     b = _final_weights(tmp_path / "timed")
     for name, value in a["state_dict"].items():
         torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)

@@ -205,9 +205,10 @@ class LastCheckpoint(Checkpoint):
     stops at once without saving. In a SLURM job with Lightning's auto-requeue, the requeue
     signal (SIGUSR1 unless configured) saves the same way and requeues the job.
 
-    When `trainer.max_time` is spent, it saves at the step the Timer stopped (the training then
-    ends, and tests, as Lightning's Timer has it) and not again at the end of training: the fit
-    loop marks a stopped epoch finished, and a resume from there would skip the epoch's rest.
+    When `trainer.max_time` is spent, it saves at the step the Timer stopped (after the optimizer
+    step of a gradient accumulation the time ran out in; the training then ends, and tests, as
+    Lightning's Timer has it) and not again at the end of training: the fit loop marks a stopped
+    epoch finished, and a resume from there would skip the epoch's rest.
     """
 
     def __init__(
@@ -428,6 +429,8 @@ class LastCheckpoint(Checkpoint):
         if trainer.fast_dev_run:  # type: ignore[attr-defined]  # a debugging run: no checkpoints
             return
         if trainer.fit_loop.epoch_loop._should_accumulate():
+            if trainer.should_stop:
+                self._finish_accumulation(trainer)
             return  # mid-accumulation: the optimizer has not stepped
         due, stop = self._decide(trainer)
         if not due:
@@ -442,6 +445,16 @@ class LastCheckpoint(Checkpoint):
             self._pending = True
             return
         self._save(trainer, stop, "batch_end")
+
+    @staticmethod
+    def _finish_accumulation(trainer: L.Trainer) -> None:
+        """Lightning's Timer stops the loop after any batch, inside a gradient accumulation too,
+        where no save resumes exactly (the micro-batches taken would be skipped). Let the
+        accumulation finish: the Timer stops the loop again after the optimizer step, which is
+        saved."""
+        (spent,) = _max_over_ranks(trainer, [int(time_limit_reached(trainer))])
+        if spent:
+            trainer.should_stop = False
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn != "fit" or trainer.sanity_checking or trainer.fast_dev_run:  # type: ignore[attr-defined]
