@@ -70,6 +70,22 @@ def write_sweep(root: Path, key: str, experiment: str, values: dict, smoke: bool
 
 
 # -- the paper files -------------------------------------------------------------------------
+def test_a_checkout_with_its_root_elsewhere_finds_its_tables_and_sweeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`MEGALAB_ROOT` moves data and logs (to a scratch disk); the paper tables and sweep files
+    are still the checkout's, not a missing `<root>/tables` (an editable install has no
+    packaged copy). A root with its own folders keeps them."""
+    from megalab.utils.paths import resource_dir, source_checkout
+
+    monkeypatch.setenv("MEGALAB_ROOT", str(tmp_path))
+    assert source_checkout() == ROOT
+    assert resource_dir("tables") == ROOT / "tables"
+    assert resource_dir("sweeps") == ROOT / "sweeps"
+    (tmp_path / "tables").mkdir()
+    assert resource_dir("tables") == tmp_path / "tables"
+
+
 def test_mega_tables_are_there() -> None:
     assert {
         "mega/table2_lra",

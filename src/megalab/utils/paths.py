@@ -7,7 +7,7 @@
   directory (an installed package).
 - `resource_dir(name)`: the paper tables (`tables/`) and sweep files (`sweeps/`): the project's
   own folder when it has one, else the copy an installed wheel carries (`megalab/resources/`,
-  written by the build hook in `setup.py`).
+  written by the build hook in `setup.py`), else the source checkout's.
 - `group_config(group, name)`: one config of a group as Hydra composes it, for code that builds a
   model from its file without composing a whole run (the contract tests, the benchmarks).
 """
@@ -47,11 +47,15 @@ def export_project_root() -> Path:
 
 
 def resource_dir(name: str) -> Path:
-    """`tables` or `sweeps`: the project root's folder if it exists, else the wheel's copy."""
+    """`tables` or `sweeps`: the project root's folder if it exists, else the wheel's copy,
+    else the source checkout's (a checkout whose `MEGALAB_ROOT` puts data and logs elsewhere)."""
     own = project_root() / name
-    packaged = PACKAGE_DIR / "resources" / name
-    if not own.is_dir() and packaged.is_dir():
-        return packaged
+    if own.is_dir():
+        return own
+    checkout = source_checkout()
+    for candidate in (PACKAGE_DIR / "resources" / name, checkout / name if checkout else None):
+        if candidate is not None and candidate.is_dir():
+            return candidate
     return own
 
 
