@@ -11,7 +11,8 @@ config dataclass of the backbone the config targets, where each option is declar
 type, range and meaning (`megalab.utils.options`).
 
 It also checks that the task fits the data: a classification task needs classes, language
-modelling needs a language-model dataset.
+modelling needs a language-model dataset; and, once every option fits its rule, that a model's
+options fit together, as its config dataclass checks them (`combination_problems`).
 """
 
 from __future__ import annotations
@@ -371,6 +372,26 @@ def task_data_problems(cfg: DictConfig) -> list[str]:
     return []
 
 
+def combination_problems(cfg: DictConfig) -> list[str]:
+    """What a model's config dataclass refuses of its options together (`d_model` not a
+    multiple of `norm_groups`, ...), found by building the dataclass alone (its checks; no
+    model) and named by its key, before the data and the model are built."""
+    out = []
+    for part, node, config_class in _model_configs(cfg):
+        try:
+            values = OmegaConf.to_container(node, resolve=True)
+        except OmegaConfBaseException:
+            continue  # reported by `unresolved`
+        assert isinstance(values, dict)
+        try:
+            config_class(**{str(k): v for k, v in values.items() if not str(k).startswith("_")})
+        except ValueError as err:
+            out.append(f"model.{part} ({config_class.__name__}): {err}")
+        except TypeError:
+            continue  # an unknown option: reported by `unknown_model_options`
+    return out
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise `ConfigError` listing every setting of the wrong type or range (see module doc)."""
     found = problems(cfg) + unknown_model_options(cfg) + task_data_problems(cfg)
@@ -378,6 +399,8 @@ def validate(cfg: DictConfig) -> None:
     found += headless + [
         p for p in unresolved(cfg) if not (headless and "'model.head_" in p) and p not in found
     ]
+    if not found:  # each option fits its own rule: now the rules between them
+        found = combination_problems(cfg)
     if found:
         lines = "\n".join(f"  {p}" for p in found)
         raise ConfigError(

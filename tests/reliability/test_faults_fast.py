@@ -490,6 +490,20 @@ def test_an_option_of_another_model_is_named_before_anything_is_built(compose_cf
         validate(compose_cfg("+model.backbone.num_layer=2"))
 
 
+def test_options_that_do_not_fit_together_are_named_before_anything_is_built(
+    compose_cfg,
+) -> None:
+    """Each option in range, the pair not (the config dataclass's own check): one message
+    naming the model's config, not a bare ValueError from inside the task's instantiation."""
+    cfg = compose_cfg("experiment=megalodon/sc10", "model.d_model=16")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).splitlines()[1] == (
+        "  model.backbone (MegalodonConfig): d_model=16 must be a multiple of norm_groups=12"
+    )
+    validate(compose_cfg("experiment=megalodon/sc10", "model.d_model=24"))
+
+
 def test_a_language_model_asked_to_classify_says_what_to_use(compose_cfg) -> None:
     """The classification task reads the model's head settings, which the language models
     lack: an interpolation error when the config was written out, before."""
