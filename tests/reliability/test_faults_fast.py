@@ -407,6 +407,46 @@ def test_killed_dataloader_worker_gives_one_message(capsys) -> None:
     assert "out-of-memory killer" in err and "data.num_workers" in err
 
 
+@pytest.mark.parametrize(
+    ("kind", "message", "said"),
+    [
+        (
+            "UsageError",
+            "No API key configured. Use `wandb login` to log in.",
+            "W&B would not start the run: No API key configured. Use `wandb login` to log in "
+            "(once; or set WANDB_API_KEY), or log offline with logger.wandb.offline=true",
+        ),
+        (
+            "CommError",
+            "Failed to get resume status for run x: context deadline exceeded\n"
+            "while retrying: Post: no such host",
+            "W&B could not reach its server: Failed to get resume status for run x: context "
+            "deadline exceeded while retrying: Post: no such host. Check the network",
+        ),
+    ],
+    ids=["no-api-key", "no-server"],
+)
+def test_wandb_refusing_an_online_run_is_one_message(
+    capsys, kind: str, message: str, said: str
+) -> None:
+    """`logger.wandb.offline=false` without `wandb login`, or without a route to the server:
+    W&B's error (raised where the logger first starts its run) is the message, with what to do,
+    not a traceback through Lightning's logger."""
+    import wandb.errors
+
+    from megalab.utils.errors import reported
+
+    with pytest.raises(SystemExit), reported():
+        try:
+            raise getattr(wandb.errors, kind)(message)
+        except Exception as err:  # as the logger's first use wraps it: any chain will do
+            raise RuntimeError("logging the hyperparameters failed") from err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("Error: ") == 1
+    assert err.strip().startswith(f"Error: {said}"), err
+    assert "wandb sync <run folder>/wandb" in err
+
+
 @pytest.mark.parametrize("damage", ["missing", "garbage"])
 def test_generate_refusals_are_one_message(tmp_path: Path, damage: str) -> None:
     from conftest import run_cli

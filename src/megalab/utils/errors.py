@@ -137,6 +137,41 @@ def _val_check_too_long(err: BaseException) -> ValidationIntervalError | None:
     return None
 
 
+class LoggerStartError(UserError, RuntimeError):
+    """The experiment logger could not start its run (W&B: no API key, its server unreachable)."""
+
+
+_OFFLINE = (
+    "or log offline with logger.wandb.offline=true (the default) and upload later with "
+    "`wandb sync <run folder>/wandb`"
+)
+
+
+def _wandb_refused(err: BaseException) -> LoggerStartError | None:
+    """W&B's own refusals when a run goes online, as one message (they come under a traceback
+    from inside the logger's first use)."""
+    for e in _chain(err):
+        cls = type(e)
+        if not cls.__module__.startswith("wandb.errors"):
+            continue
+        text = " ".join(line.strip() for line in str(e).strip().splitlines()).rstrip(".")
+        if cls.__name__ == "AuthenticationError" or (
+            cls.__name__ == "UsageError" and "API key" in text
+        ):
+            login = (
+                " (once; or set WANDB_API_KEY)"
+                if "wandb login" in text
+                else ". Log in once with `wandb login` (or set WANDB_API_KEY)"
+            )
+            return LoggerStartError(f"W&B would not start the run: {text}{login}, {_OFFLINE}")
+        if cls.__name__ == "CommError":
+            return LoggerStartError(
+                f"W&B could not reach its server: {text}. Check the network (and WANDB_BASE_URL "
+                f"for a server of your own), {_OFFLINE}"
+            )
+    return None
+
+
 def actionable(err: BaseException) -> BaseException | None:
     """The exception in `err`'s chain whose message a user can act on, or None (a bug)."""
     types = user_error_types()
@@ -147,7 +182,7 @@ def actionable(err: BaseException) -> BaseException | None:
     for e in reversed(chain):
         if type(e) in (ValueError, FileNotFoundError) and _raised_in_megalab(e):
             return e
-    return _worker_died(err) or _val_check_too_long(err)
+    return _worker_died(err) or _val_check_too_long(err) or _wandb_refused(err)
 
 
 def full_errors() -> bool:
