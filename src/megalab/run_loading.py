@@ -11,14 +11,17 @@ verified, `weights_only=True`).
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megalab.utils import errors
 from megalab.utils.checkpointing import read_checkpoint
 from megalab.utils.run_folder import find_run_config, refuse_folder
 from megalab.utils.safe_config import (
@@ -102,6 +105,15 @@ def run_overrides_composable(argv: list[str], run_cfg: DictConfig | None) -> lis
         ours = eq and "." in key and key.split(".")[0] in RUN_GROUPS and key[0].isalpha()
         out.append("++" + arg if ours and _has_key(run_cfg, key) else arg)
     return out
+
+
+def run_entry_point_of_a_run(hydra_main: Callable[[], Any], config_name: str) -> None:
+    """Call the `@hydra.main` of a command that loads a run's checkpoint (`megalab-eval`,
+    `megalab-generate`): overrides of the run's own keys compose (`run_overrides_composable`),
+    and a misspelled key is answered with the run's closest keys."""
+    run_cfg = run_config_in_argv(sys.argv[1:])
+    sys.argv[1:] = run_overrides_composable(sys.argv[1:], run_cfg)
+    errors.run_entry_point(hydra_main, config_name, keys_from=run_cfg)
 
 
 def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:

@@ -27,7 +27,6 @@ from megalab.utils.runtime import configure_runtime, log_settings
 configure_runtime()
 
 import logging  # noqa: E402
-import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -43,10 +42,10 @@ from megalab.run_loading import (  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     merge_run_config as merge_run_config,
 )
-from megalab.run_loading import run_config_in_argv, run_overrides_composable  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     run_data_dir as run_data_dir,
 )
+from megalab.run_loading import run_entry_point_of_a_run  # noqa: E402
 from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
@@ -133,9 +132,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """`megalab-eval`: the Hydra entry point, with the closest keys after a misspelled one."""
-    run_cfg = run_config_in_argv(sys.argv[1:])  # the run's keys compose; hints name them
-    sys.argv[1:] = run_overrides_composable(sys.argv[1:], run_cfg)
-    errors.run_entry_point(hydra_main, "eval", keys_from=run_cfg)
+    run_entry_point_of_a_run(hydra_main, "eval")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,7 +44,7 @@ from torch import Tensor
 
 from megalab.generation.sampling import check_sampling, sample_tokens
 from megalab.run_loading import load_task as load_task
-from megalab.run_loading import merge_run_config, run_config_in_argv, run_overrides_composable
+from megalab.run_loading import merge_run_config, run_entry_point_of_a_run
 from megalab.run_loading import pick_device as pick_device
 from megalab.utils import errors
 from megalab.utils.paths import CONFIG_DIR, export_project_root
@@ -166,9 +165,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """`megalab-generate`: the Hydra entry point, with the closest keys after a misspelled one."""
-    run_cfg = run_config_in_argv(sys.argv[1:])  # the run's keys compose; hints name them
-    sys.argv[1:] = run_overrides_composable(sys.argv[1:], run_cfg)
-    errors.run_entry_point(hydra_main, "generate", keys_from=run_cfg)
+    run_entry_point_of_a_run(hydra_main, "generate")
 
 
 if __name__ == "__main__":
