@@ -22,6 +22,8 @@ tests must pass with the new version:
    `tests/test_train.py::test_multirun_with_a_trainer_that_starts_processes_runs_each_job_once`.
 6. Lightning's message for a `val_check_interval` longer than an epoch, which
    `megalab.utils.errors` recognises and turns into one message naming the settings.
+7. `WandbLogger._wandb_init`, the keyword arguments Lightning gives `wandb.init`, from which
+   `megalab.loggers.WandbLogger` drops the `anonymous=None` W&B warns of.
 """
 
 from __future__ import annotations
@@ -250,3 +252,16 @@ def test_a_validation_interval_longer_than_an_epoch_becomes_one_message(tmp_path
         "trainer.val_check_interval=15 is more than the 10 training batches of an epoch"
     )
     assert "trainer.check_val_every_n_epoch=null" in str(found)
+
+
+def test_the_wandb_logger_hands_wandb_init_no_anonymous_setting(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import WandbLogger as LightningWandbLogger
+
+    from megalab.loggers import WandbLogger
+
+    theirs = LightningWandbLogger(save_dir=str(tmp_path), offline=True)
+    assert "anonymous" in theirs._wandb_init and theirs._wandb_init["anonymous"] is None
+    ours = WandbLogger(save_dir=str(tmp_path), offline=True, project="p")
+    assert "anonymous" not in ours._wandb_init
+    assert ours._wandb_init["project"] == "p" and ours._wandb_init["dir"] == str(tmp_path)
+    assert "anonymous" in WandbLogger(save_dir=str(tmp_path), anonymous=True)._wandb_init

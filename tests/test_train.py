@@ -326,7 +326,9 @@ def test_same_seed_gives_same_metrics(compose_cfg, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("logger", ["csv", "wandb"])
-def test_loggers_write_their_files(compose_cfg, tmp_path: Path, logger: str) -> None:
+def test_loggers_write_their_files(
+    compose_cfg, tmp_path: Path, logger: str, capfd: pytest.CaptureFixture
+) -> None:
     cfg = compose_cfg(f"logger={logger}")
     train(cfg)
     run = tmp_path / "run"
@@ -335,6 +337,8 @@ def test_loggers_write_their_files(compose_cfg, tmp_path: Path, logger: str) -> 
         assert "train/loss" in text and "val/acc" in text
     else:
         assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+        # W&B's warning of the deprecated `anonymous` setting, which Lightning passed unasked
+        assert "anonymous" not in capfd.readouterr().err
 
 
 def test_resumed_run_logs_to_the_same_wandb_run(compose_cfg, tmp_path: Path) -> None:

@@ -37,7 +37,7 @@ class RichProgressBar(_RichProgressBar):
     the stock bar shows `Epoch 3/-2`.
     """
 
-    # Lightning internal (1 of 6, hence the `lightning<2.7` bound in pyproject.toml): overrides
+    # Lightning internal (1 of 7, hence the `lightning<2.7` bound in pyproject.toml): overrides
     # the private RichProgressBar._get_train_description. tests/test_lightning_internals.py
     # fails when Lightning renames it or stops building the bar's title with it.
     def _get_train_description(self, current_epoch: int) -> str:

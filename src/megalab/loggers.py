@@ -5,15 +5,19 @@ lost). Here the file is kept and appended to; `megalab.utils.checkpointing.LastC
 records how many rows the file had at each checkpoint and truncates it back to that count when
 the run resumes, so rows the interrupted run wrote after its last checkpoint (which the resumed
 run writes again) appear once.
+
+`WandbLogger` is Lightning's, without the `anonymous` setting it always hands `wandb.init`.
 """
 
 from __future__ import annotations
 
 import csv
 import os
+from typing import Any
 
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger as _CSVLogger
+from lightning.pytorch.loggers import WandbLogger as _WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -83,3 +87,16 @@ class CSVLogger(_CSVLogger):
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows (a resumed run continues after its checkpoint's rows)."""
         self.experiment.truncate(rows)
+
+
+class WandbLogger(_WandbLogger):
+    """Lightning's W&B logger (same arguments), minus the `anonymous=None` it passes to
+    `wandb.init` unasked: W&B deprecated the setting and warned of it on every run, and it will
+    refuse the argument once it is removed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Lightning internal (7 of 7, hence the `lightning<2.7` bound in pyproject.toml): the
+        # keyword arguments it gives `wandb.init` (tests/test_lightning_internals.py).
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)

@@ -374,7 +374,7 @@ class SequenceDataModule(L.LightningDataModule):
     def resumed_batches(self) -> int:
         """Training batches of the current epoch consumed before a resume (0 otherwise)."""
         trainer = self.trainer
-        # Lightning internal (2 of 6, hence the `lightning<2.7` bound in pyproject.toml): the fit
+        # Lightning internal (2 of 7, hence the `lightning<2.7` bound in pyproject.toml): the fit
         # loop's `restarting` flag and batch progress counters. tests/test_lightning_internals.py
         # fails when Lightning changes what they report on a mid-epoch resume.
         if trainer is None or not trainer.fit_loop.epoch_loop.restarting:

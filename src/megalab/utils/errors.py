@@ -111,7 +111,7 @@ class ValidationIntervalError(UserError, ValueError):
     """`trainer.val_check_interval` is longer than an epoch while validation is per epoch."""
 
 
-# Lightning internal (6 of 6, hence the `lightning<2.7` bound in pyproject.toml): its message
+# Lightning internal (6 of 7, hence the `lightning<2.7` bound in pyproject.toml): its message
 # (loops/fit_loop.py, setup_data) "`val_check_interval` (100) must be less than or equal to the
 # number of the training batches (40). ..."
 _VAL_CHECK_TOO_LONG = re.compile(

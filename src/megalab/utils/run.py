@@ -168,7 +168,7 @@ def launched_processes_stopped_on_user_error(trainer: L.Trainer) -> Iterator[Non
             launcher.kill(signal.SIGKILL)  # as Lightning's Ctrl-C path; they wait in a collective
             for process in launcher.procs:
                 process.wait()
-            # Lightning internal (4 of 6, hence the `lightning<2.7` bound in pyproject.toml):
+            # Lightning internal (4 of 7, hence the `lightning<2.7` bound in pyproject.toml):
             # its child-process observer polls this same list every 5 s and kills this process
             # when a child has died; emptied, it ends instead, so the message is shown.
             launcher.procs.clear()
@@ -224,7 +224,7 @@ def processes_launched_per_job() -> Iterator[None]:
     hydra_cfg = root.hydra
     argv, run_dir = list(sys.argv), hydra_cfg.run.dir
     environment = {key: os.environ.get(key) for key in _LAUNCH_ENV}  # a user's MASTER_PORT
-    # Lightning internal (5 of 6, hence the `lightning<2.7` bound in pyproject.toml): the
+    # Lightning internal (5 of 7, hence the `lightning<2.7` bound in pyproject.toml): the
     # launcher builds the other processes' command line from
     # `sys.argv` and `HydraConfig.get().run.dir` (`_hydra_subprocess_cmd`).
     sys.argv = single_run_argv(argv, list(hydra_cfg.overrides.task))

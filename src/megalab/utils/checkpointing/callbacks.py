@@ -127,7 +127,7 @@ def close_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     would skip as many batches, and after an epoch's last batch the next epoch would be empty
     and log NaN.
     """
-    # Lightning internal (3 of 6, hence the `lightning<2.7` bound in pyproject.toml): the loops'
+    # Lightning internal (3 of 7, hence the `lightning<2.7` bound in pyproject.toml): the loops'
     # progress counters in a checkpoint and their restart flags (tests/test_lightning_internals.py).
     loop = checkpoint.get("loops", {}).get("fit_loop", {})
     epochs = loop.get("epoch_progress", {}).get("current", {})
