@@ -243,6 +243,7 @@ def test_generate_refuses_a_run_that_is_not_a_language_model(compose_cfg, tmp_pa
     [
         ("temperature=-1", ValueError, "temperature must be >= 0"),
         ("top_p=0", ValueError, r"top_p must be in \(0, 1\]"),
+        ("top_p=1.5", ValueError, r"top_p must be in \(0, 1\], got 1.5"),
         ("prompt_file={tmp}/nope.txt", FileNotFoundError, "prompt_file not found"),
     ],
 )

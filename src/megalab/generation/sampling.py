@@ -23,8 +23,8 @@ def check_sampling(temperature: float = 0.0, top_p: float | None = None) -> None
     """Refuse settings no token can be drawn with (before a prompt is read or shown)."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-    if top_p is not None and top_p <= 0.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p} (1 or null: no nucleus)")
 
 
 def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None = None) -> Tensor:
@@ -35,8 +35,8 @@ def filter_logits(logits: Tensor, top_k: int | None = None, top_p: float | None 
         k = min(int(top_k), logits.shape[-1])
         kth = logits.topk(k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    check_sampling(top_p=top_p)
     if top_p is not None and top_p < 1.0:
-        check_sampling(top_p=top_p)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the tokens ranked above
@@ -53,7 +53,7 @@ def next_token(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Draw one token per row of log_probs (B, V): greedy when temperature is 0."""
-    check_sampling(temperature)
+    check_sampling(temperature, top_p)
     if temperature == 0:
         return log_probs.argmax(dim=-1)
     logits = filter_logits(log_probs.float() / temperature, top_k, top_p)
