@@ -84,6 +84,18 @@ class ProbedLoader(DataLoader):
         return super().__iter__()
 
 
+def _quiet_trainer(tmp_path: Path, **settings: Any) -> L.Trainer:
+    """A CPU trainer with no logger, progress bar or model summary, and `settings`."""
+    return L.Trainer(
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        **settings,
+    )
+
+
 def _probed_fit(
     tmp_path: Path, max_steps: int, callbacks: list[Any], ckpt_path: Path | None = None
 ) -> tuple[L.Trainer, ProbedLoader]:
@@ -91,15 +103,8 @@ def _probed_fit(
     `ModelCheckpoint` among `callbacks`)."""
     loader = ProbedLoader()
     checkpointing = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
-    trainer = L.Trainer(
-        max_steps=max_steps,
-        callbacks=callbacks,
-        enable_checkpointing=checkpointing,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-        default_root_dir=tmp_path,
+    trainer = _quiet_trainer(
+        tmp_path, max_steps=max_steps, callbacks=callbacks, enable_checkpointing=checkpointing
     )
     loader.trainer = trainer
     trainer.fit(TinyRegression(), loader, ckpt_path=ckpt_path)
@@ -234,15 +239,8 @@ def test_launched_processes_stopped_on_user_error_leave_the_launcher_alive() -> 
 def test_a_validation_interval_longer_than_an_epoch_becomes_one_message(tmp_path: Path) -> None:
     from megalab.utils.errors import ValidationIntervalError, actionable
 
-    trainer = L.Trainer(
-        max_steps=30,
-        val_check_interval=15,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        accelerator="cpu",
-        default_root_dir=tmp_path,
+    trainer = _quiet_trainer(
+        tmp_path, max_steps=30, val_check_interval=15, enable_checkpointing=False
     )
     with pytest.raises(ValueError) as raised:
         trainer.fit(TinyRegression(), _loader())  # 10 batches an epoch

@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -252,33 +254,50 @@ class SleepAt(Callback):
             time.sleep(1.1)
 
 
+# The short run the resume tests interrupt: 2 batches an epoch, 5 steps, a constant rate.
+RESUME_SETTINGS = (
+    "trainer.limit_train_batches=2",
+    "trainer.limit_val_batches=1",
+    "test=false",
+    "scheduler=constant",
+    "scheduler.warmup_steps=2",
+    "trainer.max_steps=5",
+)
+
+
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The uninterrupted run of test_resume_continues_exactly, trained once for both cases (in
-    a folder of the module's: a passing test's own tmp_path is removed when it ends)."""
-    return {"dir": tmp_path_factory.mktemp("straight")}
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """The folder of the uninterrupted run of `RESUME_SETTINGS` plus `overrides`, trained once
+    for all the cases that compare with it (in a folder of the module's: a passing test's own
+    tmp_path is removed when it ends)."""
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def straight(compose_cfg: Callable[..., Any], *overrides: str) -> Path:
+        if overrides not in runs:
+            cfg = compose_cfg(*RESUME_SETTINGS, *overrides)
+            cfg.paths.output_dir = str(tmp_path_factory.mktemp("straight"))
+            train(cfg)
+            runs[overrides] = Path(cfg.paths.output_dir)
+        return runs[overrides]
+
+    return straight
+
+
+def assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
+    """Two checkpoints' weights, bit for bit."""
+    for name, value in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("stop", [2, 3], ids=["epoch-boundary", "mid-epoch"])
 def test_resume_continues_exactly(
-    compose_cfg, tmp_path: Path, stop: int, straight_run: dict[str, Path]
+    compose_cfg, tmp_path: Path, stop: int, straight_run: Callable[..., Path]
 ) -> None:
     """Train 5 steps straight, or get SIGTERM after `stop` steps and resume: same weights and
     optimizer. With the default callbacks: the signal saves `last.ckpt` (the fault-injection
     suite in tests/reliability covers kills without warning, DDP and the logs)."""
-    common = (
-        "trainer.limit_train_batches=2",
-        "trainer.limit_val_batches=1",
-        "test=false",
-        "scheduler=constant",
-        "scheduler.warmup_steps=2",
-        "trainer.max_steps=5",
-    )
-    if not (straight_run["dir"] / "checkpoints").is_dir():
-        straight = compose_cfg(*common)
-        straight.paths.output_dir = str(straight_run["dir"])
-        train(straight)
-
+    common = RESUME_SETTINGS
+    straight_dir = straight_run(compose_cfg)
     first = compose_cfg(
         *common, "+callbacks.stop._target_=test_train.SigtermAt", f"+callbacks.stop.step={stop}"
     )
@@ -296,11 +315,10 @@ def test_resume_continues_exactly(
     said = [str(w.message) for w in caught]
     assert not [m for m in said if "is not empty" in m or "not resumable" in m], said
 
-    a = _final_weights(straight_run["dir"])
+    a = _final_weights(straight_dir)
     b = _final_weights(tmp_path / "resumed")
     assert a["global_step"] == b["global_step"] == 5
-    for name, value in a["state_dict"].items():
-        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    assert_same_weights(a, b)
     opt_a, opt_b = a["optimizer_states"][0]["state"], b["optimizer_states"][0]["state"]
     for idx, state in opt_a.items():
         for key, value in state.items():
@@ -660,28 +678,16 @@ def test_eval_without_a_checkpoint_file_says_what_to_give(compose_cfg, tmp_path:
 
 @pytest.mark.parametrize("accumulate", [1, 2], ids=["step", "mid-accumulation"])
 def test_a_run_out_of_time_saves_says_so_and_resumes_exactly(
-    compose_cfg, tmp_path: Path, straight_run: dict[str, Path], accumulate: int
+    compose_cfg, tmp_path: Path, straight_run: Callable[..., Path], accumulate: int
 ) -> None:
     """`trainer.max_time` (Lightning's Timer; here 1 s, spent by one batch): the run saves
     `last.ckpt`, records `stop_reason: time_limit` (not early stopping, which the tables would
     footnote), and `ckpt_path=last` with more time continues exactly. Under gradient
     accumulation the time runs out inside one (the first micro-batch of an epoch) and the run
     stops after its optimizer step."""
-    common = (
-        "trainer.limit_train_batches=2",
-        "trainer.limit_val_batches=1",
-        "test=false",
-        "scheduler=constant",
-        "scheduler.warmup_steps=2",
-        "trainer.max_steps=5",
-        f"trainer.accumulate_grad_batches={accumulate}",
-        "trainer.memory_check=false",  # keeps the accumulation as given
-    )
-    straight_dir = straight_run["dir"].parent / f"straight_accumulate_{accumulate}"
-    if not (straight_dir / "checkpoints").is_dir():
-        straight = compose_cfg(*common)
-        straight.paths.output_dir = str(straight_dir)
-        train(straight)
+    accumulation = f"trainer.accumulate_grad_batches={accumulate}"
+    common = (*RESUME_SETTINGS, accumulation)
+    straight_dir = straight_run(compose_cfg, accumulation)
     first = compose_cfg(
         *common,
         "trainer.max_time=00:00:00:01",
@@ -697,7 +703,4 @@ def test_a_run_out_of_time_saves_says_so_and_resumes_exactly(
     second.paths.output_dir = str(tmp_path / "timed")
     record = train(second)
     assert record["stop_reason"] == "schedule" and record["global_step"] == 5
-    a = _final_weights(straight_dir)
-    b = _final_weights(tmp_path / "timed")
-    for name, value in a["state_dict"].items():
-        torch.testing.assert_close(b["state_dict"][name], value, rtol=0, atol=0, msg=name)
+    assert_same_weights(_final_weights(straight_dir), _final_weights(tmp_path / "timed"))

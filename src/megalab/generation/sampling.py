@@ -53,7 +53,7 @@ def next_token(
     generator: torch.Generator | None = None,
 ) -> Tensor:
     """Draw one token per row of log_probs (B, V): greedy when temperature is 0."""
-    check_sampling(temperature, top_p)
+    check_sampling(temperature)  # top_p: in filter_logits
     if temperature == 0:
         return log_probs.argmax(dim=-1)
     logits = filter_logits(log_probs.float() / temperature, top_k, top_p)

@@ -470,7 +470,7 @@ class LastCheckpoint(Checkpoint):
         # trained model, and resuming a finished run goes straight to its test.
         if trainer.fast_dev_run:  # type: ignore[attr-defined]
             return
-        spent = self._out_of_time or (trainer.should_stop and time_limit_reached(trainer))
+        spent = trainer.should_stop and time_limit_reached(trainer)  # the Timer stopped it
         (out_of_time,) = _max_over_ranks(trainer, [int(spent)])  # every process alike
         if out_of_time and self._last_saved_step == trainer.global_step:
             return  # saved where the time ran out (or a resume found it spent): exact from there
