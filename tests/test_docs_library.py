@@ -30,3 +30,15 @@ def test_from_preset_names_what_exists() -> None:
         from_preset("megalodon/no_such")
     with pytest.raises(ValueError, match="no option 'chunk'"):
         from_preset("mega", chunk=4)
+    # A preset whose option comes from a dataset says what to give, instead of failing in a
+    # layer that compared None with a number.
+    with pytest.raises(
+        ValueError,
+        match=r"mega: max_positions comes from the dataset .* "
+        r"data=\{'max_len': \.\.\.\} or max_positions=",
+    ):
+        from_preset("mega")
+    assert from_preset("mega", data={"max_len": 64}).config.max_positions == 64
+    # A config check is the preset's one message, not Hydra's instantiation error around it.
+    with pytest.raises(ValueError, match=r"^llama_100m: d_model=32 must be a positive multiple"):
+        from_preset("llama_100m", d_model=32)

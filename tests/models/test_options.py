@@ -178,6 +178,13 @@ def test_a_target_without_a_config_dataclass_gets_no_backbone_rules() -> None:
         (lambda: TransformerXLConfig(ext_len=-1), "ext_len must be >= 0, got -1"),
         (lambda: TransformerXLConfig(eval_mem_len=-2), "eval_mem_len must be >= 0, got -2"),
         (lambda: TransformerConfig(init="xavier").build(), "unknown init 'xavier'"),
+        # None where the type has no None (a ${data.max_len} built without a dataset): it
+        # failed when the layer compared it with a number.
+        (lambda: MegaConfig(max_positions=None), "max_positions must be an integer, got None"),
+        (
+            lambda: MegalodonConfig(chunk_size=None),
+            r"chunk_size must be an integer >= 1.*, got None",
+        ),
     ],
 )
 def test_the_dataclasses_refuse_values_out_of_the_declared_range(make: Any, message: str) -> None:

@@ -130,6 +130,35 @@ def block_classes() -> set[type]:
     return {c.block_class for c in backbones if c.block_class is not None}
 
 
+def _check_data_given(name: str, cfg: Any, options: Mapping[str, Any]) -> None:
+    """Raise a ValueError naming the `data` entry to give when a backbone option the preset
+    takes from the dataset (`${data.max_len}`) is left None and its field does not allow None."""
+    from omegaconf import OmegaConf
+
+    from megalab.utils.options import config_class_of, declared, rule_of
+    from megalab.utils.safe_config import megalab_object
+
+    backbone = cfg.model.backbone
+    config_class = config_class_of(megalab_object(str(backbone.get("_target_", ""))))
+    fields = declared(config_class) if config_class is not None else {}
+    unresolved = OmegaConf.to_container(backbone, resolve=False)
+    assert isinstance(unresolved, dict)
+    for key, raw in unresolved.items():
+        key = str(key)
+        if not (isinstance(raw, str) and raw.startswith("${data.") and raw.endswith("}")):
+            continue
+        data_key = raw[len("${data.") : -1]
+        annotation, spec = fields.get(key, (None, None))
+        if key in options or backbone[key] is not None or spec is None:
+            continue
+        if rule_of(annotation, spec).check(None):
+            continue  # None is a valid value of this option
+        raise ValueError(
+            f"{name}: {key} comes from the dataset ({raw}), and no dataset is given: pass "
+            f"data={{{data_key!r}: ...}} or {key}=... to from_preset"
+        )
+
+
 def from_preset(name: str, data: Mapping[str, Any] | None = None, **options: Any) -> Backbone:
     """The backbone of the shipped model config `name` (`mega`, `megalodon/mega200M`, ...).
 
@@ -159,8 +188,14 @@ def from_preset(name: str, data: Mapping[str, Any] | None = None, **options: Any
         else:
             options_known = sorted(k for k in cfg.model.backbone if k != "_target_")
             raise ValueError(f"{name}: no option {key!r}; its options are {options_known}")
+    _check_data_given(name, cfg, options)
     from megalab.models.base import Backbone, built
 
-    backbone = built(hydra.utils.instantiate(cfg.model.backbone))
+    try:
+        backbone = built(hydra.utils.instantiate(cfg.model.backbone))
+    except hydra.errors.InstantiationException as e:
+        if isinstance(e.__cause__, ValueError):  # a config check: say it without Hydra's frame
+            raise ValueError(f"{name}: {e.__cause__}") from None
+        raise
     assert isinstance(backbone, Backbone)
     return backbone

@@ -10,8 +10,9 @@ and that one declaration serves both checks of the option:
 
 - `check_options(config)`, called by the dataclass's `__post_init__`, refuses a value out of the
   declared range or choices with a ValueError that names the option (`num_layers must be >= 1,
-  got 0`; `unknown positions 'x'; choose one of none, learned`). It checks ranges, not types:
-  Python callers (converters from the authors' checkpoints) may pass numpy scalars.
+  got 0`; `unknown positions 'x'; choose one of none, learned`), and None for a field whose
+  type does not allow it (a `${data.max_len}` built without a dataset). It checks ranges, not
+  types: Python callers (converters from the authors' checkpoints) may pass numpy scalars.
 - `option_rules(config_class)` gives the `Rule` of every field for `megalab.config_schema`,
   which checks a run's settings before anything is built: the type from the annotation (int,
   float, bool, str, Literal[...], a tuple of numbers, `X | None`) and the declared range.
@@ -210,8 +211,10 @@ def declared(config_class: type) -> dict[str, tuple[Any, Option | None]]:
 def check_options(config: Any) -> None:
     """Raise a ValueError naming the first option of `config` out of its declared range or
     choices (types are not checked here; see the module docstring)."""
-    for name, (_, spec) in declared(type(config)).items():
+    for name, (annotation, spec) in declared(type(config)).items():
         value = getattr(config, name)
+        if value is None and spec is not None and not _unwrap_optional(annotation)[1]:
+            raise ValueError(f"{name} must be {rule_of(annotation, spec).expects}, got None")
         if spec is None or value is None:
             continue
         if spec.choices and value not in spec.choices:
