@@ -342,6 +342,28 @@ def test_max_len_is_enforced(name: str, variant: str) -> None:
                 model(inputs(model, B=1, L=3), state=state)
 
 
+@pytest.mark.parametrize("cls", BACKBONE_TYPES, ids=TYPE_IDS)
+def test_bad_inputs_are_refused_saying_what_was_expected(cls: type) -> None:
+    """Features of the wrong shape or dtype and a mask that is not (B, L) bool fail before any
+    layer, naming what the backbone takes (they failed inside a norm or a mask product, and a
+    float mask in some models silently weighted the tokens)."""
+    model = _BUILT[next(c for c in CASES if type(_BUILT[c]) is cls)]
+    x = inputs(model, B=2, L=8)
+    expected_x = rf"{cls.__name__} takes features x of shape \(batch, length, d_model=16\)"
+    one_sequence, another_width, token_ids = x[0], x[..., :-1], torch.zeros(2, 8, 16).long()
+    with torch.no_grad():
+        for bad in (one_sequence, another_width, token_ids):
+            with pytest.raises(ValueError, match=expected_x):
+                model(bad)
+        for mask, hint in [
+            (torch.ones(2, 8), r"mask\.bool\(\)"),
+            (torch.ones(2, 9, dtype=torch.bool), r"got \(2, 9\) torch\.bool$"),
+        ]:
+            with pytest.raises(ValueError, match=rf"mask is a bool tensor .* \(2, 8\).*{hint}"):
+                model(x, mask=mask)
+        assert model(x, mask=torch.ones(2, 8, dtype=torch.bool)).y.shape == x.shape
+
+
 def _first_variants() -> list[tuple[str, str]]:
     seen: dict[str, str] = {}
     for n, v in CASES:

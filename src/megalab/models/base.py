@@ -13,6 +13,10 @@ Attributes every backbone has:
 - `causal`: True when the output at t depends on inputs at positions ≤ t only (decoders).
 - `max_len`: the longest input (for a stream: the most tokens the model can still take), or
   None when unbounded. `check_length` raises a clear error past it.
+- `check_input(x, mask, state)`: what each model's forward calls first. It refuses, with a
+  message that says what was expected, features that are not (B, L, d_model) floats, a mask
+  that is not a (B, L) bool tensor, a state given to a bidirectional model and an input longer
+  than `max_len`.
 - `initial_state(batch_size, like)`: the empty state that starts a stream (None for a model
   that keeps no state). Passing a state makes the model stream: the outputs of consecutive
   segments, each with the state the previous one returned, equal those of one pass over their
@@ -46,6 +50,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 
@@ -166,6 +171,35 @@ class Backbone(nn.Module):
                 f"a bidirectional {type(self).__name__} sees future tokens and keeps no streaming "
                 f"state; build it with {self.causal_option} to stream"
             )
+
+    def check_input(self, x: Tensor, mask: Tensor | None, state: Any = None) -> None:
+        """Raise a ValueError that says what is wrong with a forward's arguments, before they
+        fail deep inside a layer (or, for a mask of another dtype, silently mean something else):
+        x must be (B, L, d_model) floating-point features, mask None or a (B, L) bool tensor
+        True at real tokens; a state needs a causal model (`check_streamable`) and room for the
+        input (`check_length`). Shapes and dtypes only: nothing is read from the device."""
+        name = type(self).__name__
+        if x.dim() != 3 or x.shape[-1] != self.d_model or not x.is_floating_point():
+            hint = (
+                ""
+                if x.is_floating_point()
+                else ": embed token ids first (megalab.nn.embedding.SequenceEncoder, or the "
+                "task's encoder)"
+            )
+            raise ValueError(
+                f"{name} takes features x of shape (batch, length, d_model={self.d_model}) in "
+                f"a floating-point dtype; got {tuple(x.shape)} {x.dtype}{hint}"
+            )
+        if mask is not None and (mask.dtype != torch.bool or mask.shape != x.shape[:2]):
+            hint = " (from a 0/1 attention mask: mask.bool())" if mask.dtype != torch.bool else ""
+            raise ValueError(
+                f"{name}'s mask is a bool tensor of shape (batch, length) = "
+                f"{tuple(x.shape[:2])}, True at real tokens; got {tuple(mask.shape)} "
+                f"{mask.dtype}{hint}"
+            )
+        if state is not None:
+            self.check_streamable()
+        self.check_length(x.shape[1], state)
 
     def check_length(self, length: int, state: Any = None) -> None:
         """Raise a ValueError that names the limit when `length` more tokens do not fit."""

@@ -276,9 +276,7 @@ class Llama(Backbone):
     ) -> BackboneOutput:
         """x (B, L, D), mask (B, L) True at real tokens, state from the previous segment; the
         blocks and the final RMSNorm run in the shared stack (`megalab.models.stack`)."""
-        if state is not None:
-            self.check_streamable()
-        self.check_length(x.shape[1], state)
+        self.check_input(x, mask, state)
         out = run_stack(
             self.layers,
             x,

@@ -395,9 +395,7 @@ class Mega(Backbone):
         input step (positions, `embed_norm`) the blocks run in the shared stack
         (`megalab.models.stack`).
         """
-        if state is not None:
-            self.check_streamable()
-        self.check_length(x.shape[1], state)
+        self.check_input(x, mask, state)
         if self.pos_embed is not None:
             if state is not None:
                 raise ValueError(

@@ -359,8 +359,7 @@ class Megalodon(Backbone):
         state to pass with the next segment. The blocks and the final norm run in the shared
         stack (`megalab.models.stack`).
         """
-        if state is not None:
-            self.check_streamable()
+        self.check_input(x, mask, state)
         # The final norm carries statistics of its own: it runs as the last carried module.
         states = None if state is None else [*state.layers, state.final_norm]
         out = run_stack([*self.layers, self.final_norm], x, mask, states)

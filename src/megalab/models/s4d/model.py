@@ -205,8 +205,7 @@ class S4DBackbone(Backbone):
         to pass with the next segment. The blocks and the final norm run in the shared stack
         (`megalab.models.stack`).
         """
-        if state is not None:
-            self.check_streamable()
+        self.check_input(x, mask, state)
         out = run_stack(
             self.layers, x, mask, None if state is None else state.layers, final=self.final_norm
         )

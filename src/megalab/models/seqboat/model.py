@@ -549,8 +549,7 @@ class SeqBoat(Backbone):
         confidences and packed attention outputs, for analysis such as the paper's Fig. 4).
         After the absolute positions the blocks run in the shared stack (`megalab.models.stack`),
         each returning its report beside its state."""
-        if state is not None:
-            self.check_streamable()
+        self.check_input(x, mask, state)
         offset = 0 if state is None else int(state.offset)
         if self.pos_scale is not None:
             pe = sinusoidal_positions(x.shape[1], self.d_model, x, offset)

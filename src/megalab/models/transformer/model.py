@@ -231,8 +231,8 @@ class Transformer(Backbone):
         self, x: Tensor, mask: Tensor | None = None, state: None = None
     ) -> BackboneOutput:
         """x (B, L, D), mask (B, L) True at real tokens -> y (B, L, D); no state."""
+        self.check_input(x, mask)
         B, L, _ = x.shape
-        self.check_length(L)
         if self.positions == "sinusoidal":
             x = x + sinusoidal_positions(L, self.d_model, x.device, x.dtype)
         elif self.pos_embedding is not None:

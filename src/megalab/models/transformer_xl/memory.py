@@ -241,9 +241,8 @@ class RelativeMemoryBackbone(Backbone):
         and itself (`same_length` as the code), and the sinusoid table of the distances
         m + L − 1, …, 0, then (`future_sign` ±1, LaMemo) the look-ahead distances ±1, …, ±m,
         all capped by `clamp_len`, dropped out as the code does."""
-        L, D = x.shape[1], x.shape[2]
-        if self.d_model != D:
-            raise ValueError(f"expected inputs of width d_model={self.d_model}, got {D}")
+        self.check_input(x, mask, state)
+        L = x.shape[1]
         cfg = self.config
         name = cfg.model_name
         padded = check_trailing_padding(mask, name)
