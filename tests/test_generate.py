@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -16,6 +17,7 @@ from megalab.cli.generate import generate
 from megalab.cli.train import train
 from megalab.data.lm.codec import AlphabetCodec, ByteCodec, WordCodec
 from megalab.generation.sampling import filter_logits, next_token, sample_tokens
+from megalab.long_context import score_stream
 
 
 @pytest.mark.parametrize(("name", "variant"), CAUSAL_CASES, ids=CAUSAL_IDS)
@@ -59,6 +61,25 @@ def test_filters_keep_the_top_k_and_the_nucleus() -> None:
     assert draws == {0, 1}
     with pytest.raises(ValueError, match="temperature"):
         next_token(logits, temperature=-1.0)
+
+
+def test_sampling_and_scoring_give_the_task_back_in_its_mode() -> None:
+    """Sampling or scoring from a training loop (a callback's samples) runs without dropout and
+    leaves each module's mode as it was: both left the whole task in eval mode, so training
+    went on without dropout; a module the caller froze in eval stays frozen."""
+    task = build_lm("llama", "causal_mha", dtype=torch.float32).train()
+    task.encoder.eval()  # frozen by the caller
+    modes = {name: m.training for name, m in task.named_modules()}
+    dropouts = [m for m in task.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts
+    for m in dropouts:
+        m.p = 0.5
+    prompt = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    greedy = [sample_tokens(task, prompt, 6, temperature=0.0) for _ in range(2)]
+    assert torch.equal(*greedy)  # no dropout while sampling
+    assert {name: m.training for name, m in task.named_modules()} == modes
+    score_stream(task, np.arange(30) % VOCAB, segment_len=8, first_bucket=8)
+    assert {name: m.training for name, m in task.named_modules()} == modes
 
 
 def test_a_seed_makes_sampling_reproducible_and_eos_stops_it() -> None:

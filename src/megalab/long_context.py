@@ -45,6 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from megalab.nn.modes import in_evaluation_mode
 from megalab.nn.state import map_state
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ class LongContextResult:
 
 
 @torch.inference_mode()
+@in_evaluation_mode
 def score_stream(
     task: LanguageModelingTask,
     tokens: np.ndarray,
@@ -134,7 +136,8 @@ def score_stream(
     device: torch.device | str = "cpu",
 ) -> LongContextResult:
     """Score `tokens` (a 1-D stream: position p predicts p + 1) as `rows` documents of equal
-    length, segment by segment with the carried state; see the module docstring."""
+    length, segment by segment with the carried state; see the module docstring. The task
+    scores in evaluation mode and is given back in the mode it came in."""
     if segment_len < 1 or rows < 1:
         raise ValueError("segment_len and rows must be positive")
     if norm_refresh_after is not None and not (
@@ -147,7 +150,6 @@ def score_stream(
     length = (len(tokens) - 1) // rows  # predictions per document
     if length < 1:
         raise ValueError(f"{len(tokens)} tokens cannot make {rows} document(s) to score")
-    task.eval()
     backbone = task.backbone
     from megalab.tasks.language_modeling import check_no_extended_context
 

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from megalab.nn.modes import in_evaluation_mode
+
 if TYPE_CHECKING:
     from megalab.tasks.language_modeling import LanguageModelingTask
 
@@ -98,6 +100,7 @@ class IncrementalDecoder:
 
 
 @torch.inference_mode()
+@in_evaluation_mode
 def sample_tokens(
     task: LanguageModelingTask,
     prompt: Tensor,
@@ -115,12 +118,12 @@ def sample_tokens(
     `on_tokens` receives each new column (B,) as soon as it is drawn (streaming output). With
     `eos_id` generation stops once every row has produced it (rows that finished repeat it).
     `return_log_probs` also returns the (B, N, V) distributions the tokens were drawn from.
+    The task samples in evaluation mode and is given back in the mode it came in.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(
             f"the prompt must be (batch, length >= 1) token ids, got {tuple(prompt.shape)}"
         )
-    task.eval()
     decoder = IncrementalDecoder(task, prompt.shape[0])
     log_probs = decoder.feed(prompt)
     tokens: list[Tensor] = []
