@@ -92,10 +92,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         unlock_run_folder(cfg.paths.output_dir)
 
 
+def _note_settings_of_no_schedule(cfg: DictConfig) -> None:
+    """Say that `scheduler=none` leaves unused what the experiment set for its schedule."""
+    scheduler = cfg.get("scheduler")
+    if isinstance(scheduler, DictConfig) and "_target_" not in scheduler and len(scheduler):
+        log.info(
+            "scheduler=none: the learning rate stays the optimizer's; the experiment's "
+            "scheduler settings (%s) are not used",
+            ", ".join(f"{k!s}={v}" for k, v in scheduler.items()),
+        )
+
+
 def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     upgrade_backbone_targets(cfg)  # a config from before backbones took their config
     validate_config(cfg)
+    _note_settings_of_no_schedule(cfg)
     ckpt_path = start_run(cfg, output_dir)  # lock the folder, what to resume, the W&B run
     run_utils.save_config(cfg, output_dir / "config.yaml")
     objs = build(cfg, resume=ckpt_path is not None)

@@ -106,13 +106,21 @@ def _cast_state(state: Any, dtype: torch.dtype) -> Any:
     return state
 
 
+def _no_schedule_is_none(scheduler: Any) -> Callable[..., Any] | None:
+    """The schedule, or None for `scheduler=none`: a config without `_target_`, which Hydra
+    leaves a mapping (empty, or holding what an experiment set for its own schedule, such as
+    `warmup_steps`, which `megalab-train` says it does not use)."""
+    return None if isinstance(scheduler, Mapping | DictConfig) else scheduler
+
+
 class TaskBase(L.LightningModule):
     """What every task shares, whatever its model: optimizer and schedule from config,
     throughput, loud failures, compilation and exact resume.
 
     `optim` is the `optim` config group, instantiated: `optimizer` (a partial taking parameter
     groups) and `param_groups` (rules, see `megalab.optim`). `scheduler` is a partial taking
-    `(optimizer, total_steps)`; total steps come from the trainer. `check_finite` stops training
+    `(optimizer, total_steps)`; total steps come from the trainer (None, or the `none` group's
+    config: the optimizer's learning rate throughout). `check_finite` stops training
     at a NaN or infinite loss. `compile` runs the submodule named by `compile_target` through
     `torch.compile` for training.
     """
@@ -131,7 +139,7 @@ class TaskBase(L.LightningModule):
         if compile and self.compile_target is None:
             raise ValueError(f"{type(self).__name__} has no module to compile (compile_target)")
         self.optim_cfg = optim
-        self.scheduler_fn = scheduler
+        self.scheduler_fn = _no_schedule_is_none(scheduler)
         self.check_finite = check_finite
         # Not `self.compile`: that would shadow LightningModule.compile (nn.Module.compile).
         self.compile_for_fit = compile
