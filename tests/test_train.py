@@ -211,6 +211,23 @@ def test_every_optimizer_and_schedule_of_the_groups_trains(
         assert len(saved["lr_schedulers"]) == 1
 
 
+def test_a_run_without_the_checkpoint_callbacks_writes_none_and_says_what_it_loses(
+    compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`callbacks=early_stopping` keeps that callback alone. Lightning then added a checkpoint of
+    its own below the logger's folder and tested from it, and nothing said the run could no
+    longer resume or save on a signal."""
+    cfg = compose_cfg("callbacks=early_stopping", "logger=csv")
+    with caplog.at_level(logging.WARNING, logger="megalab"):
+        record = train(cfg)
+    assert record["global_step"] == 2 and "test/loss" in record["metrics"]
+    assert not list((tmp_path / "run").rglob("*.ckpt"))
+    warned = [r.getMessage() for r in caplog.records if "writes no last.ckpt" in r.getMessage()]
+    assert len(warned) == 1
+    assert "(callbacks=early_stopping replaces the default callbacks)" in warned[0]
+    assert "callbacks.<name>=null" in warned[0]
+
+
 def test_process_count_warning_only_when_resuming(
     compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

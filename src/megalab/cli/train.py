@@ -22,6 +22,7 @@ import hydra  # noqa: E402
 import lightning as L  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from megalab.config_schema import group_choice  # noqa: E402
 from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.data.base import SequenceDataModule  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
@@ -30,7 +31,11 @@ from megalab.parallel.lightning import find_unused_data_dependent_parameters  # 
 from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
-from megalab.utils.checkpointing import RunInterrupted, set_verification  # noqa: E402
+from megalab.utils.checkpointing import (  # noqa: E402
+    LastCheckpoint,
+    RunInterrupted,
+    set_verification,
+)
 from megalab.utils.locking import unlock_run_folder  # noqa: E402
 from megalab.utils.paths import CONFIG_DIR, export_project_root  # noqa: E402
 from megalab.utils.run_folder import (  # noqa: E402
@@ -103,6 +108,20 @@ def _note_settings_of_no_schedule(cfg: DictConfig) -> None:
         )
 
 
+def _warn_without_last_checkpoint(trainer: L.Trainer) -> None:
+    """Warn before training a run that keeps no `last.ckpt`: choosing one file of the
+    `callbacks` group (`callbacks=early_stopping`) replaces the whole default list."""
+    if any(isinstance(c, LastCheckpoint) for c in trainer.callbacks):  # type: ignore[attr-defined]
+        return
+    choice = group_choice("callbacks")
+    log.warning(
+        "this run writes no last.ckpt%s: it cannot be resumed, and a signal or a time limit "
+        "ends it without saving. Keep the default callbacks and change one with its keys "
+        "(callbacks.early_stopping.patience=10), or drop one with callbacks.<name>=null",
+        f" (callbacks={choice} replaces the default callbacks)" if choice else "",
+    )
+
+
 def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     upgrade_backbone_targets(cfg)  # a config from before backbones took their config
@@ -113,6 +132,8 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     objs = build(cfg, resume=ckpt_path is not None)
     datamodule, task, trainer = objs["datamodule"], objs["task"], objs["trainer"]
     set_verification(trainer, cfg.get("ckpt_verify", True))
+    if cfg.get("train", True):
+        _warn_without_last_checkpoint(trainer)
     run_utils.log_hyperparameters(cfg, objs["loggers"], task)
     remember_wandb_run(objs["loggers"], output_dir)
     params = run_utils.count_parameters(task)

@@ -22,7 +22,7 @@ import hydra
 import lightning as L
 import torch
 from lightning import Callback
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -286,11 +286,17 @@ def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
 def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
     """Build the Lightning Trainer of a `trainer` config group; every entry point builds its
     trainer here, so megalab's own keys never reach Lightning. `enable_progress_bar: false`
-    drops the progress bar of the `callbacks` group (Lightning refuses the two together)."""
+    drops the progress bar of the `callbacks` group (Lightning refuses the two together).
+    Callbacks that keep no checkpoint (`callbacks=none`) make a run that writes none: Lightning
+    would add a ModelCheckpoint of its own, below the logger's folder, and test from it."""
     check_accelerator(cfg)
     quiet_lightning()
     if cfg.get("enable_progress_bar") is False and kwargs.get("callbacks"):
         kwargs["callbacks"] = [c for c in kwargs["callbacks"] if not isinstance(c, ProgressBar)]
+    callbacks = kwargs.get("callbacks")
+    keeps_none = callbacks is not None and not any(isinstance(c, Checkpoint) for c in callbacks)
+    if keeps_none and "enable_checkpointing" not in cfg:
+        kwargs["enable_checkpointing"] = False
     max_time = cfg.get("max_time")
     if isinstance(max_time, DictConfig):  # {hours: 20}: Lightning takes a dict, not a DictConfig
         kwargs["max_time"] = datetime.timedelta(**cast(dict, OmegaConf.to_container(max_time)))
