@@ -372,6 +372,24 @@ def task_data_problems(cfg: DictConfig) -> list[str]:
     return []
 
 
+def trainer_problems(cfg: DictConfig) -> list[str]:
+    """Trainer settings Lightning refuses together: a fraction of an epoch as the validation
+    interval with validation by steps across epochs (`check_val_every_n_epoch: null`, as the
+    experiments that validate every N steps set it)."""
+    trainer = cfg.get("trainer")
+    if not isinstance(trainer, DictConfig):
+        return []
+    interval = trainer.get("val_check_interval")
+    if isinstance(interval, float) and trainer.get("check_val_every_n_epoch") is None:
+        return [
+            f"trainer.val_check_interval={interval!r} is a fraction of an epoch, which needs "
+            "trainer.check_val_every_n_epoch (null here: validation every N training batches, "
+            "across epochs): set trainer.check_val_every_n_epoch=1, or give the interval in "
+            "training batches (an integer)"
+        ]
+    return []
+
+
 def combination_problems(cfg: DictConfig) -> list[str]:
     """What a model's config dataclass refuses of its options together (`d_model` not a
     multiple of `norm_groups`, ...), found by building the dataclass alone (its checks; no
@@ -400,7 +418,7 @@ def validate(cfg: DictConfig) -> None:
         p for p in unresolved(cfg) if not (headless and "'model.head_" in p) and p not in found
     ]
     if not found:  # each option fits its own rule: now the rules between them
-        found = combination_problems(cfg)
+        found = trainer_problems(cfg) + combination_problems(cfg)
     if found:
         lines = "\n".join(f"  {p}" for p in found)
         raise ConfigError(

@@ -544,6 +544,24 @@ def test_options_that_do_not_fit_together_are_named_before_anything_is_built(
     validate(compose_cfg("experiment=megalodon/sc10", "model.d_model=24"))
 
 
+def test_a_fraction_of_an_epoch_with_validation_by_steps_says_what_to_set(compose_cfg) -> None:
+    """The experiments that validate every N steps set check_val_every_n_epoch to null, where
+    Lightning refuses a fraction as the interval: its MisconfigurationException came inside
+    Hydra's instantiation error, after the data was prepared."""
+    # As the quickstart sets it; the tests' fast trainer validates once per epoch instead.
+    by_steps = ("experiment=quickstart", "trainer.check_val_every_n_epoch=null")
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg(*by_steps, "trainer.val_check_interval=0.5"))
+    assert str(err.value).splitlines()[1] == (
+        "  trainer.val_check_interval=0.5 is a fraction of an epoch, which needs "
+        "trainer.check_val_every_n_epoch (null here: validation every N training batches, "
+        "across epochs): set trainer.check_val_every_n_epoch=1, or give the interval in "
+        "training batches (an integer)"
+    )
+    for fix in ("trainer.check_val_every_n_epoch=1", "trainer.val_check_interval=100"):
+        validate(compose_cfg(*by_steps, "trainer.val_check_interval=0.5", fix))
+
+
 def test_a_language_model_asked_to_classify_says_what_to_use(compose_cfg) -> None:
     """The classification task reads the model's head settings, which the language models
     lack: an interpolation error when the config was written out, before."""
