@@ -1,17 +1,19 @@
 """`megalab-data`: generate and prepare datasets from the command line.
 
-    megalab-data listops --out data/lra/listops
-    megalab-data pathfinder --resolution 32 --num-samples 2000 --out data/lra/pathfinder
-    megalab-data sc10 --root data --protocol mega
-    megalab-data imagenet --root data [--from-hub]
-    megalab-data lra --task retrieval pathx --root data
-    megalab-data imdb --out data/lra/imdb
-    megalab-data cifar10 --out data/lra/cifar10
-    megalab-data enwik8 --root data   (also text8, wikitext103, pg19 [data.key=value ...])
-    megalab-data wmt16 --root data    (WMT'16 En-De: fetch and prepare [data.key=value ...])
-    megalab-data verify --root data   (checksums of every prepared cache)
+    megalab-data listops              (into <data root>/lra/listops, or --out FOLDER)
+    megalab-data pathfinder --resolution 32 --num-samples 2000
+    megalab-data sc10 --protocol mega
+    megalab-data imagenet [--from-hub]
+    megalab-data lra --task retrieval pathx
+    megalab-data imdb                 (also cifar10)
+    megalab-data enwik8               (also text8, wikitext103, pg19 [data.key=value ...])
+    megalab-data wmt16                (WMT'16 En-De: fetch and prepare [data.key=value ...])
+    megalab-data verify               (checksums of every prepared cache)
 
-Each subcommand is a thin wrapper around the dataset module's own function.
+Every subcommand takes `--root`, the data root, which is where training looks (`paths.data_dir`)
+by default: `MEGALAB_DATA_DIR`, else `data/` below the project root (`MEGALAB_ROOT`, the source
+checkout, or the current folder). Each subcommand is a thin wrapper around the dataset module's
+own function.
 """
 
 from __future__ import annotations
@@ -162,8 +164,12 @@ def _wmt16(args: argparse.Namespace) -> None:
 
 def _verify(args: argparse.Namespace) -> None:
     """Verify every prepared cache below --root in full (checksums of caches and sources)."""
+    from pathlib import Path
+
     from megalab.data.cache import verify_all
 
+    if not Path(args.root).is_dir():
+        raise SystemExit(f"megalab-data verify: no folder {args.root} (give the data root: --root)")
     checked, problems = verify_all(args.root)
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
@@ -173,7 +179,7 @@ def _verify(args: argparse.Namespace) -> None:
 
 
 # Hints written for `megalab-train` name Hydra keys; here the same setting is a flag: `--root`
-# (the data root) for most commands, `--out` (the dataset's own folder) for the others.
+# (the data root), or `--out` (the dataset's own folder) where the command was given one.
 _FLAG_FOR = {
     "root": (
         ("`paths.data_dir=/your/data/root`", "`--root /your/data/root`"),
@@ -194,9 +200,39 @@ _FLAG_FOR = {
 
 def _for_this_command(message: str, args: argparse.Namespace) -> str:
     """`message` with the Hydra keys it names replaced by this command's own flags."""
-    for key, flag in _FLAG_FOR["root" if hasattr(args, "root") else "out"]:
+    by_root = hasattr(args, "root") and not getattr(args, "out_given", False)
+    for key, flag in _FLAG_FOR["root" if by_root else "out"]:
         message = message.replace(key, flag)
     return message
+
+
+def _root_flag(p: argparse.ArgumentParser, out: str | None = None) -> None:
+    """`--root`, the data root (default: where training looks), and for a command that writes
+    one dataset's folder, `--out` (default: its folder `out` below the root, as the data config
+    expects it)."""
+    p.add_argument(
+        "--root",
+        default=None,
+        help="data root, paths.data_dir (default: MEGALAB_DATA_DIR, else data/ below the project "
+        "root)",
+    )
+    if out is not None:
+        p.add_argument("--out", default=None, help=f"output folder (default: <root>/{out})")
+        p.set_defaults(out_below_root=out)
+
+
+def _resolve_folders(args: argparse.Namespace) -> None:
+    """Fill `--root` and `--out` left at their defaults."""
+    from pathlib import Path
+
+    from megalab.utils.paths import data_root
+
+    if getattr(args, "root", "") is None:
+        args.root = str(data_root())
+    below = getattr(args, "out_below_root", None)
+    args.out_given = getattr(args, "out", None) is not None
+    if below is not None and args.out is None:
+        args.out = str(Path(args.root) / below)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,7 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("listops", help="generate LRA ListOps with the published procedure")
-    p.add_argument("--out", default="data/lra/listops", help="output folder")
+    _root_flag(p, out="lra/listops")
     p.add_argument("--num-train", type=int, default=96_000)
     p.add_argument("--num-val", type=int, default=2_000)
     p.add_argument("--num-test", type=int, default=2_000)
@@ -217,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_listops)
 
     p = sub.add_parser("pathfinder", help="generate Pathfinder/Path-X images (LRA layout)")
-    p.add_argument("--out", default="data/lra/pathfinder", help="root folder")
+    _root_flag(p, out="lra/pathfinder")
     p.add_argument("--resolution", type=int, default=32, choices=(32, 64, 128, 256))
     p.add_argument("--contour-length", type=int, default=14, choices=(6, 9, 14))
     p.add_argument("--num-samples", type=int, default=200_000)
@@ -242,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(*RELEASE_TASKS, "all"),
         help="listops, retrieval (AAN), pathfinder (32x32), pathx (128x128) or all",
     )
-    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    _root_flag(p)
     p.add_argument("--url", default=RELEASE_URL, help="where to download lra_release.gz from")
     p.add_argument("--archive", default=None, help="use this lra_release.gz, do not download")
     p.add_argument("--sha256", default=None, help="verify the archive against this digest")
@@ -256,22 +292,22 @@ def build_parser() -> argparse.ArgumentParser:
         ("cifar10", "uoft-cs/cifar10", "fetch CIFAR-10 (LRA Image) from the Hub as parquet"),
     ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--out", default=f"data/lra/{name}", help="output folder")
+        _root_flag(p, out=f"lra/{name}")
         p.add_argument("--hub-id", default=hub_id, help="Hub dataset to fetch")
         p.add_argument("--cache-dir", default=None, help="cache folder for `datasets`")
         p.set_defaults(func=_hub)
 
     p = sub.add_parser("verify", help="verify the checksums of every prepared cache below --root")
-    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    _root_flag(p)
     p.set_defaults(func=_verify)
 
     p = sub.add_parser("sc10", help="download and prepare Speech Commands SC10 (raw audio)")
-    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    _root_flag(p)
     p.add_argument("--protocol", default="mega", choices=("mega", "official"))
     p.set_defaults(func=_sc10)
 
     p = sub.add_parser("imagenet", help="check the ImageNet folders, or fetch the Hub copy")
-    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    _root_flag(p)
     p.add_argument("--from-hub", action="store_true", help="download ILSVRC/imagenet-1k (gated)")
     p.add_argument("--num-classes", type=int, default=1000, help="classes expected (subsets)")
     p.set_defaults(func=_imagenet)
@@ -283,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("pg19", "prepare PG-19 from local parquet (fetched if missing); train its tokenizer"),
     ):
         p = sub.add_parser(name, help=help_text)
-        p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+        _root_flag(p)
         p.add_argument(
             "overrides", nargs="*", help="data config overrides, e.g. data.vocab_size=16000"
         )
@@ -292,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "wmt16", help="fetch WMT'16 En-De from the Hub and prepare it (Moses, BPE, dictionary)"
     )
-    p.add_argument("--root", default="data", help="data root (paths.data_dir)")
+    _root_flag(p)
     p.add_argument("overrides", nargs="*", help="data config overrides, e.g. data.workers=16")
     p.set_defaults(func=_wmt16)
     return parser
@@ -303,6 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    _resolve_folders(args)
     try:
         args.func(args)
     except Exception as err:

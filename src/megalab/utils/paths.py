@@ -5,6 +5,8 @@
 - `project_root()`: the folder `data/`, `logs/`, `tables/` and `sweeps/` hang off:
   `MEGALAB_ROOT` if set, else the source checkout the package runs from, else the current
   directory (an installed package).
+- `data_root()`: where the datasets are by default (`paths.data_dir`): `MEGALAB_DATA_DIR`, else
+  `data/` below the project root; `megalab-data` prepares them there.
 - `resource_dir(name)`: the paper tables (`tables/`) and sweep files (`sweeps/`): the project's
   own folder when it has one, else the copy an installed wheel carries (`megalab/resources/`,
   written by the build hook in `setup.py`), else the source checkout's.
@@ -37,6 +39,13 @@ def project_root() -> Path:
     if env:
         return Path(env)
     return source_checkout() or Path.cwd()
+
+
+def data_root() -> Path:
+    """The data root the configs read by default (`paths.data_dir`): `MEGALAB_DATA_DIR` if
+    set, else `data/` below the project root."""
+    env = os.environ.get("MEGALAB_DATA_DIR")
+    return Path(env) if env else project_root() / "data"
 
 
 def export_project_root() -> Path:
