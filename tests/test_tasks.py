@@ -319,6 +319,27 @@ def test_corpus_bleu_is_computed_on_its_states_device() -> None:
     assert score.device == bleu.correct.device and float(score) == pytest.approx(100.0)
 
 
+def test_a_compiled_tasks_checkpoint_holds_plain_names_and_loads_either_way() -> None:
+    """`task.compile=true` wraps the backbone in torch.compile's `_orig_mod`, and checkpoints
+    held those names: megalab-eval, export and init_from, which build the task uncompiled,
+    refused them as weights of another model. They are saved by plain names now, and a
+    checkpoint written before loads too."""
+    torch.manual_seed(0)
+    compiled = ClassificationTask(*_parts(), num_classes=3, compile=True)
+    compiled.setup("fit")
+    assert any("_orig_mod." in k for k in compiled.state_dict())
+    checkpoint = {"state_dict": compiled.state_dict()}
+    compiled.on_save_checkpoint(checkpoint)
+    assert not any("_orig_mod" in k for k in checkpoint["state_dict"])
+    for state in (checkpoint["state_dict"], compiled.state_dict()):  # saved now, and before
+        torch.manual_seed(1)
+        plain = ClassificationTask(*_parts(), num_classes=3)
+        plain.load_state_dict(state, strict=True)
+        for name, value in plain.state_dict().items():
+            assert torch.equal(value, checkpoint["state_dict"][name]), name
+    compiled.load_state_dict(plain.state_dict(), strict=True)  # resuming a compiled run
+
+
 def test_every_task_takes_the_shared_options_and_compiles_its_own_module() -> None:
     """`optim`, `scheduler`, `check_finite` and `compile` reach `TaskBase` from every task;
     `compile` wraps the task's backbone (the seq2seq task's model) for training only."""

@@ -59,6 +59,16 @@ class CheckpointMismatchError(UserError, RuntimeError):
     """A checkpoint's weights do not fit the model the config builds."""
 
 
+COMPILED = "_orig_mod."
+"""What torch.compile's wrapper adds to the names of the weights of a compiled module."""
+
+
+def plain_name(name: str) -> str:
+    """A weight's name without torch.compile's `_orig_mod.` (`backbone._orig_mod.layers.0...`
+    is `backbone.layers.0...`)."""
+    return name.replace(f".{COMPILED}", ".").removeprefix(COMPILED)
+
+
 def _mismatch(own: Mapping[str, Tensor], saved: Mapping[str, Any]) -> str:
     """The names and shapes that differ between a model's state dict and a saved one."""
 
@@ -282,13 +292,21 @@ class TaskBase(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["resume_states"] = {"ranks": gather_from_ranks(self._own_resume_state())}
+        # The weights by their plain names, compiled or not (`compile=True` wraps a module in
+        # torch.compile's `_orig_mod`): evaluation, export and fine-tuning build it uncompiled.
+        state = checkpoint.get("state_dict")
+        if isinstance(state, Mapping) and any(COMPILED in k for k in state):
+            checkpoint["state_dict"] = {plain_name(k): v for k, v in state.items()}
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """`nn.Module.load_state_dict`; weights saved for another model configuration (a
-        `ckpt_path` given to a run with other model options) fail with the names that differ,
+        """`nn.Module.load_state_dict`, by plain names (a checkpoint of a compiled run loads
+        into an uncompiled task, and the reverse); weights saved for another model configuration
+        (a `ckpt_path` given to a run with other model options) fail with the names that differ,
         as one message."""
+        here = {plain_name(k): k for k in self.state_dict()}  # compiled names while fitting
+        state_dict = {here.get(plain_name(k), k): v for k, v in state_dict.items()}
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as err:
