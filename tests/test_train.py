@@ -686,6 +686,65 @@ def test_a_moved_run_resumes_with_its_best_record_and_another_run_continues_in_i
     assert Path(record["best_checkpoint"]).parent == tmp_path / "new" / "checkpoints"
 
 
+def _weights(run_dir: Path, but: str = "-") -> dict[str, torch.Tensor]:
+    """A run's final weights, without those whose names start with `but`."""
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    return {k: v for k, v in saved.items() if not k.startswith(but)}
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_run_starts_from_another_runs_weights_with_its_own_optimizer_and_step(
+    compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """init_from (fine-tuning) takes the weights of a checkpoint or of an export and nothing
+    else: the step, the optimizer and the schedule start afresh. Weights of another shape are
+    named, init_skip keeps them fresh, and a resumed run takes its weights from its own
+    checkpoint."""
+    from megalab.pretrained import export_run
+    from megalab.tasks.base import CheckpointMismatchError
+
+    train(compose_cfg("test=false"))
+    source = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    given = _weights(tmp_path / "run")
+    export = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last")
+
+    def start(name: str, *overrides: str) -> dict:
+        # A learning rate far too small to move a float32 weight: the weights stay as given.
+        cfg = compose_cfg("optim.optimizer.lr=1e-30", "test=false", *overrides)
+        cfg.paths.output_dir = str(tmp_path / name)
+        return train(cfg)
+
+    for name, init in (("from_ckpt", source), ("from_export", export)):
+        with caplog.at_level(logging.INFO, logger="megalab"):
+            assert start(name, f"init_from={init}")["global_step"] == 2  # not 4: a fresh step
+        assert f"init_from: {len(given)} weights from {init}" in caplog.text
+        _assert_equal(_weights(tmp_path / name), given)
+        saved = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)
+        assert saved["lr_schedulers"][0]["last_epoch"] == 2
+
+    with pytest.raises(CheckpointMismatchError, match=r"other shapes: head\.fc1\.weight .*"
+                       r"init_skip=\[head\]"):  # fmt: skip
+        start("other_head", f"init_from={source}", "model.head_hidden=32")
+    start("new_head", f"init_from={source}", "model.head_hidden=32", "init_skip=[head]")
+    _assert_equal(_weights(tmp_path / "new_head", "head."), _weights(tmp_path / "run", "head."))
+    assert _weights(tmp_path / "new_head")["head.fc1.weight"].shape[0] == 32
+    with pytest.raises(ValueError, match="init_skip: 'haed' names no weight"):
+        start("typo", f"init_from={source}", "init_skip=[haed]")
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megalab"):
+        cfg = compose_cfg("test=false", "trainer.max_steps=4", "ckpt_path=last",
+                          f"init_from={source}")  # fmt: skip
+        cfg.paths.output_dir = str(tmp_path / "from_ckpt")
+        assert train(cfg)["global_step"] == 4
+    assert "init_from is not used: the weights come from" in caplog.text
+
+
 def test_a_checkpoint_of_other_model_options_fails_with_the_names_that_differ(
     compose_cfg, tmp_path: Path
 ) -> None:

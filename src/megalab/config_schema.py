@@ -76,6 +76,8 @@ RULES: dict[str, Rule] = {
     "test": boolean(),
     "ckpt_path": text(null=True),
     "ckpt_verify": boolean(),
+    "init_from": text(null=True),
+    "init_skip": Rule(_str_list, "a list of module or weight names"),
     "task_name": text(),
     "tags": Rule(_str_list, "a list of strings"),
     "monitor": text(null=True),

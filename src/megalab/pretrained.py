@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
+from torch import Tensor, nn
 
 from megalab.utils.errors import UserError
 from megalab.version import __version__
@@ -332,19 +332,10 @@ def _resolve(name_or_path: str | Path, revision: str | None, cache_dir: str | No
     return Path(folder)
 
 
-def from_pretrained(
-    name_or_path: str | Path,
-    revision: str | None = None,
-    cache_dir: str | None = None,
-    map_location: str | torch.device = "cpu",
-) -> nn.Module:
-    """Load a model `megalab-export` wrote: a local folder or a Hub id (`user/name`).
-
-    Returns the task module (encoder, backbone and head) in eval mode. Safe for folders from
-    anyone: JSON and safetensors only, and megalab's classes only.
-    """
-    from safetensors.torch import load_model
-
+def _export(
+    name_or_path: str | Path, revision: str | None, cache_dir: str | None
+) -> tuple[Path, dict[str, Any]]:
+    """The folder of an export (fetched if a Hub id) and its checked `config.json` record."""
     folder = _resolve(name_or_path, revision, cache_dir)
     record = _read_json(folder / CONFIG)
     if record.get("format") != FORMAT or not isinstance(record.get("task"), dict):
@@ -358,6 +349,32 @@ def from_pretrained(
         )
     if not (folder / WEIGHTS).is_file():
         raise ExportError(f"{folder / WEIGHTS} is missing")
+    return folder, record
+
+
+def export_weights(name_or_path: str | Path, revision: str | None = None) -> dict[str, Tensor]:
+    """The task weights of an export (a folder or a Hub id), by the task's parameter names,
+    without building its model: what a run started from them (`init_from`) loads."""
+    from safetensors.torch import load_file
+
+    folder, _ = _export(name_or_path, revision, None)
+    return load_file(str(folder / WEIGHTS))
+
+
+def from_pretrained(
+    name_or_path: str | Path,
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    map_location: str | torch.device = "cpu",
+) -> nn.Module:
+    """Load a model `megalab-export` wrote: a local folder or a Hub id (`user/name`).
+
+    Returns the task module (encoder, backbone and head) in eval mode. Safe for folders from
+    anyone: JSON and safetensors only, and megalab's classes only.
+    """
+    from safetensors.torch import load_model
+
+    folder, record = _export(name_or_path, revision, cache_dir)
     task = build_task(record["task"], str(folder / CONFIG))
     load_model(task, str(folder / WEIGHTS), strict=True, device=str(map_location))
     return task.eval()

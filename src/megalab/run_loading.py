@@ -1,11 +1,18 @@
 """A checkpoint with its run's config, as `megalab-eval`, `megalab-generate` and the
-long-context evaluation load it.
+long-context evaluation load it; and the weights a new run starts from (`init_from`).
 
 When the checkpoint lies in a megalab run directory (`megalab.utils.run_folder.find_run_config`),
 `merge_run_config` takes the run's own `data`, `model`, `task`, `optim`, `scheduler` and
 `monitor` configs (checked by the loading policy, `megalab.utils.safe_config`) and the data
 folder the run read; `load_task` builds the task and loads the checkpoint's weights (checksum
 verified, `weights_only=True`).
+
+`init_weights` starts a training run from another run's weights (fine-tuning): a checkpoint
+(`<run>/checkpoints/*.ckpt`, read as `load_task` reads one) or an export (`megalab-export`'s
+folder, or its Hub id). Only the weights are taken; the optimizer, the schedule and the step
+start afresh (`ckpt_path` resumes a run instead). The weights `init_skip` names keep their fresh
+initialisation (`init_skip=[head]`: a new classifier head); every other weight must fit, or the
+run stops naming those that do not.
 """
 
 from __future__ import annotations
@@ -190,3 +197,72 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def _weights_of(source: str, verify: bool) -> dict[str, torch.Tensor]:
+    """The task weights in `source`: a megalab run's checkpoint, or an export folder / Hub id."""
+    from megalab.pretrained import export_weights
+    from megalab.utils.checkpointing import check_lightning_checkpoint
+
+    path = Path(source).expanduser()
+    export = (path / "config.json").is_file() if path.is_dir() else path.suffix != ".ckpt"
+    if export and (path.exists() or source.count("/") == 1):
+        return export_weights(source)  # an export folder, or a Hub id
+    refuse_folder(path, "init_from")  # a run folder: name its checkpoints
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"init_from={source}: no such checkpoint file or export folder (give "
+            "<run>/checkpoints/last.ckpt or best-*.ckpt, or a folder megalab-export wrote)"
+        )
+    checkpoint = read_checkpoint(path, verify=verify)
+    check_lightning_checkpoint(checkpoint, path)
+    return checkpoint["state_dict"]
+
+
+def init_weights(
+    task: torch.nn.Module, source: str, skip: list[str] | None = None, verify: bool = True
+) -> str:
+    """Load the weights of `source` into `task`, except those `skip` names (they keep their
+    initialisation): a module (`head`: its weights), a weight, or a pattern with `*`
+    (`backbone.layers.*.ffn`). Return what was done, in a line.
+
+    Raise `CheckpointMismatchError` naming the weights that are missing, extra or of another
+    shape, and how to keep them fresh instead.
+    """
+    from fnmatch import fnmatchcase
+
+    from megalab.tasks.base import CheckpointMismatchError, _mismatch, plain_name
+
+    def names(name: str, entry: str) -> bool:
+        return fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*")
+
+    def skipped(name: str) -> bool:
+        return any(names(name, entry) for entry in skip or [])
+
+    # Checkpoints of a compiled run written before they were saved by plain names.
+    saved = {plain_name(k): v for k, v in _weights_of(source, verify).items()}
+    own = task.state_dict()
+    unknown = [e for e in skip or [] if not any(names(k, e) for k in [*own, *saved])]
+    if unknown:
+        modules = sorted({k.split(".")[0] for k in own})
+        raise ValueError(
+            f"init_skip: {', '.join(map(repr, unknown))} names no weight of this model or of "
+            f"init_from (its modules: {', '.join(modules)}; deeper names as in "
+            "task.state_dict(), with * for any part)"
+        )
+    taken = {k: v for k, v in saved.items() if not skipped(k)}
+    wanted = {k: v for k, v in own.items() if not skipped(k)}
+    fits = taken.keys() == wanted.keys() and all(
+        tuple(v.shape) == tuple(wanted[k].shape) for k, v in taken.items()
+    )
+    if not fits:
+        raise CheckpointMismatchError(
+            f"init_from={source}: its weights do not fit the model this config builds "
+            f"({_mismatch(wanted, taken)}). Give the model options of the run that wrote them, "
+            "or keep the weights that differ fresh with init_skip (their modules or names, such "
+            "as init_skip=[head] for a new classifier head)"
+        )
+    task.load_state_dict(taken, strict=False)
+    fresh = [k for k in own if skipped(k)]
+    kept = f"; {len(fresh)} kept fresh by init_skip" if fresh else ""
+    return f"init_from: {len(taken)} weights from {source}{kept}"

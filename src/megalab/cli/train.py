@@ -28,6 +28,7 @@ from megalab.data.base import SequenceDataModule  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
 from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
+from megalab.run_loading import init_weights  # noqa: E402
 from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
@@ -122,6 +123,19 @@ def _warn_without_last_checkpoint(trainer: L.Trainer) -> None:
     )
 
 
+def _start_from_weights(cfg: DictConfig, task: L.LightningModule, resumed: str | None) -> None:
+    """Load `init_from`'s weights into a run that starts afresh. A resumed run (a requeued
+    fine-tuning job, `ckpt_path=auto`) takes its weights from its own checkpoint instead."""
+    source = cfg.get("init_from")
+    if not source:
+        return
+    if resumed or (not cfg.get("train", True) and cfg.get("ckpt_path")):
+        log.info("init_from is not used: the weights come from %s", resumed or cfg.ckpt_path)
+        return
+    skip = list(cfg.get("init_skip") or [])
+    log.info(init_weights(task, str(source), skip, verify=cfg.get("ckpt_verify", True)))
+
+
 def _train(cfg: DictConfig) -> dict[str, Any]:
     output_dir = Path(cfg.paths.output_dir)
     upgrade_backbone_targets(cfg)  # a config from before backbones took their config
@@ -134,6 +148,7 @@ def _train(cfg: DictConfig) -> dict[str, Any]:
     set_verification(trainer, cfg.get("ckpt_verify", True))
     if cfg.get("train", True):
         _warn_without_last_checkpoint(trainer)
+    _start_from_weights(cfg, task, ckpt_path)
     run_utils.log_hyperparameters(cfg, objs["loggers"], task)
     remember_wandb_run(objs["loggers"], output_dir)
     params = run_utils.count_parameters(task)

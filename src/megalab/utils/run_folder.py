@@ -78,15 +78,15 @@ def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | os.PathLike[str])
     return str(ckpt_path)
 
 
-def refuse_folder(path: Path) -> None:
-    """Refuse a folder given as `ckpt_path` (a run folder rather than one of its checkpoints),
-    naming the checkpoint files below it."""
+def refuse_folder(path: Path, key: str = "ckpt_path") -> None:
+    """Refuse a folder given as `ckpt_path` (or `key`: a run folder rather than one of its
+    checkpoints), naming the checkpoint files below it."""
     if not path.is_dir():
         return
     found = sorted(path.rglob("*.ckpt"))
     listed = ", ".join(str(p) for p in found[:4]) + (", ..." if len(found) > 4 else "")
     raise RunFolderError(
-        f"ckpt_path={path} is a folder: give one checkpoint file"
+        f"{key}={path} is a folder: give one checkpoint file"
         + (f", e.g. {listed}" if found else " (none below it ends in .ckpt)")
     )
 
