@@ -231,7 +231,7 @@ def init_weights(
     """
     from fnmatch import fnmatchcase
 
-    from megalab.tasks.base import CheckpointMismatchError, _mismatch, plain_name
+    from megalab.tasks.base import CheckpointMismatchError, plain_name, weights_mismatch
 
     def names(name: str, entry: str) -> bool:
         return fnmatchcase(name, entry) or fnmatchcase(name, f"{entry}.*")
@@ -258,9 +258,9 @@ def init_weights(
     if not fits:
         raise CheckpointMismatchError(
             f"init_from={source}: its weights do not fit the model this config builds "
-            f"({_mismatch(wanted, taken)}). Give the model options of the run that wrote them, "
-            "or keep the weights that differ fresh with init_skip (their modules or names, such "
-            "as init_skip=[head] for a new classifier head)"
+            f"({weights_mismatch(wanted, taken)}). Give the model options of the run that wrote "
+            "them, or keep the weights that differ fresh with init_skip (their modules or names, "
+            "such as init_skip=[head] for a new classifier head)"
         )
     task.load_state_dict(taken, strict=False)
     fresh = [k for k in own if skipped(k)]

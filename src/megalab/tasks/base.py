@@ -69,7 +69,7 @@ def plain_name(name: str) -> str:
     return name.replace(f".{COMPILED}", ".").removeprefix(COMPILED)
 
 
-def _mismatch(own: Mapping[str, Tensor], saved: Mapping[str, Any]) -> str:
+def weights_mismatch(own: Mapping[str, Tensor], saved: Mapping[str, Any]) -> str:
     """The names and shapes that differ between a model's state dict and a saved one."""
 
     def some(names: list[str]) -> str:
@@ -314,9 +314,10 @@ class TaskBase(L.LightningModule):
                 raise
             raise CheckpointMismatchError(
                 f"the checkpoint's weights do not fit the model this config builds "
-                f"({_mismatch(self.state_dict(), state_dict)}): it was saved with other model "
-                "options. Give the options of the run that wrote it (its .hydra/config.yaml), "
-                "or evaluate it with `megalab-eval ckpt_path=<checkpoint>`, which reads them."
+                f"({weights_mismatch(self.state_dict(), state_dict)}): it was saved with other "
+                "model options. Give the options of the run that wrote it (its "
+                ".hydra/config.yaml), or evaluate it with `megalab-eval ckpt_path=<checkpoint>`, "
+                "which reads them."
             ) from None
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
