@@ -112,6 +112,30 @@ def test_codecs_round_trip_text() -> None:
     assert words.decode(ids) == "the cat\nthe <unk>"
 
 
+@pytest.mark.parametrize("kind", ["words", "unigram", "bpe", "bytes"])
+def test_a_continuation_reads_after_its_prompt(kind: str) -> None:
+    """megalab-generate printed a word-level continuation glued to its prompt ("the catw1807"):
+    decoded alone, its first word (or a unigram tokenizer's first piece) has no space before it.
+    Decoded after the prompt's last tokens, the prompt and the continuation read as one text."""
+    from megalab.data.lm.codec import TokenizerCodec, continuation
+    from megalab.data.lm.pg19 import train_tokenizer
+
+    texts = ["the cat sat on the mat", "the dog sat on the log"] * 20
+    if kind == "words":
+        codec = WordCodec(["<eos>", "the", "cat", "sat", "on", "mat", "<unk>"])
+    elif kind == "bytes":
+        codec = ByteCodec()
+    else:
+        codec = TokenizerCodec(train_tokenizer(iter(texts), kind, 40, "<eos>"), "<eos>")
+    # What a model continues with: bytes and byte-level BPE carry the space in a token.
+    rest = codec.encode("sat on the mat" if kind in ("words", "unigram") else " sat on the mat")
+    prompt = codec.encode("the cat")
+    assert codec.decode(prompt) + continuation(codec, prompt, rest) == "the cat sat on the mat"
+    if kind in ("words", "unigram"):
+        assert not codec.decode(rest).startswith(" ")  # the space that went missing
+        assert continuation(codec, prompt, rest).startswith(" ")
+
+
 # --------------------------------------------------------------------------- from checkpoints
 _TINY = {
     "mega": [
@@ -147,11 +171,13 @@ _DATA = {
     "enwik8": ["data=enwik8", "data.sha256=null", "data.valid_size=3000", "data.test_size=3000"],
     "text8": ["data=text8", "data.sha256=null", "data.valid_size=3000", "data.test_size=3000"],
     "pg19": ["data=pg19", "data.vocab_size=400", "data.tokenizer_sample_books=null"],
+    "wikitext103": ["data=wikitext103", "data.vocab_size=61056"],  # the fixture's vocabulary
 }
 
 
 @pytest.mark.parametrize(
-    ("model", "data"), [("mega", "enwik8"), ("transformer", "text8"), ("llama", "pg19")]
+    ("model", "data"),
+    [("mega", "enwik8"), ("transformer", "text8"), ("llama", "pg19"), ("llama", "wikitext103")],
 )
 def test_generates_text_from_a_trained_checkpoint(compose_cfg, tmp_path, model, data) -> None:
     overrides = [*_TINY[model], *_DATA[data], "task=language_modeling", "data.max_len=32",
@@ -174,6 +200,8 @@ def test_generates_text_from_a_trained_checkpoint(compose_cfg, tmp_path, model, 
     out = generate(cfg, print_fn=printed.append)
     assert out["new_tokens"] == 12 and len(out["samples"]) == 1
     assert "".join(printed).startswith("the quick brown fox")
+    if data == "wikitext103":  # words: the continuation's first word is not glued to "fox"
+        assert "".join(printed)[len("the quick brown fox")] in " \n"
     assert "".join(printed).rstrip("\n").endswith(out["samples"][0].rstrip("\n")[-3:])
     saved = json.loads((tmp_path / "run" / "generations.json").read_text())
     assert saved["tokens"] == out["tokens"] and saved["settings"]["top_p"] == 0.95

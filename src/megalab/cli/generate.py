@@ -42,6 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch import Tensor
 
+from megalab.data.lm.codec import continuation
 from megalab.generation.sampling import check_sampling, sample_tokens
 from megalab.run_loading import load_task as load_task
 from megalab.run_loading import merge_run_config, run_entry_point_of_a_run
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 export_project_root()
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CONTEXT_TOKENS = 8
+"""The prompt's last tokens the continuation is decoded after (for the space between them)."""
 
 
 def read_prompt(cfg: DictConfig) -> str:
@@ -93,6 +96,7 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
     eos_id = codec.eos_id if cfg.stop_at_eos else None
 
     streamed: list[int] = []
+    context = ids[-CONTEXT_TOKENS:]  # what the continuation's first piece is read after
     shown = [""]
     emit = print_fn or (lambda s: print(s, end="", flush=True))
     stream = bool(cfg.stream) and int(cfg.num_samples) == 1
@@ -101,7 +105,7 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
         if not stream:
             return
         streamed.append(int(tok[0]))
-        text_now = codec.decode(streamed)
+        text_now = continuation(codec, context, streamed)
         # Decode the whole continuation each time: a multi-byte character or a merged
         # subword may change the tail of the text when its next piece arrives.
         if text_now.startswith(shown[0]):
@@ -125,7 +129,7 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
     seconds = time.perf_counter() - start
     if stream:
         emit("\n")
-    samples = [codec.decode(row) for row in out.tolist()]
+    samples = [continuation(codec, context, row) for row in out.tolist()]
     if not stream:
         for i, sample in enumerate(samples):
             emit(f"--- sample {i} ---\n{text}{sample}\n")

@@ -32,6 +32,15 @@ class TextCodec(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
+def continuation(codec: TextCodec, context: Sequence[int], new: Sequence[int]) -> str:
+    """The text of the ids `new` as it reads after the ids `context` (a prompt's last tokens):
+    decoded alone, a word codec's first word, or a unigram tokenizer's first piece, would lose
+    the space that separates it from the prompt."""
+    before = codec.decode(context)
+    whole = codec.decode([*context, *new])
+    return whole[len(before) :] if whole.startswith(before) else codec.decode(new)
+
+
 class ByteCodec:
     """UTF-8 bytes as ids 0..255 (enwik8)."""
 
