@@ -205,8 +205,8 @@ def _weights_of(source: str, verify: bool) -> dict[str, torch.Tensor]:
     from megalab.utils.checkpointing import check_lightning_checkpoint
 
     path = Path(source).expanduser()
-    export = (path / "config.json").is_file() if path.is_dir() else path.suffix != ".ckpt"
-    if export and (path.exists() or source.count("/") == 1):
+    hub_id = not path.exists() and source.count("/") == 1 and path.suffix != ".ckpt"
+    if (path / "config.json").is_file() or hub_id:
         return export_weights(source)  # an export folder, or a Hub id
     refuse_folder(path, "init_from")  # a run folder: name its checkpoints
     if not path.is_file():
