@@ -86,6 +86,24 @@ def test_a_checkout_with_its_root_elsewhere_finds_its_tables_and_sweeps(
     assert resource_dir("tables") == tmp_path / "tables"
 
 
+def test_the_tables_are_those_of_the_project_the_process_is_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tables folder was fixed when `megalab.reporting` was first imported: a process that
+    then moved `MEGALAB_ROOT` to another project (a notebook, the documentation tests one after
+    another) kept reading the first project's tables."""
+    import shutil
+
+    import megalab.reporting as reporting
+
+    shutil.copytree(ROOT / "tables", tmp_path / "tables")
+    monkeypatch.setenv("MEGALAB_ROOT", str(tmp_path))
+    assert reporting.tables_dir() == reporting.TABLES_DIR == tmp_path / "tables"
+    (tmp_path / "tables" / "mega" / "table3_attention.yaml").unlink()
+    ids = {table.id for table in reporting.load_tables()}
+    assert "mega/table2_lra" in ids and "mega/table3_attention" not in ids
+
+
 def test_mega_tables_are_there() -> None:
     assert {
         "mega/table2_lra",

@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megalab.reporting.paper import TABLES_DIR, load_tables
+from megalab.reporting.paper import load_tables
 from megalab.reporting.report import build_report
 from megalab.reporting.runs import collect_planned, collect_runs, collect_wandb_runs
 
@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         "table that some run reproduces",
     )
     parser.add_argument("--all", action="store_true", help="render every paper table")
-    parser.add_argument("--tables-dir", type=Path, default=TABLES_DIR, help="paper tables")
+    parser.add_argument(
+        "--tables-dir", type=Path, default=None, help="paper tables (default: the project's)"
+    )
     parser.add_argument(
         "--out",
         type=Path,

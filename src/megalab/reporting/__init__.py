@@ -29,12 +29,13 @@ it for a set of runs) and `curves` (loss against tokens and tokens/s, for
 `python -m megalab.cli.curves`). Reporting reads run folders: training never imports it.
 """
 
+from typing import Any
+
 from megalab.reporting.efficiency import render_efficiency
 from megalab.reporting.markdown import UNFINISHED, render_other_runs, render_table
 from megalab.reporting.paper import (
     BLANK,
     MISSING,
-    TABLES_DIR,
     Cell,
     Column,
     PaperTable,
@@ -42,6 +43,7 @@ from megalab.reporting.paper import (
     load_table,
     load_tables,
     parse_value,
+    tables_dir,
 )
 from megalab.reporting.plots import Series, plot_sweep, sweep_series
 from megalab.reporting.report import Report, build_report
@@ -104,4 +106,12 @@ __all__ = [
     "run_from_wandb",
     "summarize",
     "sweep_series",
+    "tables_dir",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`TABLES_DIR`, the name of earlier versions: `tables_dir()` when read."""
+    if name == "TABLES_DIR":
+        return tables_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,8 +21,20 @@ import yaml
 from megalab.utils.paths import CONFIG_DIR, resource_dir
 from megalab.utils.safe_config import load_yaml
 
-# tables/ of the project, or the copy an installed wheel carries
-TABLES_DIR = Path(os.environ.get("MEGALAB_TABLES_DIR", str(resource_dir("tables"))))
+
+def tables_dir() -> Path:
+    """The paper tables: `MEGALAB_TABLES_DIR`, else `tables/` of the project (or the copy an
+    installed wheel carries). Read when asked, not at import: a process that moves
+    `MEGALAB_ROOT` (a notebook, a test) reads the tables of the project it is in."""
+    return Path(os.environ.get("MEGALAB_TABLES_DIR") or resource_dir("tables"))
+
+
+def __getattr__(name: str) -> Path:
+    """`TABLES_DIR`, the name of earlier versions: `tables_dir()` when read."""
+    if name == "TABLES_DIR":
+        return tables_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 MISSING = "missing"  # a reproducible cell without runs yet
 BLANK = "—"  # a cell with no number (the paper's blank, or nothing of ours to compare)
@@ -386,10 +398,10 @@ def load_table(path: str | Path, root: str | Path | None = None) -> PaperTable:
     return _table_from_yaml(path, table_id)
 
 
-def load_tables(root: str | Path = TABLES_DIR) -> list[PaperTable]:
-    """Every paper table under `root` (sorted by id)."""
-    root = Path(root)
+def load_tables(root: str | Path | None = None) -> list[PaperTable]:
+    """Every paper table under `root` (default: `tables_dir()`), sorted by id."""
+    root = Path(root) if root is not None else tables_dir()
     paths = [p for p in root.rglob("*") if p.suffix in (".yaml", ".yml", ".csv")]
     tables = sorted((load_table(p, root) for p in paths), key=lambda t: t.id)
-    check_reproductions(tables, every_table=root.resolve() == TABLES_DIR.resolve())
+    check_reproductions(tables, every_table=root.resolve() == tables_dir().resolve())
     return tables
