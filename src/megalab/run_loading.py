@@ -64,6 +64,16 @@ def run_data_dir(run_cfg: DictConfig, source: str = "the run config") -> str | N
     return None if value is None else str(value)
 
 
+def _data_dir_set_apart(run_cfg: DictConfig) -> bool:
+    """Whether the run was given its data folder (`paths.data_dir=/datasets`), rather than
+    the default below its root (an interpolation of `paths.root_dir`)."""
+    paths = run_cfg.get("paths")
+    if not isinstance(paths, DictConfig) or "data_dir" not in paths:
+        return False
+    raw = OmegaConf.to_container(paths, resolve=False).get("data_dir")  # type: ignore[union-attr]
+    return isinstance(raw, str) and "${" not in raw
+
+
 def checkpoint_file(cfg: DictConfig) -> Path:
     """`cfg.ckpt_path`, refused when it is not given or names a folder (a run folder rather
     than one of its checkpoints), before any config is read from next to it."""
@@ -140,8 +150,11 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
             if key in run_cfg:
                 cfg[key] = run_cfg[key]
         data_dir = run_data_dir(run_cfg, str(run_cfg_path))
-        if data_dir is not None and not given & {"paths.data_dir", "paths.root_dir"}:
-            cfg.paths.data_dir = data_dir  # the run's data, not this command's default folder
+        # The run's data, not this command's default folder. A root given here moves the data
+        # of a run that kept it below its root (a project moved); one set apart stays.
+        moved = "paths.root_dir" in given and not _data_dir_set_apart(run_cfg)
+        if data_dir is not None and "paths.data_dir" not in given and not moved:
+            cfg.paths.data_dir = data_dir
         ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
         for item in ours:
             key, _, value = item.lstrip("+").partition("=")

@@ -177,6 +177,21 @@ def test_eval_and_generate_read_the_runs_data_folder(compose_cfg, tmp_path: Path
     cfg = compose_cfg(f"ckpt_path={ckpt}", f"paths.data_dir={other}", config="eval")
     merged = merge_run_config(cfg, [f"ckpt_path={ckpt}", f"paths.data_dir={other}"])
     assert Path(merged.data.data_dir).parent.parent == other
+    # A root given for this command's own folders (its logs) keeps a data folder the run was
+    # given (it read data below that root); it moves the data of a run that kept it below its
+    # root, as a project moved to another disk does.
+    root = tmp_path / "elsewhere"
+    cfg = compose_cfg(f"ckpt_path={ckpt}", f"paths.root_dir={root}", config="eval")
+    merged = merge_run_config(cfg, [f"ckpt_path={ckpt}", f"paths.root_dir={root}"])
+    assert Path(merged.data.data_dir).parent.parent == small
+    with open_dict(run_cfg):
+        run_cfg.paths.data_dir = "${paths.root_dir}/data"  # the default, below the run's root
+    _, below_root = _run_folder(tmp_path, OmegaConf.to_yaml(run_cfg), name="derived")
+    cfg = compose_cfg(f"ckpt_path={below_root}", f"paths.root_dir={root}", config="eval")
+    with open_dict(cfg):
+        cfg.paths.data_dir = "${paths.root_dir}/data"  # the command's default, as run
+    merged = merge_run_config(cfg, [f"ckpt_path={below_root}", f"paths.root_dir={root}"])
+    assert Path(merged.data.data_dir).parent.parent == root / "data"
 
 
 def test_eval_command_tests_on_the_runs_small_data_and_generates_nothing(
