@@ -686,16 +686,12 @@ def test_a_moved_run_resumes_with_its_best_record_and_another_run_continues_in_i
     assert Path(record["best_checkpoint"]).parent == tmp_path / "new" / "checkpoints"
 
 
-def _weights(run_dir: Path, but: str = "-") -> dict[str, torch.Tensor]:
-    """A run's final weights, without those whose names start with `but`."""
-    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    return {k: v for k, v in saved.items() if not k.startswith(but)}
-
-
-def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name, value in a.items():
-        torch.testing.assert_close(b[name], value, rtol=0, atol=0, msg=name)
+def _assert_equal_but(a: dict[str, Any], b: dict[str, Any], but: str = "-") -> None:
+    """Two checkpoints hold the same weights, bit for bit, but those named `but...`."""
+    a, b = ({"state_dict": {k: v for k, v in c["state_dict"].items() if not k.startswith(but)}}
+            for c in (a, b))  # fmt: skip
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert_same_weights(a, b)
 
 
 def test_a_run_starts_from_another_runs_weights_with_its_own_optimizer_and_step(
@@ -710,7 +706,7 @@ def test_a_run_starts_from_another_runs_weights_with_its_own_optimizer_and_step(
 
     train(compose_cfg("test=false"))
     source = tmp_path / "run" / "checkpoints" / "last.ckpt"
-    given = _weights(tmp_path / "run")
+    given = _final_weights(tmp_path / "run")
     export = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last")
 
     def start(name: str, *overrides: str) -> dict:
@@ -722,17 +718,18 @@ def test_a_run_starts_from_another_runs_weights_with_its_own_optimizer_and_step(
     for name, init in (("from_ckpt", source), ("from_export", export)):
         with caplog.at_level(logging.INFO, logger="megalab"):
             assert start(name, f"init_from={init}")["global_step"] == 2  # not 4: a fresh step
-        assert f"init_from: {len(given)} weights from {init}" in caplog.text
-        _assert_equal(_weights(tmp_path / name), given)
-        saved = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)
-        assert saved["lr_schedulers"][0]["last_epoch"] == 2
+        assert f"init_from: {len(given['state_dict'])} weights from {init}" in caplog.text
+        started = _final_weights(tmp_path / name)
+        _assert_equal_but(started, given)
+        assert started["lr_schedulers"][0]["last_epoch"] == 2
 
     with pytest.raises(CheckpointMismatchError, match=r"other shapes: head\.fc1\.weight .*"
                        r"init_skip=\[head\]"):  # fmt: skip
         start("other_head", f"init_from={source}", "model.head_hidden=32")
     start("new_head", f"init_from={source}", "model.head_hidden=32", "init_skip=[head]")
-    _assert_equal(_weights(tmp_path / "new_head", "head."), _weights(tmp_path / "run", "head."))
-    assert _weights(tmp_path / "new_head")["head.fc1.weight"].shape[0] == 32
+    new_head = _final_weights(tmp_path / "new_head")
+    _assert_equal_but(new_head, given, "head.")
+    assert new_head["state_dict"]["head.fc1.weight"].shape[0] == 32
     with pytest.raises(ValueError, match="init_skip: 'haed' names no weight"):
         start("typo", f"init_from={source}", "init_skip=[haed]")
 

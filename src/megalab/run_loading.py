@@ -70,8 +70,7 @@ def _data_dir_set_apart(run_cfg: DictConfig) -> bool:
     paths = run_cfg.get("paths")
     if not isinstance(paths, DictConfig) or "data_dir" not in paths:
         return False
-    raw = OmegaConf.to_container(paths, resolve=False).get("data_dir")  # type: ignore[union-attr]
-    return isinstance(raw, str) and "${" not in raw
+    return not OmegaConf.is_interpolation(paths, "data_dir")
 
 
 def checkpoint_file(cfg: DictConfig) -> Path:
@@ -265,17 +264,15 @@ def init_weights(
         )
     taken = {k: v for k, v in saved.items() if not skipped(k)}
     wanted = {k: v for k, v in own.items() if not skipped(k)}
-    fits = taken.keys() == wanted.keys() and all(
-        tuple(v.shape) == tuple(wanted[k].shape) for k, v in taken.items()
-    )
-    if not fits:
+    differ = weights_mismatch(wanted, taken)
+    if differ:
         raise CheckpointMismatchError(
             f"init_from={source}: its weights do not fit the model this config builds "
-            f"({weights_mismatch(wanted, taken)}). Give the model options of the run that wrote "
-            "them, or keep the weights that differ fresh with init_skip (their modules or names, "
-            "such as init_skip=[head] for a new classifier head)"
+            f"({differ}). Give the model options of the run that wrote them, or keep the weights "
+            "that differ fresh with init_skip (their modules or names, such as init_skip=[head] "
+            "for a new classifier head)"
         )
     task.load_state_dict(taken, strict=False)
-    fresh = [k for k in own if skipped(k)]
-    kept = f"; {len(fresh)} kept fresh by init_skip" if fresh else ""
+    fresh = len(own) - len(wanted)
+    kept = f"; {fresh} kept fresh by init_skip" if fresh else ""
     return f"init_from: {len(taken)} weights from {source}{kept}"

@@ -70,7 +70,8 @@ def plain_name(name: str) -> str:
 
 
 def weights_mismatch(own: Mapping[str, Tensor], saved: Mapping[str, Any]) -> str:
-    """The names and shapes that differ between a model's state dict and a saved one."""
+    """The names and shapes that differ between a model's state dict and a saved one ('' when
+    they fit)."""
 
     def some(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
