@@ -20,6 +20,7 @@ from megalab.config_schema import ConfigError, backbone_rules, model_rules, prob
 from megalab.models.mega import MegaConfig
 from megalab.models.megalodon import MegalodonConfig
 from megalab.models.s4d import S4DConfig
+from megalab.models.seqboat import SeqBoatConfig
 from megalab.models.transformer import TransformerConfig
 from megalab.models.transformer_xl import TransformerXLConfig
 from megalab.utils.options import config_class_of, declared, option, option_rules
@@ -192,8 +193,37 @@ def test_the_dataclasses_refuse_values_out_of_the_declared_range(make: Any, mess
         make()
 
 
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        # Each failed deep inside the layers (torch.empty's "must be tuple of ints", "'float'
+        # object is not iterable") or was taken silently (a string for a flag).
+        (lambda: MegaConfig(d_model="32"), "d_model must be an integer >= 1, got '32'"),
+        (lambda: MegaConfig(z_dim=32.0), "z_dim must be an integer >= 1, got 32.0"),
+        (lambda: MegaConfig(num_layers=True), "num_layers must be an integer >= 1, got True"),
+        (lambda: MegaConfig(prenorm="false"), "prenorm must be true or false, got 'false'"),
+        (lambda: MegaConfig(causal=1), "causal must be true or false, got 1"),
+        (lambda: MegaConfig(dropout="0.1"), r"dropout must be a number in \[0, 1\), got '0.1'"),
+        (lambda: MegaConfig(norm_type=3), "norm_type must be a string, got 3"),
+        (lambda: MegaConfig(truncation=8.5), "truncation must be an integer or null, got 8.5"),
+        (lambda: MegalodonConfig(d_model=[64]), r"d_model must be an integer >= 1, got \[64\]"),
+        (
+            lambda: SeqBoatConfig(gumbel_tau=(1.0, 0.5)),
+            r"gumbel_tau must be a list of 3 numbers, got \(1.0, 0.5\)",
+        ),
+    ],
+)
+def test_the_dataclasses_refuse_values_of_another_type(make: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
 def test_the_dataclasses_take_numpy_scalars_as_before() -> None:
-    assert MegaConfig(num_layers=np.int64(2), dropout=np.float64(0.1)).num_layers == 2
+    config = MegaConfig(
+        num_layers=np.int64(2), dropout=np.float64(0.1), causal=np.bool_(True), z_dim=np.int32(8)
+    )
+    assert (config.num_layers, config.causal, config.z_dim) == (2, True, 8)
+    assert MegaConfig(dropout=0).dropout == 0  # an integer is a number
     with pytest.raises(ValueError, match="num_layers must be >= 1"):
         MegaConfig(num_layers=np.int64(0))
 

@@ -11,8 +11,9 @@ and that one declaration serves both checks of the option:
 - `check_options(config)`, called by the dataclass's `__post_init__`, refuses a value out of the
   declared range or choices with a ValueError that names the option (`num_layers must be >= 1,
   got 0`; `unknown positions 'x'; choose one of none, learned`), and None for a field whose
-  type does not allow it (a `${data.max_len}` built without a dataset). It checks ranges, not
-  types: Python callers (converters from the authors' checkpoints) may pass numpy scalars.
+  type does not allow it (a `${data.max_len}` built without a dataset), and a value of another
+  type (`d_model must be an integer, got '32'`). Numbers are checked as numbers, not as Python
+  classes: converters from the authors' checkpoints pass numpy scalars.
 - `option_rules(config_class)` gives the `Rule` of every field for `megalab.config_schema`,
   which checks a run's settings before anything is built: the type from the annotation (int,
   float, bool, str, Literal[...], a tuple of numbers, `X | None`) and the declared range.
@@ -28,19 +29,28 @@ import math
 import numbers
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Union
+
+import numpy as np
 
 OPTION = "megalab.option"
 
 
 def is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer, a numpy one included; not a bool."""
+    return isinstance(v, numbers.Integral) and not is_bool(v)
 
 
 def is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite real number, a numpy one included; not a bool."""
+    return isinstance(v, numbers.Real) and not is_bool(v) and math.isfinite(v)
+
+
+def is_bool(v: Any) -> bool:
+    """True or False, numpy's included."""
+    return isinstance(v, bool | np.bool_)
 
 
 def _num(x: float) -> str:
@@ -119,7 +129,7 @@ def number(
 
 def boolean(null: bool = False, also: tuple[Any, ...] = ()) -> Rule:
     def check(v: Any) -> bool:
-        return isinstance(v, bool) or (v is None and null) or (v in also and not is_number(v))
+        return is_bool(v) or (v is None and null) or (v in also and not is_number(v))
 
     extra = "".join(f" or {a!r}" for a in also)
     return Rule(check, "true or false" + extra + (" or null" if null else ""))
@@ -209,8 +219,8 @@ def declared(config_class: type) -> dict[str, tuple[Any, Option | None]]:
 
 
 def check_options(config: Any) -> None:
-    """Raise a ValueError naming the first option of `config` out of its declared range or
-    choices (types are not checked here; see the module docstring)."""
+    """Raise a ValueError naming the first option of `config` of another type than declared, or
+    out of its declared range or choices."""
     for name, (annotation, spec) in declared(type(config)).items():
         value = getattr(config, name)
         if value is None and spec is not None and not _unwrap_optional(annotation)[1]:
@@ -220,6 +230,9 @@ def check_options(config: Any) -> None:
         if spec.choices and value not in spec.choices:
             listed = ", ".join(str(c) for c in spec.choices)
             raise ValueError(f"unknown {name} {value!r}; choose one of {listed}")
+        typed = rule_of(annotation, Option(doc="", also=spec.also))
+        if not typed.check(value):
+            raise ValueError(f"{name} must be {rule_of(annotation, spec).expects}, got {value!r}")
         numeric = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if spec.range_words and numeric and not spec.in_range(value):
             raise ValueError(f"{name} must be {spec.range_words}, got {value!r}")
@@ -238,7 +251,8 @@ def _number_tuple(length: int, null: bool) -> Rule:
     def check(v: Any) -> bool:
         if v is None:
             return null
-        return isinstance(v, list | tuple) and len(v) == length and all(map(is_number, v))
+        listed = isinstance(v, Sequence) and not isinstance(v, str)  # a ListConfig from YAML
+        return listed and len(v) == length and all(map(is_number, v))
 
     return Rule(check, f"a list of {length} numbers" + (" or null" if null else ""))
 
