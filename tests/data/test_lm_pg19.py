@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import megalab.data.lm.pg19 as pg19
+import megalab.data.lm.subword as subword
 from megalab.data.download import DatasetMissingError
 from megalab.data.lm.pg19 import PG19DataModule, word_counts
 from megalab.testing.lm import PG19_VOCAB_SIZE, pg19_books, write_parquet
@@ -70,7 +70,7 @@ def test_tokenizer_is_cached_and_unigram_works(
     def fail(*args, **kwargs):
         raise AssertionError("the cached tokenizer must be reused")
 
-    monkeypatch.setattr(pg19, "train_tokenizer", fail)
+    monkeypatch.setattr(subword, "train_tokenizer", fail)
     module(pg19_dir).setup()
     monkeypatch.undo()
     uni = module(pg19_dir, tokenizer_model="unigram", vocab_size=150, tokenizer_sample_books=3)
@@ -120,7 +120,7 @@ def test_evaluation_reads_the_tokenizer_training_made(
     def fail(*args, **kwargs):
         raise AssertionError("evaluation must read the tokenizer training cached")
 
-    monkeypatch.setattr(pg19, "train_tokenizer", fail)
+    monkeypatch.setattr(subword, "train_tokenizer", fail)
     with caches_written_under(tmp_path / "eval"):
         dm = module(pg19_dir)
         dm.setup("test")
@@ -144,6 +144,6 @@ def test_a_tokenizer_cached_without_its_marker_is_adopted(
     def fail(*args, **kwargs):
         raise AssertionError("the cached tokenizer must be reused")
 
-    monkeypatch.setattr(pg19, "train_tokenizer", fail)
+    monkeypatch.setattr(subword, "train_tokenizer", fail)
     module(pg19_dir).tokenizer()
     assert (trained.parent / MARKER).is_file()

@@ -35,7 +35,7 @@ from megalab.data.download import DatasetMissingError, _missing_message, is_offl
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HUB_SPLIT_NAMES", "HubDataset", "HubFormatError"]
+__all__ = ["HUB_SPLIT_NAMES", "HubDataset", "HubFormatError", "belongs_to_split", "is_source_file"]
 
 #: Our split names -> the Hub's name first, then aliases accepted in local copies.
 HUB_SPLIT_NAMES: dict[str, tuple[str, ...]] = {
@@ -104,13 +104,15 @@ class HubFormatError(ValueError):
     """A copy of a Hub dataset that lacks a split or a column; the message names the file."""
 
 
-def _belongs(rel: Path, names: Sequence[str]) -> bool:
+def belongs_to_split(rel: Path, names: Sequence[str]) -> bool:
+    """Whether a file at `rel` (below a dataset's folder) is of the split named `names`: one of
+    them is a folder name on its path or a `-`/`_`/`.`-separated part of its file name."""
     if any(part in names for part in rel.parts[:-1]):
         return True
     return any(tok in names for tok in re.split(r"[-_.]", rel.name))
 
 
-def _source_file(rel: Path) -> bool:
+def is_source_file(rel: Path) -> bool:
     """Not a hidden file (download metadata, temporaries) nor a prepared cache."""
     return not any(p.startswith(".") for p in rel.parts) and rel.parts[0] != _PREPARED
 
@@ -170,7 +172,7 @@ class HubDataset:
         out = []
         for f in sorted(self.local_dir.rglob("*.parquet")):
             rel = f.relative_to(self.local_dir)
-            if _source_file(rel) and _belongs(rel, names):
+            if is_source_file(rel) and belongs_to_split(rel, names):
                 out.append(f)
         return out
 
@@ -203,7 +205,7 @@ class HubDataset:
             return sorted(
                 p
                 for p in self.local_dir.rglob("*")
-                if p.is_file() and _source_file(p.relative_to(self.local_dir))
+                if p.is_file() and is_source_file(p.relative_to(self.local_dir))
             )
         return []
 
