@@ -7,6 +7,7 @@
     megalab-data lra --task retrieval pathx
     megalab-data imdb                 (also cifar10)
     megalab-data enwik8               (also text8, wikitext103, pg19 [data.key=value ...])
+    megalab-data text_corpus data.data_dir=FOLDER   (a corpus of your own: docs/datasets_lm.md)
     megalab-data wmt16                (WMT'16 En-De: fetch and prepare [data.key=value ...])
     megalab-data verify               (checksums of every prepared cache)
 
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("text8", "download and prepare text8 (27 characters, 90M/5M/5M)"),
         ("wikitext103", "prepare WikiText-103 (words) from local parquet (fetched if missing)"),
         ("pg19", "prepare PG-19 from local parquet (fetched if missing); train its tokenizer"),
+        ("text_corpus", "prepare a corpus of your own (data.data_dir=FOLDER); train its tokenizer"),
     ):
         p = sub.add_parser(name, help=help_text)
         _root_flag(p)

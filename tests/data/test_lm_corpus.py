@@ -1,0 +1,181 @@
+"""A corpus of one's own (`data=text_corpus`): .txt, .jsonl and .parquet documents per split."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalab.cli.data import main as data_main
+from megalab.cli.train import train
+from megalab.data.download import DatasetMissingError
+from megalab.data.lm.corpus import CorpusFormatError, TextCorpusDataModule
+from megalab.testing.lm import PG19_VOCAB_SIZE, pg19_books, write_parquet
+
+
+def documents() -> dict[str, list[str]]:
+    """The PG-19 fixture's books as plain documents, with a non-ASCII one in training."""
+    books = pg19_books()
+    texts = {split: [b["text"] for b in books[hub]] for split, hub in _HUB.items()}
+    texts["train"][0] = "Café — naïve “quotes”.\n\n" + texts["train"][0]
+    return texts
+
+
+_HUB = {"train": "train", "val": "validation", "test": "test"}
+
+
+def write_corpus(root: Path) -> dict[str, list[str]]:
+    """Training books as .txt files in train/, validation as .jsonl, test as parquet."""
+    docs = documents()
+    for i, text in enumerate(docs["train"]):
+        (root / "train").mkdir(parents=True, exist_ok=True)
+        (root / "train" / f"book{i:02d}.txt").write_text(text, encoding="utf-8")
+    lines = [json.dumps({"id": i, "text": t}) for i, t in enumerate(docs["val"])]
+    (root / "valid.jsonl").write_text("\n".join([*lines[:1], "", *lines[1:]]) + "\n")
+    write_parquet(root / "test.parquet", {"text": docs["test"]})
+    (root / ".notes.txt").write_text("not part of the corpus")
+    return docs
+
+
+def module(root: Path, **kwargs) -> TextCorpusDataModule:
+    kwargs = {"vocab_size": PG19_VOCAB_SIZE, "batch_size": 2, "eval_batch_size": 3, **kwargs}
+    return TextCorpusDataModule(root, max_len=32, **kwargs)
+
+
+def decoded_documents(dm: TextCorpusDataModule, split: str) -> list[str]:
+    tok = dm.tokenizer()
+    eos = tok.token_to_id("<eos>")
+    ids = np.asarray(dm.datasets[split].tokens).tolist()
+    assert ids[0] == eos and ids[-1] == eos
+    pieces, cur = [], []
+    for i in ids[1:]:
+        if i == eos:
+            pieces.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(i)
+    return pieces
+
+
+def test_each_format_reads_as_documents_joined_by_eos(tmp_path: Path) -> None:
+    docs = write_corpus(tmp_path / "corpus")
+    dm = module(tmp_path / "corpus")
+    dm.setup()
+    for split in ("train", "val", "test"):
+        assert decoded_documents(dm, split) == docs[split], split
+    # Word counts for word-level perplexity, as PG-19's.
+    for split in ("val", "test"):
+        expected = sum(len(t.split()) for t in docs[split])
+        ds = dm.batches(split)
+        assert sum(float(ds[(0, t)]["num_words"]) for t in range(len(ds))) == expected
+        assert dm.num_words(split) == expected
+    assert dm.source.num_rows("val") == len(docs["val"])
+    assert not any("notes" in str(f) for f in dm.source.source_files())
+
+
+def test_the_prepared_tokens_can_go_outside_the_corpus_folder(tmp_path: Path) -> None:
+    docs = write_corpus(tmp_path / "corpus")
+    dm = module(tmp_path / "corpus", cache_root=tmp_path / "cache")
+    dm.setup()
+    assert decoded_documents(dm, "test") == docs["test"]
+    assert not (tmp_path / "corpus" / "prepared").exists()
+    assert list((tmp_path / "cache" / "tokens").glob("*/meta.json"))
+
+
+def test_an_edited_corpus_is_prepared_again(tmp_path: Path) -> None:
+    write_corpus(tmp_path / "corpus")
+    first = module(tmp_path / "corpus")
+    first.setup()
+    before = first.cache()
+    extra = tmp_path / "corpus" / "train" / "zz_more.txt"
+    extra.write_text("one more document of the training split\n")
+    again = module(tmp_path / "corpus")
+    again.setup()
+    assert again.cache() != before
+    assert decoded_documents(again, "train")[-1] == extra.read_text()
+
+
+def test_a_missing_split_names_what_to_put_where(tmp_path: Path) -> None:
+    root = tmp_path / "corpus"
+    write_corpus(root)
+    (root / "valid.jsonl").unlink()
+    with pytest.raises(DatasetMissingError) as err:
+        module(root).setup()
+    said = str(err.value)
+    assert f"no file of the validation split below {root}" in said
+    assert "train: 8, validation: 0, test: 1)" in said
+    assert "valid.jsonl" in said and "data.data_dir" in said
+    with pytest.raises(DatasetMissingError) as err:
+        module(tmp_path / "nothing").setup()
+    assert "no file of the train, validation and test splits at" in str(err.value)
+    assert "there is no such folder" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (
+            lambda root: (root / "valid.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n'),
+            r"valid.jsonl, line 2: no field 'text' \(it has \['body'\]\); set data.text_column",
+        ),
+        (
+            lambda root: (root / "valid.jsonl").write_text('{"text": "a"}\nnot json\n'),
+            r"valid.jsonl, line 2: not a JSON object",
+        ),
+        (
+            lambda root: (root / "valid.jsonl").write_text('{"text": 3}\n'),
+            r"valid.jsonl, line 1: the field 'text' holds int, not text",
+        ),
+        (
+            lambda root: (root / "train" / "latin1.txt").write_bytes("café".encode("latin-1")),
+            r"latin1.txt is not UTF-8 text \(byte 3 is b'\\xe9'\)",
+        ),
+        (
+            lambda root: write_parquet(root / "test.parquet", {"body": ["x"]}),
+            r"test.parquet has no column 'text' \(it has \['body'\]\)",
+        ),
+        (
+            lambda root: (root / "train" / "test_notes.txt").write_text("x"),
+            "test_notes.txt is of both the train and the test split",
+        ),
+    ],
+)
+def test_a_file_that_cannot_be_read_is_named(tmp_path: Path, write, message: str) -> None:
+    root = tmp_path / "corpus"
+    write_corpus(root)
+    write(root)
+    with pytest.raises(CorpusFormatError, match=message):
+        module(root).setup()
+
+
+def test_megalab_data_prepares_it_and_training_reads_it(compose_cfg, tmp_path: Path) -> None:
+    """The documented commands: `megalab-data text_corpus data.data_dir=...` prepares the cache
+    a paper experiment with `data=text_corpus` trains and tests on, word perplexity included."""
+    root = tmp_path / "corpus"
+    write_corpus(root)
+    size = f"data.vocab_size={PG19_VOCAB_SIZE}"
+    assert data_main(["text_corpus", f"data.data_dir={root}", size]) == 0
+    (cache,) = (root / "prepared" / "tokens").glob("*/meta.json")
+    cfg = compose_cfg(
+        "experiment=megalodon/pg19",
+        "data=text_corpus",
+        f"data.data_dir={root}",
+        size,
+        "data.max_len=32",
+        "data.batch_size=2",
+        "data.eval_batch_size=2",
+        "model.d_model=32",
+        "model.backbone.num_layers=1",
+        "model.backbone.chunk_size=16",
+        "model.backbone.z_dim=16",
+        "model.backbone.v_dim=32",
+        "model.backbone.ffn_dim=32",
+        "model.backbone.norm_groups=4",
+    )
+    assert cfg.data._target_.endswith("TextCorpusDataModule")
+    record = train(cfg)
+    assert record["global_step"] == 2
+    assert "test/word_ppl" in record["metrics"]
+    assert list((root / "prepared" / "tokens").glob("*/meta.json")) == [cache]
