@@ -362,6 +362,10 @@ def task_data_problems(cfg: DictConfig) -> list[str]:
     except OmegaConfBaseException:
         classes = None
     if target.endswith(("ClassificationTask", "RetrievalTask")) and classes is None:
+        if group_choice("data") and not experiments:
+            # A corpus of one's own has no experiments of its name: PG-19's take it as data.
+            keeping = [f"experiment={e} data={data_name}" for e in _experiments_for("pg19")]
+            suggestion = f" (or a language-model experiment with this data: {', '.join(keeping)})"
         return [
             f"data={data_name} has no classes (data.num_classes is null): it is a language-"
             f"modelling dataset, which needs task=language_modeling{suggestion}"

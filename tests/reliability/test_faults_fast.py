@@ -513,6 +513,9 @@ def test_a_choice_lists_each_value_once(compose_cfg) -> None:
 def test_language_model_data_with_a_classifier_says_what_to_use(compose_cfg) -> None:
     with pytest.raises(ConfigError, match="task=language_modeling"):
         validate(compose_cfg("data=enwik8"))
+    # A corpus of one's own has no experiment of its name: the PG-19 ones take it as data.
+    with pytest.raises(ConfigError, match="experiment=megalodon/pg19 data=text_corpus"):
+        validate(compose_cfg("data=text_corpus"))
 
 
 def test_an_option_of_another_model_is_named_before_anything_is_built(compose_cfg) -> None:
