@@ -17,8 +17,9 @@ def test_public_names_resolve_with_a_docstring() -> None:
         obj = getattr(models, name)
         assert inspect.getdoc(obj), f"megalab.models.{name} has no docstring"
     assert inspect.getdoc(megalab.from_pretrained)
-    hints = inspect.signature(models.from_preset).parameters
-    assert all(p.annotation is not inspect.Parameter.empty for p in hints.values())
+    for builder in (models.from_preset, models.encoder_decoder_from_preset):
+        hints = inspect.signature(builder).parameters
+        assert all(p.annotation is not inspect.Parameter.empty for p in hints.values())
 
 
 def test_from_preset_names_what_exists() -> None:
@@ -42,3 +43,41 @@ def test_from_preset_names_what_exists() -> None:
     # A config check is the preset's one message, not Hydra's instantiation error around it.
     with pytest.raises(ValueError, match=r"^llama_100m: d_model=32 must be a positive multiple"):
         from_preset("llama_100m", d_model=32)
+
+
+def test_encoder_decoder_presets_build_and_say_which_builder_fits() -> None:
+    """from_preset refused the translation presets with no way to build them from Python."""
+    import pytest
+    import torch
+
+    from megalab.models import encoder_decoder_from_preset, from_preset
+    from megalab.models.seq2seq import EncoderDecoder
+
+    small = {"d_model": 32, "encoder_layers": 1, "decoder_layers": 1}
+    for name, sizes in (
+        ("seq2seq/mega", {"z_dim": 8, "v_dim": 32, "ffn_dim": 32}),
+        ("seq2seq/transformer", {"ffn_dim": 32, "num_heads": 4}),
+    ):
+        model = encoder_decoder_from_preset(name, data={"vocab_size": 50}, **small, **sizes)
+        assert isinstance(model, EncoderDecoder) and model.vocab_size == 50
+        src, tgt = torch.randint(4, 50, (2, 7)), torch.randint(4, 50, (2, 5))
+        assert model(src, None, tgt).shape == (2, 5, 50)
+    with pytest.raises(
+        ValueError, match=r"vocab_size comes from the dataset .* data=\{'vocab_size'"
+    ):
+        encoder_decoder_from_preset("seq2seq/mega")
+    with pytest.raises(
+        ValueError,
+        match=r"is an encoder-decoder, not a backbone: build it with "
+        r"encoder_decoder_from_preset\('seq2seq/mega', \.\.\.\)",
+    ):
+        from_preset("seq2seq/mega")
+    with pytest.raises(
+        ValueError,
+        match=r"is a backbone, not an encoder-decoder: build it with from_preset\(.mega., \.\.\.\)",
+    ):
+        encoder_decoder_from_preset("mega")
+    with pytest.raises(ValueError, match=r"the shipped ones are \['seq2seq/mega', 'seq2seq/"):
+        encoder_decoder_from_preset("seq2seq/nope")
+    with pytest.raises(ValueError, match="no option 'layers'"):
+        encoder_decoder_from_preset("seq2seq/mega", data={"vocab_size": 50}, layers=2)

@@ -4,6 +4,7 @@
 
     model = Megalodon(MegalodonConfig(d_model=128, num_layers=2, causal=True))
     model = from_preset("megalodon/mega200M", num_layers=2)   # a shipped preset, resized
+    translator = encoder_decoder_from_preset("seq2seq/mega", data={"vocab_size": 32000})
 
 Every model is a package `megalab/models/<model>/` whose `__init__.py` lists its public names in
 a literal `__all__`: those names are this module's too, found by reading the packages' `__all__`
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line 
     from megalab.models.s4d import S4DBackbone as S4DBackbone
     from megalab.models.s4d import S4DBlock as S4DBlock
     from megalab.models.s4d import S4DConfig as S4DConfig
+    from megalab.models.seq2seq import EncoderDecoder
     from megalab.models.seqboat import SeqBoat as SeqBoat
     from megalab.models.seqboat import SeqBoatBlock as SeqBoatBlock
     from megalab.models.seqboat import SeqBoatConfig as SeqBoatConfig
@@ -50,7 +52,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line 
 # The contract every backbone implements, from `megalab.models.base` (a module, not a model).
 _BASE_NAMES = ("Backbone", "BackboneConfig", "BackboneOutput")
 # Defined in this file.
-_OWN_NAMES = ("block_classes", "from_preset")
+_OWN_NAMES = ("block_classes", "encoder_decoder_from_preset", "from_preset")
 
 # What a model config interpolates from the data (`${data.*}`) when built outside a run.
 _DATA_SPEC = {
@@ -130,18 +132,18 @@ def block_classes() -> set[type]:
     return {c.block_class for c in backbones if c.block_class is not None}
 
 
-def _check_data_given(name: str, cfg: Any, options: Mapping[str, Any]) -> None:
-    """Raise a ValueError naming the `data` entry to give when a backbone option the preset
-    takes from the dataset (`${data.max_len}`) is left None and its field does not allow None."""
+def _check_data_given(name: str, node: Any, options: Mapping[str, Any]) -> None:
+    """Raise a ValueError naming the `data` entry to give when an option of the preset's `node`
+    (its backbone or encoder-decoder) that it takes from the dataset (`${data.max_len}`) is left
+    None and its field does not allow None."""
     from omegaconf import OmegaConf
 
     from megalab.utils.options import config_class_of, declared, rule_of
     from megalab.utils.safe_config import megalab_object
 
-    backbone = cfg.model.backbone
-    config_class = config_class_of(megalab_object(str(backbone.get("_target_", ""))))
+    config_class = config_class_of(megalab_object(str(node.get("_target_", ""))))
     fields = declared(config_class) if config_class is not None else {}
-    unresolved = OmegaConf.to_container(backbone, resolve=False)
+    unresolved = OmegaConf.to_container(node, resolve=False)
     assert isinstance(unresolved, dict)
     for key, raw in unresolved.items():
         key = str(key)
@@ -149,14 +151,64 @@ def _check_data_given(name: str, cfg: Any, options: Mapping[str, Any]) -> None:
             continue
         data_key = raw[len("${data.") : -1]
         annotation, spec = fields.get(key, (None, None))
-        if key in options or backbone[key] is not None or spec is None:
+        if key in options or node[key] is not None or spec is None:
             continue
         if rule_of(annotation, spec).check(None):
             continue  # None is a valid value of this option
         raise ValueError(
             f"{name}: {key} comes from the dataset ({raw}), and no dataset is given: pass "
-            f"data={{{data_key!r}: ...}} or {key}=... to from_preset"
+            f"data={{{data_key!r}: ...}} or {key}=... to the preset"
         )
+
+
+def _shipped_presets(kind: str) -> list[str]:
+    from megalab.utils.paths import CONFIG_DIR, group_config
+
+    root = CONFIG_DIR / "model"
+    names = sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml"))
+    return [n for n in names if kind in group_config("model", n)]
+
+
+def _built_preset(
+    name: str, kind: str, data: Mapping[str, Any] | None, options: Mapping[str, Any]
+) -> Any:
+    """The model the shipped model config `name` builds from its `kind` node (`backbone` or
+    `encoder_decoder`), with `options` replacing the preset's and `data` filling `${data.*}`."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    from megalab.models.base import built
+    from megalab.utils.paths import CONFIG_DIR, group_config
+
+    if not (CONFIG_DIR / "model" / f"{name}.yaml").is_file():
+        raise ValueError(f"no model preset {name!r}; the shipped ones are {_shipped_presets(kind)}")
+    model = group_config("model", name)
+    if kind not in model:
+        other = "encoder_decoder" if "encoder_decoder" in model else "backbone"
+        builder = "encoder_decoder_from_preset" if other == "encoder_decoder" else "from_preset"
+        said = {"backbone": "a backbone", "encoder_decoder": "an encoder-decoder"}
+        raise ValueError(
+            f"model preset {name!r} is {said[other]}, not {said[kind]}: build it with "
+            f"{builder}({name!r}, ...)"
+        )
+    cfg = OmegaConf.create({"model": model, "data": {**_DATA_SPEC, **(data or {})}})
+    node = cfg.model[kind]
+    for key, value in options.items():
+        if key == "d_model":
+            cfg.model.d_model = value
+        elif key in node:
+            node[key] = value
+        else:
+            options_known = sorted(k for k in node if k != "_target_")
+            raise ValueError(f"{name}: no option {key!r}; its options are {options_known}")
+    _check_data_given(name, node, options)
+    try:
+        made = hydra.utils.instantiate(node)
+    except hydra.errors.InstantiationException as e:
+        if isinstance(e.__cause__, ValueError):  # a config check: say it without Hydra's frame
+            raise ValueError(f"{name}: {e.__cause__}") from None
+        raise
+    return made.build() if kind == "encoder_decoder" else built(made)
 
 
 def from_preset(name: str, data: Mapping[str, Any] | None = None, **options: Any) -> Backbone:
@@ -165,37 +217,24 @@ def from_preset(name: str, data: Mapping[str, Any] | None = None, **options: Any
     `options` replace the preset's: `d_model`, or any option of its backbone (`num_layers`,
     `chunk_size`, ...); `data` fills what the config takes from a dataset (`max_len`, ...).
     """
-    import hydra
-    from omegaconf import OmegaConf
+    from megalab.models.base import Backbone
 
-    from megalab.utils.paths import CONFIG_DIR, group_config
-
-    if not (CONFIG_DIR / "model" / f"{name}.yaml").is_file():
-        shipped = sorted(
-            str(p.relative_to(CONFIG_DIR / "model").with_suffix(""))
-            for p in (CONFIG_DIR / "model").rglob("*.yaml")
-        )
-        raise ValueError(f"no model preset {name!r}; the shipped ones are {shipped}")
-    model = group_config("model", name)
-    if "backbone" not in model:
-        raise ValueError(f"model preset {name!r} has no backbone (an encoder-decoder?)")
-    cfg = OmegaConf.create({"model": model, "data": {**_DATA_SPEC, **(data or {})}})
-    for key, value in options.items():
-        if key == "d_model":
-            cfg.model.d_model = value
-        elif key in cfg.model.backbone:
-            cfg.model.backbone[key] = value
-        else:
-            options_known = sorted(k for k in cfg.model.backbone if k != "_target_")
-            raise ValueError(f"{name}: no option {key!r}; its options are {options_known}")
-    _check_data_given(name, cfg, options)
-    from megalab.models.base import Backbone, built
-
-    try:
-        backbone = built(hydra.utils.instantiate(cfg.model.backbone))
-    except hydra.errors.InstantiationException as e:
-        if isinstance(e.__cause__, ValueError):  # a config check: say it without Hydra's frame
-            raise ValueError(f"{name}: {e.__cause__}") from None
-        raise
+    backbone = _built_preset(name, "backbone", data, options)
     assert isinstance(backbone, Backbone)
     return backbone
+
+
+def encoder_decoder_from_preset(
+    name: str, data: Mapping[str, Any] | None = None, **options: Any
+) -> EncoderDecoder:
+    """The encoder-decoder of the shipped model config `name` (`seq2seq/mega`,
+    `seq2seq/transformer`), as `from_preset` builds a backbone.
+
+    `data` gives the dictionary's `vocab_size` (and `pad_id`, 0 unless given) that the preset
+    takes from the translation data; `options` replace any option of its `encoder_decoder`.
+    """
+    from megalab.models.seq2seq import EncoderDecoder
+
+    model = _built_preset(name, "encoder_decoder", data, options)
+    assert isinstance(model, EncoderDecoder)
+    return model
