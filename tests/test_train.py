@@ -387,6 +387,21 @@ def test_same_seed_gives_same_metrics(compose_cfg, tmp_path: Path) -> None:
     assert learned(runs[0]) == learned(runs[1])
 
 
+@pytest.mark.parametrize("profiler", ["simple", "pytorch"])
+def test_a_profiled_run_writes_the_report_in_its_folder(
+    compose_cfg, tmp_path: Path, profiler: str
+) -> None:
+    """`trainer.profiler` was not a key (it needed `+`), and by name Lightning printed its
+    report on the console, hundreds of lines after the run's own output."""
+    assert train(compose_cfg(f"trainer.profiler={profiler}"))["global_step"] == 2
+    run = tmp_path / "run"
+    report = (run / "fit-profile.txt").read_text()
+    assert report.startswith("FIT Profiler Report") and "run_training_batch" in report
+    assert (run / "test-profile.txt").is_file()
+    if profiler == "pytorch":  # and Chrome traces beside it
+        assert list(run.glob("*.pt.trace.json")), sorted(p.name for p in run.iterdir())
+
+
 @pytest.mark.parametrize("logger", ["csv", "wandb"])
 def test_loggers_write_their_files(
     compose_cfg, tmp_path: Path, logger: str, capfd: pytest.CaptureFixture

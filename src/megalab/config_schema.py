@@ -63,6 +63,9 @@ def _duration(v: Any) -> bool:
 
 
 _FRACTION_OR_COUNT = either(integer(0), number(0.0, 1.0))
+# `trainer.profiler` by name: Lightning's profilers (megalab.utils.run writes their report to the
+# run folder).
+PROFILERS = ("simple", "advanced", "pytorch")
 PRECISIONS = (
     "64", "32", "16", "bf16", "transformer-engine", "transformer-engine-float16",
     "16-true", "16-mixed", "bf16-true", "bf16-mixed", "32-true", "64-true",
@@ -119,6 +122,10 @@ RULES: dict[str, Rule] = {
     "trainer.accelerator": text(),
     "trainer.deterministic": boolean(null=True, also=("warn",)),
     "trainer.benchmark": boolean(null=True),
+    "trainer.profiler": either(
+        choice(*PROFILERS, null=True),
+        Rule(lambda v: isinstance(v, DictConfig) and "_target_" in v, "a profiler's _target_"),
+    ),
     "trainer.fast_dev_run": either(boolean(), integer(0)),
     "trainer.enable_model_summary": boolean(),
     "trainer.enable_progress_bar": boolean(),

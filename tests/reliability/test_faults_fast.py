@@ -491,6 +491,7 @@ def test_listops_over_long_inputs_fail_unless_truncate(tmp_path: Path, caplog) -
         ("data.eval_batch_size=0", "data.eval_batch_size"),
         ("trainer.max_time=20h", "trainer.max_time"),
         ("trainer.max_time={hour: 20}", "trainer.max_time"),
+        ("trainer.profiler=detailed", "trainer.profiler"),
     ],
 )
 def test_bad_values_name_their_key(compose_cfg, override: str, key: str) -> None:

@@ -283,6 +283,20 @@ def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
+def profiler_in_run_folder(name: str, run_dir: str) -> Any:
+    """Lightning's `name` profiler writing its report to `<run_dir>/<stage>-profile.txt` (and
+    the PyTorch profiler its Chrome traces beside it): given by name, Lightning prints the
+    report on the console, hundreds of lines after the run's own output."""
+    from lightning.pytorch import profilers
+
+    classes = {
+        "simple": profilers.SimpleProfiler,
+        "advanced": profilers.AdvancedProfiler,
+        "pytorch": profilers.PyTorchProfiler,
+    }
+    return classes[name](dirpath=run_dir, filename="profile")
+
+
 def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
     """Build the Lightning Trainer of a `trainer` config group; every entry point builds its
     trainer here, so megalab's own keys never reach Lightning. `enable_progress_bar: false`
@@ -297,6 +311,11 @@ def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:
     keeps_none = callbacks is not None and not any(isinstance(c, Checkpoint) for c in callbacks)
     if keeps_none and "enable_checkpointing" not in cfg:
         kwargs["enable_checkpointing"] = False
+    from megalab.config_schema import PROFILERS
+
+    profiler = cfg.get("profiler")
+    if isinstance(profiler, str) and profiler in PROFILERS:
+        kwargs["profiler"] = profiler_in_run_folder(profiler, str(cfg.default_root_dir))
     max_time = cfg.get("max_time")
     if isinstance(max_time, DictConfig):  # {hours: 20}: Lightning takes a dict, not a DictConfig
         kwargs["max_time"] = datetime.timedelta(**cast(dict, OmegaConf.to_container(max_time)))
