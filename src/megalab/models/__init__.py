@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line 
     from megalab.models.s4d import S4DBackbone as S4DBackbone
     from megalab.models.s4d import S4DBlock as S4DBlock
     from megalab.models.s4d import S4DConfig as S4DConfig
-    from megalab.models.seq2seq import EncoderDecoder
+    from megalab.models.seq2seq import EncoderDecoder as EncoderDecoder
+    from megalab.models.seq2seq import EncoderDecoderConfig as EncoderDecoderConfig
     from megalab.models.seqboat import SeqBoat as SeqBoat
     from megalab.models.seqboat import SeqBoatBlock as SeqBoatBlock
     from megalab.models.seqboat import SeqBoatConfig as SeqBoatConfig
@@ -49,8 +50,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; a new model needs no line 
     from megalab.models.transformer_xl import TransformerXL as TransformerXL
     from megalab.models.transformer_xl import TransformerXLConfig as TransformerXLConfig
 
-# The contract every backbone implements, from `megalab.models.base` (a module, not a model).
-_BASE_NAMES = ("Backbone", "BackboneConfig", "BackboneOutput")
+# The contracts every backbone (`megalab.models.base`) and every encoder-decoder
+# (`megalab.models.seq2seq`) implements: modules, not models.
+_CONTRACT_NAMES = {
+    "Backbone": "base",
+    "BackboneConfig": "base",
+    "BackboneOutput": "base",
+    "EncoderDecoder": "seq2seq",
+    "EncoderDecoderConfig": "seq2seq",
+}
 # Defined in this file.
 _OWN_NAMES = ("block_classes", "encoder_decoder_from_preset", "from_preset")
 
@@ -92,7 +100,7 @@ def _model_packages() -> dict[str, str]:
 
     The packages are the sub-packages of `megalab.models` on its `__path__`: only megalab's own
     folders, never names from configs or data."""
-    where = {name: "base" for name in _BASE_NAMES}
+    where = dict(_CONTRACT_NAMES)
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
         if not info.ispkg or not info.name.isidentifier():
             continue
