@@ -100,7 +100,10 @@ def cache_dir(
             return path  # finished: read in place, nothing written there
         assert _WRITE_ROOT is not None
         path = _WRITE_ROOT / name / short_hash(key)
-        log.info("preparing %s data under %s (the data folder is not written)", name, path.parent)
+        if not path.exists():  # said once: the folder is made below
+            log.info(
+                "preparing %s data under %s (the data folder is not written)", name, path.parent
+            )
     path.mkdir(parents=True, exist_ok=True)
     text = json.dumps(key, sort_keys=True, indent=2, default=json_default) + "\n"
     pfile = path / "params.json"
