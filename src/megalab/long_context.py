@@ -257,12 +257,13 @@ def evaluate_long_context(cfg: Any) -> dict[str, Any]:
     `long_context.json` and `long_context.png` into the output folder; return the record."""
     import hydra
 
-    from megalab.run_loading import load_task, pick_device
+    from megalab.run_loading import check_run_vocabulary, load_task, pick_device
 
     opts = cfg.long_context
     device = pick_device(str(opts.get("device", "auto")))
     task = load_task(cfg, device, torch.float32, "megalab-eval mode=long_context")
     datamodule = hydra.utils.instantiate(cfg.data)
+    check_run_vocabulary(cfg, datamodule, "megalab-eval mode=long_context")
     streams = datamodule.load_streams()
     split = str(opts.split)
     if split not in streams:

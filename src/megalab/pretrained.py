@@ -32,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 
+from megalab.data.vocabulary import run_vocabulary
 from megalab.utils.errors import UserError
 from megalab.version import __version__
 
@@ -205,7 +206,9 @@ def export_run(
     task.load_state_dict(state["state_dict"], strict=True)
 
     tokenizer: dict[str, Path] = {}
-    if with_tokenizer:
+    if with_tokenizer and run_vocabulary(run_dir):
+        tokenizer = run_vocabulary(run_dir)  # the run's own copy: no data needed here
+    elif with_tokenizer:
         try:
             tokenizer = tokenizer_files(cfg)
         except Exception as err:

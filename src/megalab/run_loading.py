@@ -28,6 +28,7 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from megalab.data.vocabulary import check_vocabulary, run_tokenizer
 from megalab.utils import errors
 from megalab.utils.checkpointing import read_checkpoint
 from megalab.utils.run_folder import find_run_config, refuse_folder
@@ -154,6 +155,13 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         moved = "paths.root_dir" in given and not _data_dir_set_apart(run_cfg)
         if data_dir is not None and "paths.data_dir" not in given and not moved:
             cfg.paths.data_dir = data_dir
+        # The run's own token ids: data that trains its tokenizer reads the run's copy instead
+        # (megalab.data.vocabulary), also when its files have changed since.
+        tokenizer = run_tokenizer(run_cfg_path.parent.parent)
+        data = cfg.get("data")
+        has_option = isinstance(data, DictConfig) and "tokenizer" in data
+        if tokenizer is not None and has_option and "data.tokenizer" not in given:
+            cfg.data.tokenizer = str(tokenizer)
         ours = [o for o in overrides if o.lstrip("+~").split(".")[0].split("=")[0] in RUN_GROUPS]
         for item in ours:
             key, _, value = item.lstrip("+").partition("=")
@@ -168,6 +176,14 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
         log.info("data is not generated or downloaded (%s=false): ask on the command line "
                  "to change it", ", ".join(off))  # fmt: skip
     return cfg
+
+
+def check_run_vocabulary(cfg: DictConfig, datamodule: Any, command: str) -> None:
+    """Refuse data whose vocabulary is not the one the checkpoint's run trained with (a run
+    folder without a copy, or `use_run_config=false`: nothing to check)."""
+    run_cfg_path = find_run_config(checkpoint_file(cfg))
+    if run_cfg_path is not None and cfg.get("use_run_config", True):
+        check_vocabulary(datamodule, run_cfg_path.parent.parent, command)
 
 
 def require_language_model(cfg: DictConfig, command: str) -> None:

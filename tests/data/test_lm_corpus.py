@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import DictConfig, OmegaConf
 
+import megalab.data.lm.subword as subword
 from megalab.cli.data import main as data_main
+from megalab.cli.eval import evaluate, merge_run_config
 from megalab.cli.train import train
 from megalab.data.download import DatasetMissingError
 from megalab.data.lm.corpus import CorpusFormatError, TextCorpusDataModule
+from megalab.data.vocabulary import VocabularyMismatchError, check_vocabulary, save_vocabulary
+from megalab.pretrained import export_run
 from megalab.testing.lm import PG19_VOCAB_SIZE, pg19_books, write_parquet
 
 
@@ -150,6 +157,23 @@ def test_a_file_that_cannot_be_read_is_named(tmp_path: Path, write, message: str
         module(root).setup()
 
 
+TINY_LM = (
+    "experiment=megalodon/pg19",
+    "data=text_corpus",
+    f"data.vocab_size={PG19_VOCAB_SIZE}",
+    "data.max_len=32",
+    "data.batch_size=2",
+    "data.eval_batch_size=2",
+    "model.d_model=32",
+    "model.backbone.num_layers=1",
+    "model.backbone.chunk_size=16",
+    "model.backbone.z_dim=16",
+    "model.backbone.v_dim=32",
+    "model.backbone.ffn_dim=32",
+    "model.backbone.norm_groups=4",
+)
+
+
 def test_megalab_data_prepares_it_and_training_reads_it(compose_cfg, tmp_path: Path) -> None:
     """The documented commands: `megalab-data text_corpus data.data_dir=...` prepares the cache
     a paper experiment with `data=text_corpus` trains and tests on, word perplexity included."""
@@ -158,24 +182,115 @@ def test_megalab_data_prepares_it_and_training_reads_it(compose_cfg, tmp_path: P
     size = f"data.vocab_size={PG19_VOCAB_SIZE}"
     assert data_main(["text_corpus", f"data.data_dir={root}", size]) == 0
     (cache,) = (root / "prepared" / "tokens").glob("*/meta.json")
-    cfg = compose_cfg(
-        "experiment=megalodon/pg19",
-        "data=text_corpus",
-        f"data.data_dir={root}",
-        size,
-        "data.max_len=32",
-        "data.batch_size=2",
-        "data.eval_batch_size=2",
-        "model.d_model=32",
-        "model.backbone.num_layers=1",
-        "model.backbone.chunk_size=16",
-        "model.backbone.z_dim=16",
-        "model.backbone.v_dim=32",
-        "model.backbone.ffn_dim=32",
-        "model.backbone.norm_groups=4",
-    )
+    cfg = compose_cfg(*TINY_LM, f"data.data_dir={root}")
     assert cfg.data._target_.endswith("TextCorpusDataModule")
     record = train(cfg)
     assert record["global_step"] == 2
     assert "test/word_ppl" in record["metrics"]
     assert list((root / "prepared" / "tokens").glob("*/meta.json")) == [cache]
+
+
+# -- the run's vocabulary (megalab.data.vocabulary) ------------------------------------------------
+def trained_run(compose_cfg, root: Path, *overrides: str) -> tuple[Path, DictConfig]:
+    """A 2-step run on the corpus at `root`, its folder laid out as `megalab-train` leaves it."""
+    cfg = compose_cfg(*TINY_LM, f"data.data_dir={root}", *overrides)
+    train(cfg)
+    run = Path(cfg.paths.output_dir)
+    saved = OmegaConf.to_container(cfg, resolve=False)
+    assert isinstance(saved, dict)
+    saved.pop("hydra")
+    (run / ".hydra").mkdir(exist_ok=True)
+    (run / ".hydra" / "config.yaml").write_text(OmegaConf.to_yaml(saved))
+    return run, cfg
+
+
+def other_corpus(root: Path) -> None:
+    """A corpus of other words: a tokenizer trained on it gives other ids."""
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "x.txt").write_text("zebra quantum lattice harbour " * 300)
+    (root / "valid.txt").write_text("quantum zebra harbour " * 40)
+    (root / "test.txt").write_text("lattice zebra quantum " * 40)
+
+
+def test_evaluation_reads_another_corpus_with_the_runs_tokenizer(
+    compose_cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """megalab-eval of a run on another corpus trained a new tokenizer on that corpus and
+    scored the model on ids it never learned, with plausible-looking numbers."""
+    write_corpus(tmp_path / "a")
+    run, _ = trained_run(compose_cfg, tmp_path / "a")
+    (data_tokenizer,) = (tmp_path / "a" / "prepared" / "tokenizer").glob("*/tokenizer.json")
+    assert (run / "vocabulary" / "tokenizer.json").read_bytes() == data_tokenizer.read_bytes()
+    other_corpus(tmp_path / "b")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("evaluation must read the run's tokenizer, not train one")
+
+    monkeypatch.setattr(subword, "train_tokenizer", fail)
+    given = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", f"data.data_dir={tmp_path / 'b'}"]
+    cfg = compose_cfg(*given, f"paths.output_dir={tmp_path / 'eval'}", config="eval")
+    merged = merge_run_config(cfg, given)
+    assert merged.data.tokenizer == str(run / "vocabulary" / "tokenizer.json")
+    assert "test/word_ppl" in evaluate(merged)["metrics"]
+    # A tokenizer given on the command line that is not the run's is refused, naming the fix.
+    (tmp_path / "mine.json").write_text(
+        data_tokenizer.read_text().replace('"<eos>": 0', '"<eos>": 0 ')
+    )
+    # (Composed as megalab-eval composes it: the run's own keys are added to the command's.)
+    cfg = compose_cfg(*given, f"paths.output_dir={tmp_path / 'eval2'}", config="eval")
+    given.append(f"data.tokenizer={tmp_path / 'mine.json'}")
+    with pytest.raises(VocabularyMismatchError) as err:
+        evaluate(merge_run_config(cfg, given))
+    said = str(err.value)
+    assert f"the data's vocabulary ({tmp_path / 'mine.json'}) is not the one {run}" in said
+    assert f"data.tokenizer={run / 'vocabulary' / 'tokenizer.json'}" in said
+
+
+def test_a_resumed_run_keeps_its_tokenizer_when_the_corpus_grew(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """A file added to the corpus trains another tokenizer: resuming on it trained the model's
+    embeddings on other ids, without a word."""
+    root = tmp_path / "a"
+    write_corpus(root)
+    run, _ = trained_run(compose_cfg, root)
+    (root / "train" / "more.txt").write_text("zebra quantum lattice harbour " * 300)
+    resume = ("ckpt_path=last", "trainer.max_steps=4")
+    with pytest.raises(VocabularyMismatchError, match="is not the one this run started with"):
+        train(compose_cfg(*TINY_LM, f"data.data_dir={root}", *resume))
+    kept = run / "vocabulary" / "tokenizer.json"
+    cfg = compose_cfg(*TINY_LM, f"data.data_dir={root}", *resume, f"data.tokenizer={kept}")
+    assert train(cfg)["global_step"] == 4
+
+
+def test_an_export_ships_the_runs_tokenizer_without_the_data(compose_cfg, tmp_path: Path) -> None:
+    root = tmp_path / "a"
+    write_corpus(root)
+    run, _ = trained_run(compose_cfg, root)
+    kept = (run / "vocabulary" / "tokenizer.json").read_bytes()
+    shutil.rmtree(root)  # the data is not on this machine any more
+    out = export_run(run, tmp_path / "export", checkpoint="last")
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == kept
+
+
+def test_a_vocabulary_of_other_files_is_refused(tmp_path: Path) -> None:
+    """Data without a tokenizer option (a word list built from the files, as WikiText-103's)
+    is checked against the run's copy."""
+
+    class Words:
+        def __init__(self, text: str) -> None:
+            self.path = Path(tempfile.mkdtemp(dir=tmp_path)) / "vocab.txt"
+            self.path.write_text(text)
+
+        def prepare_data(self) -> None:
+            pass
+
+        def tokenizer_files(self) -> dict[str, Path]:
+            return {"vocab.txt": self.path}
+
+    run = tmp_path / "run"
+    save_vocabulary(Words("<eos>\nthe\nof\n"), run)
+    check_vocabulary(Words("<eos>\nthe\nof\n"), run, "megalab-eval")
+    with pytest.raises(VocabularyMismatchError, match="prepare the data as the run did"):
+        check_vocabulary(Words("<eos>\nof\nthe\nand\n"), run, "megalab-eval")
+    check_vocabulary(Words("anything"), tmp_path / "old_run", "megalab-eval")  # no copy kept

@@ -39,13 +39,13 @@ from megalab.data.cache import caches_written_under  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     RUN_GROUPS as RUN_GROUPS,
 )
+from megalab.run_loading import check_run_vocabulary, run_entry_point_of_a_run  # noqa: E402
 from megalab.run_loading import (  # noqa: E402
     merge_run_config as merge_run_config,
 )
 from megalab.run_loading import (  # noqa: E402
     run_data_dir as run_data_dir,
 )
-from megalab.run_loading import run_entry_point_of_a_run  # noqa: E402
 from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
@@ -91,6 +91,7 @@ def _evaluate_in(cfg: DictConfig) -> dict[str, Any]:
     if mode != "test":
         raise ValueError(f"unknown eval mode {mode!r}; choose test or long_context")
     datamodule = hydra.utils.instantiate(cfg.data)
+    check_run_vocabulary(cfg, datamodule, "megalab-eval")
     task = hydra.utils.instantiate(cfg.task)
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(cfg.trainer, logger=loggers or False, callbacks=[])

@@ -44,8 +44,8 @@ from torch import Tensor
 
 from megalab.data.lm.codec import continuation
 from megalab.generation.sampling import check_sampling, sample_tokens
+from megalab.run_loading import check_run_vocabulary, merge_run_config, run_entry_point_of_a_run
 from megalab.run_loading import load_task as load_task
-from megalab.run_loading import merge_run_config, run_entry_point_of_a_run
 from megalab.run_loading import pick_device as pick_device
 from megalab.utils import errors
 from megalab.utils.paths import CONFIG_DIR, export_project_root
@@ -82,6 +82,7 @@ def generate(cfg: DictConfig, print_fn: Callable[[str], None] | None = None) -> 
     # Before the data is read: the run's task must be a language model, the checkpoint whole.
     task = load_task(cfg, device, DTYPES[cfg.dtype])
     datamodule = hydra.utils.instantiate(cfg.data)
+    check_run_vocabulary(cfg, datamodule, "megalab-generate")
     codec = datamodule.text_codec()
     ids = codec.encode(text)
     if not ids:

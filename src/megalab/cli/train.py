@@ -25,6 +25,7 @@ from omegaconf import DictConfig  # noqa: E402
 from megalab.config_schema import group_choice  # noqa: E402
 from megalab.config_schema import validate as validate_config  # noqa: E402
 from megalab.data.base import SequenceDataModule  # noqa: E402
+from megalab.data.vocabulary import SaveVocabulary  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
 from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
@@ -65,6 +66,8 @@ def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
     if cfg.get("train", True):
         memory_plan = plan_run(cfg, task, cfg.paths.output_dir, resume=resume)
     callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
+    if cfg.get("train", True):  # whatever the callbacks group holds: the run's token ids
+        callbacks.append(SaveVocabulary(cfg.paths.output_dir))
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers or False

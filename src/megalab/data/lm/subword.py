@@ -168,15 +168,13 @@ class SubwordDataModule(LMStreamDataModule):
         return cache_dir(self.cache_root, "tokenizer", params) / "tokenizer.json"
 
     def tokenizer_files(self) -> dict[str, Path]:
-        """The given tokenizer.json, or the one trained for this data (its cached file)."""
+        """The given tokenizer.json, the one trained for this data (its cached file), or a Hub
+        tokenizer's copy in the prepared tokens (written when they are prepared)."""
         name = self.tokenizer_name
         if name is not None and Path(name).expanduser().is_file():
             return {"tokenizer.json": Path(name).expanduser()}
         if name is not None:
-            raise DatasetMissingError(
-                f"{self.title}: the tokenizer {name!r} is a Hub name, not a file: export the model "
-                "with --without-tokenizer and name that tokenizer in its card"
-            )
+            return {"tokenizer.json": self.cache() / "tokenizer.json"}
         return {"tokenizer.json": self.tokenizer_path()}
 
     def _sample_texts(self) -> tuple[Iterator[str], int]:
