@@ -28,7 +28,7 @@ import torch
 import yaml
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from megalab.data.vocabulary import check_vocabulary, run_tokenizer
+from megalab.data.vocabulary import check_vocabulary, run_tokenizer, run_vocabulary
 from megalab.utils import errors
 from megalab.utils.checkpointing import read_checkpoint
 from megalab.utils.run_folder import find_run_config, refuse_folder
@@ -245,6 +245,20 @@ def _weights_of(source: str, verify: bool) -> dict[str, torch.Tensor]:
     checkpoint = read_checkpoint(path, verify=verify)
     check_lightning_checkpoint(checkpoint, path)
     return checkpoint["state_dict"]
+
+
+def weights_vocabulary(source: str) -> dict[str, Path]:
+    """The vocabulary the weights of `init_from=source` were trained with: the run folder's
+    copy for a checkpoint, the export's tokenizer files for an export folder (none known for a
+    Hub id before it is fetched, or for a run without a copy)."""
+    from megalab.pretrained import TOKENIZER_DIR
+
+    path = Path(source).expanduser()
+    if (path / "config.json").is_file():
+        folder = path / TOKENIZER_DIR
+        return {p.name: p for p in sorted(folder.glob("*")) if p.is_file()}
+    run_cfg = find_run_config(path) if path.is_file() else None
+    return run_vocabulary(run_cfg.parent.parent) if run_cfg is not None else {}
 
 
 def init_weights(

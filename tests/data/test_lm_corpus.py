@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -294,3 +295,24 @@ def test_a_vocabulary_of_other_files_is_refused(tmp_path: Path) -> None:
     with pytest.raises(VocabularyMismatchError, match="prepare the data as the run did"):
         check_vocabulary(Words("<eos>\nof\nthe\nand\n"), run, "megalab-eval")
     check_vocabulary(Words("anything"), tmp_path / "old_run", "megalab-eval")  # no copy kept
+
+
+def test_fine_tuning_on_another_corpus_names_the_tokenizer_of_the_weights(
+    compose_cfg, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """init_from a run, on a corpus whose own tokenizer gives other ids: the embeddings it
+    loads would read other tokens; it says so, and which tokenizer keeps them meaningful."""
+    write_corpus(tmp_path / "a")
+    run, _ = trained_run(compose_cfg, tmp_path / "a")
+    other_corpus(tmp_path / "b")
+    ckpt = run / "checkpoints" / "last.ckpt"
+    kept = run / "vocabulary" / "tokenizer.json"
+    tuned = (*TINY_LM, f"data.data_dir={tmp_path / 'b'}", f"init_from={ckpt}")
+    with caplog.at_level(logging.WARNING, logger="megalab"):
+        train(compose_cfg(*tuned, f"paths.output_dir={tmp_path / 'tuned'}"))
+    assert f"give data.tokenizer={kept} to read the data with theirs" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megalab"):
+        cfg = compose_cfg(*tuned, f"data.tokenizer={kept}", f"paths.output_dir={tmp_path / 'ok'}")
+        assert train(cfg)["global_step"] == 2
+    assert "another vocabulary" not in caplog.text

@@ -29,7 +29,7 @@ from megalab.data.vocabulary import SaveVocabulary  # noqa: E402
 from megalab.efficiency import efficiency_metrics  # noqa: E402
 from megalab.memory import plan_run, shared_with_launched_processes  # noqa: E402
 from megalab.parallel.lightning import find_unused_data_dependent_parameters  # noqa: E402
-from megalab.run_loading import init_weights  # noqa: E402
+from megalab.run_loading import init_weights, weights_vocabulary  # noqa: E402
 from megalab.tasks.base import TaskBase  # noqa: E402
 from megalab.utils import errors  # noqa: E402
 from megalab.utils import run as run_utils  # noqa: E402
@@ -67,7 +67,9 @@ def build(cfg: DictConfig, resume: bool = False) -> dict[str, Any]:
         memory_plan = plan_run(cfg, task, cfg.paths.output_dir, resume=resume)
     callbacks = run_utils.instantiate_callbacks(cfg.get("callbacks"))
     if cfg.get("train", True):  # whatever the callbacks group holds: the run's token ids
-        callbacks.append(SaveVocabulary(cfg.paths.output_dir))
+        source = None if resume else cfg.get("init_from")
+        vocabulary = weights_vocabulary(str(source)) if source else {}
+        callbacks.append(SaveVocabulary(cfg.paths.output_dir, source, vocabulary))
     loggers = run_utils.instantiate_loggers(cfg.get("logger"))
     trainer = run_utils.instantiate_trainer(
         cfg.trainer, callbacks=callbacks, logger=loggers or False

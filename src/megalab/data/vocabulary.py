@@ -19,6 +19,7 @@ Runs written before this have no copy, and are read as before.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -40,6 +41,8 @@ __all__ = [
     "run_vocabulary",
     "save_vocabulary",
 ]
+
+log = logging.getLogger(__name__)
 
 #: The folder of a run that holds its vocabulary's files.
 VOCABULARY = "vocabulary"
@@ -134,14 +137,46 @@ def check_vocabulary(datamodule: Any, run_dir: str | os.PathLike[str], command: 
         )
 
 
+def warn_of_other_weights_vocabulary(
+    datamodule: Any, source: str, vocabulary: Mapping[str, Path]
+) -> None:
+    """Warn when the weights a run starts from (`init_from`) were trained with another
+    vocabulary than the run's data gives: their token embeddings and output layer read other
+    ids (unless `init_skip` keeps those fresh)."""
+    files: dict[str, Path] = dict(datamodule.tokenizer_files())
+    if not vocabulary or not files or not _differing(files, vocabulary):
+        return
+    fix = (
+        f"give data.tokenizer={vocabulary['tokenizer.json']} to read the data with theirs"
+        if "tokenizer.json" in vocabulary
+        else "prepare the data as their run did"
+    )
+    log.warning(
+        "init_from=%s was trained with another vocabulary than this data's: its token "
+        "embeddings and output layer read other ids. To fine-tune them, %s (or keep them "
+        "fresh with init_skip, and this does not apply)",
+        source,
+        fix,
+    )
+
+
 class SaveVocabulary(Callback):
     """Saves the data's vocabulary into the run folder once the data is prepared (rank zero;
-    before the first step), or checks a resumed run's data against its copy."""
+    before the first step), or checks a resumed run's data against its copy; warns when the
+    weights the run starts from (`source`, with its `vocabulary`) read other ids."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        source: str | None = None,
+        vocabulary: Mapping[str, Path] | None = None,
+    ) -> None:
         self.run_dir = Path(run_dir)
+        self.source, self.vocabulary = source, dict(vocabulary or {})
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         datamodule = getattr(trainer, "datamodule", None)
         if stage == "fit" and trainer.is_global_zero and datamodule is not None:
             save_vocabulary(datamodule, self.run_dir)
+            if self.source is not None:
+                warn_of_other_weights_vocabulary(datamodule, self.source, self.vocabulary)
