@@ -147,3 +147,15 @@ def test_a_tokenizer_cached_without_its_marker_is_adopted(
     monkeypatch.setattr(subword, "train_tokenizer", fail)
     module(pg19_dir).tokenizer()
     assert (trained.parent / MARKER).is_file()
+
+
+@pytest.mark.parametrize("model", ["bpe", "unigram"])
+def test_a_second_run_finds_the_tokens_the_first_prepared(pg19_dir: Path, model: str) -> None:
+    """The token cache is keyed on the tokenizer: the first run keyed it on the unigram model it
+    had just trained, whose serialisation differs from the saved file's that later runs (and
+    evaluations) read, so each of them tokenised the whole corpus again."""
+    first = module(pg19_dir, tokenizer_model=model, tokenizer_sample_books=3)
+    first.setup()
+    again = module(pg19_dir, tokenizer_model=model, tokenizer_sample_books=3)
+    assert again.cache() == first.cache()
+    assert len(list((pg19_dir / "prepared" / "tokens").glob("*/meta.json"))) == 1

@@ -234,6 +234,9 @@ class SubwordDataModule(LMStreamDataModule):
                 tok.save(str(tmp))
                 tmp.replace(path)
                 mark_prepared(path.parent)
+                # As every later run reads it: a trained unigram model serialises otherwise
+                # than its saved file reads back, and the prepared tokens are keyed on that.
+                tok = Tokenizer.from_file(str(path))
         size = tok.get_vocab_size()
         if size > vocab_size:
             raise ValueError(
