@@ -132,7 +132,6 @@ class SubwordDataModule(LMStreamDataModule):
         data_dir: str | Path,
         max_len: int,
         *,
-        vocab_size: int = 32_000,
         tokenizer: str | None = None,
         tokenizer_model: str = "bpe",
         tokenizer_sample_docs: int | None = 2000,
@@ -141,7 +140,7 @@ class SubwordDataModule(LMStreamDataModule):
         encode_batch_docs: int = 8,
         **kwargs: Any,
     ) -> None:
-        super().__init__(data_dir, max_len, vocab_size=vocab_size, **kwargs)
+        super().__init__(data_dir, max_len, **kwargs)  # vocab_size among them: the spec's
         if tokenizer is None and tokenizer_model not in TOKENIZER_MODELS:
             raise ValueError(
                 f"unknown tokenizer_model {tokenizer_model!r}; choose one of {TOKENIZER_MODELS}"
