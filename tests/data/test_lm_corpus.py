@@ -145,6 +145,14 @@ def test_a_missing_split_names_what_to_put_where(tmp_path: Path) -> None:
             r"test.parquet has no column 'text' \(it has \['body'\]\)",
         ),
         (
+            lambda root: write_parquet(root / "test.parquet", {"text": [3, 4]}),
+            r"test.parquet: the column 'text' holds int64, not text",
+        ),
+        (
+            lambda root: (root / "test.parquet").write_text("not parquet"),
+            r"cannot read .*test.parquet as parquet",
+        ),
+        (
             lambda root: (root / "train" / "test_notes.txt").write_text("x"),
             "test_notes.txt is of both the train and the test split",
         ),
@@ -316,3 +324,20 @@ def test_fine_tuning_on_another_corpus_names_the_tokenizer_of_the_weights(
         cfg = compose_cfg(*tuned, f"data.tokenizer={kept}", f"paths.output_dir={tmp_path / 'ok'}")
         assert train(cfg)["global_step"] == 2
     assert "another vocabulary" not in caplog.text
+
+
+def test_a_file_of_another_format_is_named_before_the_tokenizer_is_trained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The validation file's wrong field was found after the tokenizer was trained and the
+    training split tokenized: hours, on a real corpus."""
+    root = tmp_path / "corpus"
+    write_corpus(root)
+    (root / "valid.jsonl").write_text('{"body": "a"}\n')
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the files are checked first")
+
+    monkeypatch.setattr(subword, "train_tokenizer", fail)
+    with pytest.raises(CorpusFormatError, match=r"valid\.jsonl, line 1: no field 'text'"):
+        module(root).prepare_data()

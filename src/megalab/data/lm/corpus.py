@@ -19,6 +19,7 @@ on the files' names, sizes and modification times, so an edited corpus is prepar
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from typing import Any
 from megalab.data.download import DatasetMissingError
 from megalab.data.hub import HUB_SPLIT_NAMES, belongs_to_split, is_source_file
 from megalab.data.lm.subword import SubwordDataModule
+from megalab.utils.errors import UserError
 
 __all__ = ["FORMATS", "CorpusFormatError", "TextCorpusDataModule", "TextFiles"]
 
@@ -40,7 +42,7 @@ FORMATS = {
 SPLITS = ("train", "val", "test")
 
 
-class CorpusFormatError(ValueError):
+class CorpusFormatError(UserError, ValueError):
     """A corpus file that cannot be read as text; the message names the file (and line)."""
 
 
@@ -73,7 +75,8 @@ class TextFiles:
 
     def require(self) -> None:
         """Raise `DatasetMissingError` when a split has no file, and `CorpusFormatError` when a
-        file is of two splits (`train/test_notes.txt`)."""
+        file is of two splits (`train/test_notes.txt`) or its format is not the one its ending
+        says (a .jsonl line without the text field, a parquet file without the text column)."""
         found = {split: self.files(split) for split in SPLITS}
         for i, split in enumerate(SPLITS):
             for other in SPLITS[i + 1 :]:
@@ -86,6 +89,14 @@ class TextFiles:
                     )
         absent = [s for s in SPLITS if not found[s]]
         if not absent:
+            # Each file's format before hours of tokenization, not when its split's turn comes:
+            # a parquet file's columns, a .jsonl file's first document.
+            for path in self.source_files():
+                if path.suffix == ".jsonl":
+                    with contextlib.closing(self._read_jsonl(path)) as documents:
+                        next(documents, None)
+                elif path.suffix == ".parquet":
+                    self._text_column(path)
             return
         if self.local_dir.is_dir():
             counts = ", ".join(f"{_split_word(s)}: {len(found[s])}" for s in SPLITS)
@@ -175,21 +186,33 @@ class TextFiles:
                     )
                 yield text
 
-    def _read_parquet(self, path: Path, batch_size: int) -> Iterator[str]:
+    def _text_column(self, path: Path) -> None:
+        """Check that a parquet file has the text column, of strings."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
         try:
-            names = pq.read_schema(path).names
+            schema = pq.read_schema(path)
         except Exception as e:
-            raise CorpusFormatError(f"{self.name}: cannot read {path} as parquet ({e})") from e
-        if self.text_column not in names:
+            raise CorpusFormatError(f"{self.name}: cannot read {path} as parquet ({e})") from None
+        if self.text_column not in schema.names:
             raise CorpusFormatError(
-                f"{self.name}: {path} has no column {self.text_column!r} (it has {names}); set "
-                "data.text_column to the column that holds the text"
+                f"{self.name}: {path} has no column {self.text_column!r} (it has "
+                f"{schema.names}); set data.text_column to the column that holds the text"
             )
+        kind = schema.field(self.text_column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise CorpusFormatError(
+                f"{self.name}: {path}: the column {self.text_column!r} holds {kind}, not text"
+            )
+
+    def _read_parquet(self, path: Path, batch_size: int) -> Iterator[str]:
+        import pyarrow.parquet as pq
+
+        self._text_column(path)
         for batch in pq.ParquetFile(path).iter_batches(batch_size, columns=[self.text_column]):
             for text in batch.column(0).to_pylist():
-                yield "" if text is None else str(text)
+                yield "" if text is None else text
 
 
 def _split_word(split: str) -> str:
