@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,7 +162,7 @@ class TextFiles:
                 f"{data[e.start : e.start + 1]!r}): convert it to UTF-8"
             ) from None
 
-    def _read_jsonl(self, path: Path) -> Iterator[str]:
+    def _read_jsonl(self, path: Path) -> Generator[str, None, None]:
         with path.open("rb") as f:
             for number, raw in enumerate(f, 1):
                 if not raw.strip():
