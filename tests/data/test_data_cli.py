@@ -56,3 +56,44 @@ def test_verify_of_a_missing_folder_fails(tmp_path: Path, capsys: pytest.Capture
     (tmp_path / "data").mkdir()
     assert main(["verify", "--root", str(tmp_path / "data")]) == 0
     assert "0 prepared cache(s)" in capsys.readouterr().out
+
+
+def test_a_data_file_of_another_format_is_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A PG-19 shard without the text column ended in a traceback: the data's format errors
+    were ValueErrors of their own, which the commands did not take for the user's."""
+    from megalab.testing.lm import write_parquet
+
+    for split in ("train", "validation", "test"):
+        shard = tmp_path / "pg19" / "data" / f"{split}-00000-of-00001.parquet"
+        write_parquet(shard, {"book": ["a b c"]})
+    assert main(["pg19", "--root", str(tmp_path), "data.vocab_size=300"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("Error: PG-19: ")
+    assert "missing column(s) ['text']" in err
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "megalab.data.hub:HubFormatError",
+        "megalab.data.wmt.datamodule:WMTFormatError",
+        "megalab.data.lra.release:LRAFormatError",
+        "megalab.data.lra.listops:ListOpsFormatError",
+        "megalab.data.speech_commands:SpeechCommandsFormatError",
+        "megalab.data.base:TruncationError",
+        "megalab.data.lm.corpus:CorpusFormatError",
+    ],
+)
+def test_the_data_format_errors_are_the_users(where: str) -> None:
+    import importlib
+
+    from megalab.utils.errors import UserError, actionable
+
+    module, _, name = where.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, UserError) and issubclass(cls, ValueError)
+    err = cls("the file x has no column y")
+    assert actionable(err) is err

@@ -21,6 +21,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from megalab.utils.errors import UserError
+
 
 @dataclass(frozen=True)
 class DataSpec:
@@ -134,7 +136,7 @@ def cached_sequences(
     return ds
 
 
-class TruncationError(ValueError):
+class TruncationError(UserError, ValueError):
     """Inputs longer than `data.max_len` that the settings do not allow to cut."""
 
 

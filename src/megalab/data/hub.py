@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megalab.data.download import DatasetMissingError, _missing_message, is_offline
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def client_summary(messages: Sequence[str]) -> str:
 _PREPARED = "prepared"  # default cache folder inside a dataset's folder, never source data
 
 
-class HubFormatError(ValueError):
+class HubFormatError(UserError, ValueError):
     """A copy of a Hub dataset that lacks a split or a column; the message names the file."""
 
 

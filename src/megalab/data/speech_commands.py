@@ -41,6 +41,7 @@ from megalab.data import download as dl
 from megalab.data.archives import extract
 from megalab.data.base import SequenceDataModule
 from megalab.data.cache import cache_dir, check_npy, check_range, mark_prepared, prepared
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ SPLITS = ("train", "val", "test")
 _CACHE_VERSION = 1
 
 
-class SpeechCommandsFormatError(ValueError):
+class SpeechCommandsFormatError(UserError, ValueError):
     """A Speech Commands file or split that cannot be used; the message names it."""
 
 

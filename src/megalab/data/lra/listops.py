@@ -33,6 +33,7 @@ from megalab.data.base import (
     file_key,
 )
 from megalab.data.dictionary import EOS_ID, PAD_ID, SPECIALS
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ def generate_listops(
 # ---------------------------------------------------------------------------------------------
 # Reader
 # ---------------------------------------------------------------------------------------------
-class ListOpsFormatError(ValueError):
+class ListOpsFormatError(UserError, ValueError):
     """A ListOps TSV that does not follow the LRA format."""
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from megalab.data.archives import extract
 from megalab.data.download import download
 from megalab.data.hub import HubDataset
+from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ RELEASE_SHA256: str | None = None
 _PREFIXES = ("lra_release/lra_release/", "lra_release/", "")
 
 
-class LRAFormatError(ValueError):
+class LRAFormatError(UserError, ValueError):
     """LRA data on disk that does not follow the official format; the message names the file."""
 
 
