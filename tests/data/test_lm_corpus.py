@@ -341,3 +341,19 @@ def test_a_file_of_another_format_is_named_before_the_tokenizer_is_trained(
     monkeypatch.setattr(subword, "train_tokenizer", fail)
     with pytest.raises(CorpusFormatError, match=r"valid\.jsonl, line 1: no field 'text'"):
         module(root).prepare_data()
+
+
+def test_generation_needs_no_more_than_the_runs_tokenizer(compose_cfg, tmp_path: Path) -> None:
+    """The run keeps its tokenizer: generating from it needs neither the corpus nor its
+    prepared tokens on this machine."""
+    from megalab.cli.generate import generate
+
+    root = tmp_path / "a"
+    write_corpus(root)
+    run, _ = trained_run(compose_cfg, root)
+    shutil.rmtree(root)
+    given = [f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}", "prompt=The old house", "seed=1"]
+    cfg = compose_cfg(*given, "max_new_tokens=6", "stream=false", config="generate", fast=False)
+    out = generate(merge_run_config(cfg, given), print_fn=lambda s: None)
+    assert out["new_tokens"] == 6 and out["samples"][0]
+    assert not root.exists()

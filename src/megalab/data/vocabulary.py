@@ -119,14 +119,17 @@ def save_vocabulary(datamodule: Any, run_dir: str | os.PathLike[str]) -> None:
 
 def check_vocabulary(datamodule: Any, run_dir: str | os.PathLike[str], command: str) -> None:
     """Raise `VocabularyMismatchError` when the data's vocabulary is not the run's copy (nothing
-    to check for a run without one). The data is prepared first: its vocabulary is a product of
-    the preparation."""
+    to check for a run without one). Data whose vocabulary is a product of its preparation (a
+    word list) is prepared first; a given tokenizer file needs none (generation reads no
+    more than the tokenizer)."""
     run_dir = Path(run_dir)
     kept = run_vocabulary(run_dir)
     if not kept:
         return
-    datamodule.prepare_data()
     files: dict[str, Path] = dict(datamodule.tokenizer_files())
+    if not all(path.is_file() for path in files.values()):
+        datamodule.prepare_data()
+        files = dict(datamodule.tokenizer_files())
     differ = _differing(files, kept)
     if differ:
         given = ", ".join(str(files.get(n, f"no {n}")) for n in differ)
