@@ -50,6 +50,20 @@ torch.set_num_threads(1)
 FAST = [*SMOKE_TRAINER, "logger=none", "data.num_workers=0"]
 
 
+@pytest.fixture(autouse=True)
+def _root_log_handlers_of_the_test_removed() -> Iterator[None]:
+    """The command-line `main()`s a test calls set up logging (`logging.basicConfig`) on the
+    stream the test's output capture holds; left on the root logger, that handler writes to a
+    closed stream in every later test of the process ("--- Logging error ---" on stderr)."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _return_freed_memory() -> Iterator[None]:
     """After each test file, give the heap's free pages back to the system (glibc keeps them
