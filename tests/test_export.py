@@ -161,6 +161,43 @@ def test_tokenizer_files_travel_with_the_model(compose_cfg, tmp_path: Path) -> N
     assert json.loads((out / "config.json").read_text())["tokenizer"] == ["vocab.txt"]
 
 
+SPLITS = ["data.sha256=null", "data.valid_size=3000", "data.test_size=3000"]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        ["data=enwik8", "data.drop_newlines=true", *SPLITS],
+        ["data=text8", *SPLITS],
+        ["data=wikitext103", "data.vocab_size=61056"],
+        ["data=pg19", "data.vocab_size=400", "data.tokenizer_sample_books=null"],
+    ],
+    ids=["bytes", "alphabet", "words", "tokenizer"],
+)
+def test_an_export_gives_its_text_codec(compose_cfg, tmp_path: Path, data: list[str]) -> None:
+    """An export shipped its vocabulary files but nothing to read them with: a model from the
+    Hub could not be given a prompt in Python without knowing the data's codec classes."""
+    cfg = compose_cfg("model=mega", *SMALL, *data, "task=language_modeling", "data.max_len=64",
+                      "data.eval_max_len=64", "model.backbone.causal=true")  # fmt: skip
+    datamodule = hydra.utils.instantiate(cfg.data)
+    datamodule.prepare_data()
+    _fake_run(cfg, tmp_path / "run")
+    out = export_run(tmp_path / "run", tmp_path / "export", checkpoint="last")
+    codec, theirs = megalab.text_codec(str(out)), datamodule.text_codec()
+    text = "the cat sat on the mat and the dog"
+    assert type(codec) is type(theirs)
+    assert codec.encode(text) == theirs.encode(text) and codec.eos_id == theirs.eos_id
+    assert codec.decode(codec.encode(text)) == theirs.decode(theirs.encode(text))
+    assert "codec = megalab.text_codec(" in (out / "README.md").read_text()
+
+
+def test_an_export_without_text_says_so(compose_cfg, tmp_path: Path) -> None:
+    out, _, _ = _export(compose_cfg, tmp_path)  # ListOps: tokens of a classification task
+    with pytest.raises(ExportError, match="records no text codec"):
+        megalab.text_codec(str(out))
+    assert "text_codec" not in (out / "README.md").read_text()
+
+
 def _export(compose_cfg, tmp_path: Path) -> tuple[Path, Any, Any]:
     cfg = compose_cfg("model=mega", *SMALL)
     task = _fake_run(cfg, tmp_path / "run")

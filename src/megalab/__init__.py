@@ -15,3 +15,11 @@ def from_pretrained(name_or_path: str, revision: str | None = None) -> Any:
     from megalab.pretrained import from_pretrained as load
 
     return load(name_or_path, revision=revision)
+
+
+def text_codec(name_or_path: str, revision: str | None = None) -> Any:
+    """The text codec of a model `megalab-export` wrote: prompts to its token ids, ids to text
+    (`megalab.pretrained.text_codec`)."""
+    from megalab.pretrained import text_codec as load
+
+    return load(name_or_path, revision=revision)

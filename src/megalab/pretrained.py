@@ -5,18 +5,20 @@ An export is a folder of four kinds of file, none of them a pickle:
 
 - `model.safetensors`: the trained task's weights (encoder, backbone and head);
 - `config.json`: what builds the model again (the run's resolved `task` config, whose
-  `_target_`s must be megalab's own classes), the data spec it was trained on, the command and
-  the final metrics, with the megalab version;
+  `_target_`s must be megalab's own classes), the data spec it was trained on, its text codec
+  (`text`: bytes, an alphabet, words or a tokenizer, read with the files below), the command
+  and the final metrics, with the megalab version;
 - `tokenizer/`: the files that turn text into the data's token ids, where the data has any (PG-19's
   `tokenizer.json`, WikiText-103's `vocab.txt`, WMT'16's `bpe.json` and `dict.txt`);
 - `README.md`: the model card (model, parameters, data, command, metrics, version, the paper).
 
-`from_pretrained(path_or_hub_id)` loads such a folder, locally or through `huggingface_hub`'s
-`snapshot_download` (offline it resolves a Hub id from the local cache). A folder from a stranger
-is data: its config may build only megalab's classes (`megalab.utils.safe_config`), may not
-interpolate (`${...}` could call a resolver), and its weights are read by safetensors. `megalab-
-export --push-to-hub user/name` uploads the folder with `huggingface_hub`; `--format hf` writes a
-Llama as a Hugging Face `transformers` folder instead.
+`from_pretrained(path_or_hub_id)` loads such a folder (and `text_codec(path_or_hub_id)` its
+text codec), locally or through `huggingface_hub`'s `snapshot_download` (offline it resolves a
+Hub id from the local cache). A folder from a stranger is data: its config may build only
+megalab's classes (`megalab.utils.safe_config`), may not interpolate (`${...}` could call a
+resolver), and its weights are read by safetensors. `megalab-export --push-to-hub user/name`
+uploads the folder with `huggingface_hub`; `--format hf` writes a Llama as a Hugging Face
+`transformers` folder instead.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -35,6 +37,9 @@ from torch import Tensor, nn
 from megalab.data.vocabulary import run_vocabulary
 from megalab.utils.errors import UserError
 from megalab.version import __version__
+
+if TYPE_CHECKING:
+    from megalab.data.lm.codec import TextCodec
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +179,20 @@ def _task_config(cfg: DictConfig) -> dict[str, Any]:
     return task
 
 
+def _text_spec(cfg: DictConfig) -> dict[str, Any] | None:
+    """What turns text into the run's token ids (its data module's `text_spec()`, which reads
+    no data); None for data that is not text, or a data module that cannot be built here."""
+    import hydra
+
+    try:
+        datamodule = hydra.utils.instantiate(cfg.data)
+    except Exception as err:  # the export stands without it: say so, do not fail
+        log.warning("no text codec recorded: the data module could not be built (%s)", err)
+        return None
+    spec = getattr(datamodule, "text_spec", lambda: None)()
+    return dict(spec) if spec is not None else None
+
+
 def tokenizer_files(cfg: DictConfig) -> dict[str, Path]:
     """The data's tokenizer files on this machine (none for bytes, characters and pixels)."""
     import hydra
@@ -246,6 +265,7 @@ def export_run(
             **{k: OmegaConf.select(cfg, f"data.{k}", default=None) for k in DATA_SPEC_KEYS},
         },
         "tokenizer": sorted(tokenizer),
+        "text": _text_spec(cfg),
         # metrics.json records the experiment as training resolved it: the saved config's
         # `${hydra:runtime.choices.experiment}` resolves inside a Hydra app only.
         "experiment": metrics.get("experiment")
@@ -272,6 +292,11 @@ def model_card(record: Mapping[str, Any]) -> str:
     data = record["data"]
     spec = ", ".join(f"{k} {data[k]}" for k in DATA_SPEC_KEYS if data.get(k) is not None)
     tokenizer = ", ".join(f"`tokenizer/{n}`" for n in record.get("tokenizer") or []) or "none"
+    codec = (
+        '\ncodec = megalab.text_codec("<this folder or Hub id>")  # text <-> its token ids'
+        if isinstance(record.get("text"), dict)
+        else ""
+    )
     return f"""---
 library_name: megalab
 tags: [megalab, {family}]
@@ -298,7 +323,7 @@ A {family} model trained with megalab {record["megalab_version"]}:
 ```python
 import megalab
 
-model = megalab.from_pretrained("<this folder or Hub id>")
+model = megalab.from_pretrained("<this folder or Hub id>"){codec}
 ```
 
 The weights are `model.safetensors`; `config.json` builds the model from megalab's own classes
@@ -381,6 +406,28 @@ def from_pretrained(
     task = build_task(record["task"], str(folder / CONFIG))
     load_model(task, str(folder / WEIGHTS), strict=True, device=str(map_location))
     return task.eval()
+
+
+def text_codec(
+    name_or_path: str | Path, revision: str | None = None, cache_dir: str | None = None
+) -> TextCodec:
+    """The text codec of a model `megalab-export` wrote (a folder or a Hub id): prompts to its
+    token ids and ids to text, with the vocabulary it was trained with (`tokenizer/`)."""
+    from megalab.data.lm.codec import codec_from_spec
+
+    folder, record = _export(name_or_path, revision, cache_dir)
+    spec = record.get("text")
+    if not isinstance(spec, dict):
+        raise ExportError(
+            f"{folder} records no text codec: its data is not text, or it was exported before "
+            "exports recorded one (export the run again)"
+        )
+    name = spec.get("file")
+    if name is not None and not (folder / TOKENIZER_DIR / str(name)).is_file():
+        raise ExportError(
+            f"{folder} has no {TOKENIZER_DIR}/{name}: it was exported with --without-tokenizer"
+        )
+    return codec_from_spec(spec, folder / TOKENIZER_DIR)
 
 
 def push_to_hub(folder: str | Path, repo_id: str, private: bool = False) -> str:

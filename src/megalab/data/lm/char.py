@@ -164,6 +164,9 @@ class Enwik8DataModule(CharLMDataModule):
         """Prompts as UTF-8 bytes (without newlines when the data drops them)."""
         return ByteCodec(drop_newlines=self.drop_newlines)
 
+    def text_spec(self) -> dict[str, Any]:
+        return {"kind": "bytes", "drop_newlines": bool(self.drop_newlines)}
+
 
 class Text8DataModule(CharLMDataModule):
     """text8: 27 symbols, space = 0 and a-z = 1..26; any other byte is an error."""
@@ -199,3 +202,6 @@ class Text8DataModule(CharLMDataModule):
     def text_codec(self) -> AlphabetCodec:
         """Prompts in text8's alphabet (lower-cased)."""
         return AlphabetCodec(TEXT8_ALPHABET, name="text8")
+
+    def text_spec(self) -> dict[str, Any]:
+        return {"kind": "alphabet", "alphabet": TEXT8_ALPHABET, "lowercase": True, "name": "text8"}

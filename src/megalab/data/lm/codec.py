@@ -9,14 +9,19 @@ streams were encoded with:
   character is an error that names it.
 - `WordCodec` (WikiText-103): whitespace-separated words of the training vocabulary, one
   `<eos>` per line break; unknown words become `<unk>` (an ordinary word of that corpus).
-- `TokenizerCodec` (PG-19): the Hugging Face `tokenizers` tokenizer of the data, `<eos>` ends
-  a book.
+- `TokenizerCodec` (PG-19, a corpus of one's own): the Hugging Face `tokenizers` tokenizer of
+  the data, `<eos>` ends a document.
+
+A data module describes its codec without reading any data (`text_spec()`: a JSON-able dict
+naming the vocabulary file, if any, by its `tokenizer_files()` name); an export records it, and
+`codec_from_spec` builds the codec again from the exported files (`megalab.text_codec`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
@@ -25,7 +30,8 @@ log = logging.getLogger(__name__)
 class TextCodec(Protocol):
     """Encodes a prompt to ids and decodes ids to text; `eos_id` ends a document (or None)."""
 
-    eos_id: int | None
+    @property
+    def eos_id(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -135,3 +141,23 @@ class TokenizerCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def codec_from_spec(spec: Mapping[str, Any], folder: Path) -> TextCodec:
+    """The codec a data module's `text_spec()` describes, its vocabulary file read from
+    `folder` (an export's `tokenizer/`). Raises a ValueError for a kind it does not know."""
+    kind = spec.get("kind")
+    if kind == "bytes":
+        return ByteCodec(drop_newlines=bool(spec.get("drop_newlines", False)))
+    if kind == "alphabet":
+        return AlphabetCodec(str(spec["alphabet"]), bool(spec["lowercase"]), str(spec["name"]))
+    if kind == "words":
+        lines = (folder / str(spec["file"])).read_text(encoding="utf-8").split("\n")[:-1]
+        return WordCodec(lines, eos=str(spec["eos"]), unk=str(spec["unk"]))
+    if kind == "tokenizer":
+        from tokenizers import Tokenizer
+
+        eos = spec.get("eos_token")
+        tokenizer = Tokenizer.from_file(str(folder / str(spec["file"])))
+        return TokenizerCodec(tokenizer, None if eos is None else str(eos))
+    raise ValueError(f"unknown text codec {kind!r} (bytes, alphabet, words or tokenizer)")

@@ -328,6 +328,9 @@ class SubwordDataModule(LMStreamDataModule):
             self.prepare_data()
         return load_streams(self.cache(), self.spec.vocab_size)
 
+    def text_spec(self) -> dict[str, Any]:
+        return {"kind": "tokenizer", "file": "tokenizer.json", "eos_token": self.eos_token}
+
     def text_codec(self) -> TokenizerCodec:
         """Prompts through the data's tokenizer; `<eos>` ends a document."""
         return TokenizerCodec(self.tokenizer(), self.eos_token)

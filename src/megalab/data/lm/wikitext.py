@@ -133,6 +133,9 @@ class WikiText103DataModule(LMStreamDataModule):
         """The prepared vocabulary (id = position)."""
         return (self.cache() / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
 
+    def text_spec(self) -> dict[str, Any]:
+        return {"kind": "words", "file": "vocab.txt", "eos": EOS, "unk": "<unk>"}
+
     def text_codec(self) -> WordCodec:
         """Prompts as words of the training vocabulary, `<eos>` per line break."""
         if not prepared(self.cache()):
