@@ -11,6 +11,7 @@ that the refusal names the file and the key.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from collections.abc import Iterator
@@ -536,7 +537,7 @@ def test_a_cache_with_a_pickled_array_runs_nothing(tmp_path: Path, marker: Path)
 
 
 def test_eval_prepares_missing_data_in_its_output_folder_only(
-    compose_cfg, fixture_data_dir: Path, tmp_path: Path
+    compose_cfg, fixture_data_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Evaluation writes nothing outside its output folder: data the run's folder has not
     prepared (here enwik8, raw archive only) is prepared below the output folder, and a
@@ -565,7 +566,10 @@ def test_eval_prepares_missing_data_in_its_output_folder_only(
             assert next(iter(dm.test_dataloader()))["inputs"].shape[-1] == 32
 
     before = tree()
-    load(tmp_path / "eval1")
+    with caplog.at_level(logging.INFO, logger="megalab.data.cache"):
+        load(tmp_path / "eval1")
+    # Said once, not at each time the data module asks for the folder.
+    assert caplog.text.count("(the data folder is not written)") == 1
     assert tree() == before  # the data folder untouched
     assert list((tmp_path / "eval1" / "prepared").rglob(".complete"))
     # Prepared in the data folder (as training does), evaluation reads it and writes nothing.
