@@ -179,29 +179,6 @@ def _task_config(cfg: DictConfig) -> dict[str, Any]:
     return task
 
 
-def _text_spec(cfg: DictConfig) -> dict[str, Any] | None:
-    """What turns text into the run's token ids (its data module's `text_spec()`, which reads
-    no data); None for data that is not text, or a data module that cannot be built here."""
-    import hydra
-
-    try:
-        datamodule = hydra.utils.instantiate(cfg.data)
-    except Exception as err:  # the export stands without it: say so, do not fail
-        log.warning("no text codec recorded: the data module could not be built (%s)", err)
-        return None
-    spec = getattr(datamodule, "text_spec", lambda: None)()
-    return dict(spec) if spec is not None else None
-
-
-def tokenizer_files(cfg: DictConfig) -> dict[str, Path]:
-    """The data's tokenizer files on this machine (none for bytes, characters and pixels)."""
-    import hydra
-
-    datamodule = hydra.utils.instantiate(cfg.data)
-    files: dict[str, Path] = datamodule.tokenizer_files()
-    return files
-
-
 # -------------------------------------------------------------------------------- writing
 def export_run(
     run_dir: str | Path,
@@ -224,18 +201,26 @@ def export_run(
         raise ExportError(f"{ckpt} holds no state_dict: not a checkpoint of a megalab run")
     task.load_state_dict(state["state_dict"], strict=True)
 
-    tokenizer: dict[str, Path] = {}
-    if with_tokenizer and run_vocabulary(run_dir):
-        tokenizer = run_vocabulary(run_dir)  # the run's own copy: no data needed here
-    elif with_tokenizer:
-        try:
-            tokenizer = tokenizer_files(cfg)
-        except Exception as err:
+    import hydra
+
+    # The run's own copy of its vocabulary; a run from before runs kept one asks its data module
+    # (built once, reading no data, which also says what its text codec is).
+    tokenizer: dict[str, Path] = run_vocabulary(run_dir) if with_tokenizer else {}
+    ask_data = with_tokenizer and not tokenizer
+    datamodule = None
+    try:
+        datamodule = hydra.utils.instantiate(cfg.data)
+        if ask_data:
+            tokenizer = dict(datamodule.tokenizer_files())
+    except Exception as err:
+        if ask_data:
             raise ExportError(
                 f"the tokenizer of {run_dir}'s data could not be found on this machine "
                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
                 "prepare the data as for training, or export with --without-tokenizer"
             ) from None
+        log.warning("no text codec recorded: the data module could not be built (%s)", err)
+    if ask_data:
         missing = [str(p) for p in tokenizer.values() if not p.is_file()]
         if missing:
             raise ExportError(
@@ -265,7 +250,7 @@ def export_run(
             **{k: OmegaConf.select(cfg, f"data.{k}", default=None) for k in DATA_SPEC_KEYS},
         },
         "tokenizer": sorted(tokenizer),
-        "text": _text_spec(cfg),
+        "text": datamodule.text_spec() if datamodule is not None else None,
         # metrics.json records the experiment as training resolved it: the saved config's
         # `${hydra:runtime.choices.experiment}` resolves inside a Hydra app only.
         "experiment": metrics.get("experiment")

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from megalab.data.vocabulary import check_vocabulary, run_tokenizer, run_vocabulary
 from megalab.utils import errors
 from megalab.utils.checkpointing import read_checkpoint
-from megalab.utils.run_folder import find_run_config, refuse_folder
+from megalab.utils.run_folder import find_run_config, find_run_dir, refuse_folder
 from megalab.utils.safe_config import (
     UnsafeConfigError,
     check_targets,
@@ -181,9 +181,9 @@ def merge_run_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 def check_run_vocabulary(cfg: DictConfig, datamodule: Any, command: str) -> None:
     """Refuse data whose vocabulary is not the one the checkpoint's run trained with (a run
     folder without a copy, or `use_run_config=false`: nothing to check)."""
-    run_cfg_path = find_run_config(checkpoint_file(cfg))
-    if run_cfg_path is not None and cfg.get("use_run_config", True):
-        check_vocabulary(datamodule, run_cfg_path.parent.parent, command)
+    run_dir = find_run_dir(checkpoint_file(cfg))
+    if run_dir is not None and cfg.get("use_run_config", True):
+        check_vocabulary(datamodule, run_dir, command)
 
 
 def require_language_model(cfg: DictConfig, command: str) -> None:
@@ -257,8 +257,8 @@ def weights_vocabulary(source: str) -> dict[str, Path]:
     if (path / "config.json").is_file():
         folder = path / TOKENIZER_DIR
         return {p.name: p for p in sorted(folder.glob("*")) if p.is_file()}
-    run_cfg = find_run_config(path) if path.is_file() else None
-    return run_vocabulary(run_cfg.parent.parent) if run_cfg is not None else {}
+    run_dir = find_run_dir(path) if path.is_file() else None
+    return run_vocabulary(run_dir) if run_dir is not None else {}
 
 
 def init_weights(

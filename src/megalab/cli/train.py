@@ -265,7 +265,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
         record = train(cfg)
     value = record.get("monitor_value")
     log.info("metrics written to %s", Path(cfg.paths.output_dir) / "metrics.json")
-    for report in sorted(Path(cfg.paths.output_dir).glob("*-profile*.txt")):
+    for report in sorted(Path(cfg.paths.output_dir).glob(f"*-{run_utils.PROFILE}*.txt")):
         log.info("profiler report written to %s", report)
     run_utils.print_numbers(record["metrics"], "test/")
     return float(value) if value is not None else None

@@ -348,6 +348,12 @@ class SequenceDataModule(L.LightningDataModule):
         keeps them under (`megalab-export`); none for bytes, characters, pixels or audio."""
         return {}
 
+    def text_spec(self) -> dict[str, Any] | None:
+        """What turns text into this data's token ids (`megalab.data.lm.codec.codec_from_spec`
+        builds it from the `tokenizer_files()`), without reading any data: what an export
+        records. None: the data is not text."""
+        return None
+
     # -- Lightning ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
         if not self.datasets:

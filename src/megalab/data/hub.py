@@ -36,7 +36,14 @@ from megalab.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HUB_SPLIT_NAMES", "HubDataset", "HubFormatError", "belongs_to_split", "is_source_file"]
+__all__ = [
+    "HUB_SPLIT_NAMES",
+    "HubDataset",
+    "HubFormatError",
+    "belongs_to_split",
+    "file_fingerprint",
+    "is_source_file",
+]
 
 #: Our split names -> the Hub's name first, then aliases accepted in local copies.
 HUB_SPLIT_NAMES: dict[str, tuple[str, ...]] = {
@@ -111,6 +118,16 @@ def belongs_to_split(rel: Path, names: Sequence[str]) -> bool:
     if any(part in names for part in rel.parts[:-1]):
         return True
     return any(tok in names for tok in re.split(r"[-_.]", rel.name))
+
+
+def file_fingerprint(files: Sequence[Path], root: Path) -> list[list[Any]]:
+    """`[path relative to root, size, mtime_ns]` of each file: what keys a prepared cache on its
+    source files (moving the folder keeps the key)."""
+    out = []
+    for f in files:
+        stat = f.stat()
+        out.append([f.relative_to(root).as_posix(), stat.st_size, stat.st_mtime_ns])
+    return out
 
 
 def is_source_file(rel: Path) -> bool:
@@ -191,11 +208,7 @@ class HubDataset:
         The shards of each split in turn, or every file of a ``save_to_disk`` folder; paths are
         relative to ``local_dir`` (moving the folder keeps the key).
         """
-        files = self.source_files()
-        return [
-            [f.relative_to(self.local_dir).as_posix(), f.stat().st_size, f.stat().st_mtime_ns]
-            for f in files
-        ]
+        return file_fingerprint(self.source_files(), self.local_dir)
 
     def source_files(self) -> list[Path]:
         """Every local source file: the shards of each split in turn, or the files of a

@@ -177,6 +177,13 @@ def _shipped_presets(kind: str) -> list[str]:
     return [n for n in names if kind in group_config("model", n)]
 
 
+# A model config's node -> what it builds, and the function that builds it from a preset.
+_PRESET_KINDS = {
+    "backbone": ("a backbone", "from_preset"),
+    "encoder_decoder": ("an encoder-decoder", "encoder_decoder_from_preset"),
+}
+
+
 def _built_preset(
     name: str, kind: str, data: Mapping[str, Any] | None, options: Mapping[str, Any]
 ) -> Any:
@@ -193,11 +200,9 @@ def _built_preset(
     model = group_config("model", name)
     if kind not in model:
         other = "encoder_decoder" if "encoder_decoder" in model else "backbone"
-        builder = "encoder_decoder_from_preset" if other == "encoder_decoder" else "from_preset"
-        said = {"backbone": "a backbone", "encoder_decoder": "an encoder-decoder"}
+        (said, builder), (wanted, _) = _PRESET_KINDS[other], _PRESET_KINDS[kind]
         raise ValueError(
-            f"model preset {name!r} is {said[other]}, not {said[kind]}: build it with "
-            f"{builder}({name!r}, ...)"
+            f"model preset {name!r} is {said}, not {wanted}: build it with {builder}({name!r}, ...)"
         )
     cfg = OmegaConf.create({"model": model, "data": {**_DATA_SPEC, **(data or {})}})
     node = cfg.model[kind]

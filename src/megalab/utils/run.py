@@ -283,6 +283,10 @@ def lightning_trainer_config(cfg: DictConfig) -> DictConfig:
     return out
 
 
+PROFILE = "profile"
+"""The name a profiler's report takes in the run folder: `<stage>-profile[-<rank>].txt`."""
+
+
 def profiler_in_run_folder(name: str, run_dir: str) -> Any:
     """Lightning's `name` profiler writing its report to `<run_dir>/<stage>-profile.txt` (and
     the PyTorch profiler its Chrome traces beside it): given by name, Lightning prints the
@@ -294,7 +298,7 @@ def profiler_in_run_folder(name: str, run_dir: str) -> Any:
         "advanced": profilers.AdvancedProfiler,
         "pytorch": profilers.PyTorchProfiler,
     }
-    return classes[name](dirpath=run_dir, filename="profile")
+    return classes[name](dirpath=run_dir, filename=PROFILE)
 
 
 def instantiate_trainer(cfg: DictConfig, **kwargs: Any) -> Any:

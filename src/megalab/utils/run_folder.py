@@ -46,6 +46,12 @@ def find_run_config(ckpt_path: Path) -> Path | None:
     return None
 
 
+def find_run_dir(ckpt_path: Path) -> Path | None:
+    """The folder of the run a checkpoint belongs to (the one holding its `.hydra/`), if any."""
+    config = find_run_config(ckpt_path)
+    return config.parent.parent if config is not None else None
+
+
 def resolve_ckpt_path(ckpt_path: str | None, output_dir: str | os.PathLike[str]) -> str | None:
     """`last`: this run folder's `checkpoints/last.ckpt` (it must exist); `auto`: the newest of
     the folder's checkpoints a run resumes exactly from (`resumable_checkpoint`), else None (a

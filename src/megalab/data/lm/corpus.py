@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from megalab.data.download import DatasetMissingError
-from megalab.data.hub import HUB_SPLIT_NAMES, belongs_to_split, is_source_file
+from megalab.data.hub import HUB_SPLIT_NAMES, belongs_to_split, file_fingerprint, is_source_file
 from megalab.data.lm.subword import SubwordDataModule
 from megalab.utils.errors import UserError
 
@@ -57,27 +57,30 @@ class TextFiles:
     def __post_init__(self) -> None:
         object.__setattr__(self, "local_dir", Path(self.local_dir).expanduser().absolute())
 
-    def _all_files(self) -> list[Path]:
+    def _by_split(self) -> dict[str, list[Path]]:
+        """The files of each split, sorted by path (the folder walked once)."""
         if not self.local_dir.is_dir():
-            return []
-        return sorted(
-            f
+            return {split: [] for split in SPLITS}
+        rels = sorted(
+            f.relative_to(self.local_dir)
             for f in self.local_dir.rglob("*")
-            if f.suffix in FORMATS and f.is_file() and is_source_file(f.relative_to(self.local_dir))
+            if f.suffix in FORMATS and f.is_file()
         )
+        rels = [r for r in rels if is_source_file(r)]
+        return {
+            split: [self.local_dir / r for r in rels if belongs_to_split(r, HUB_SPLIT_NAMES[split])]
+            for split in SPLITS
+        }
 
     def files(self, split: str) -> list[Path]:
         """The files of `split`, sorted by path."""
-        names = HUB_SPLIT_NAMES[split]
-        return [
-            f for f in self._all_files() if belongs_to_split(f.relative_to(self.local_dir), names)
-        ]
+        return self._by_split()[split]
 
     def require(self) -> None:
         """Raise `DatasetMissingError` when a split has no file, and `CorpusFormatError` when a
         file is of two splits (`train/test_notes.txt`) or its format is not the one its ending
         says (a .jsonl line without the text field, a parquet file without the text column)."""
-        found = {split: self.files(split) for split in SPLITS}
+        found = self._by_split()
         for i, split in enumerate(SPLITS):
             for other in SPLITS[i + 1 :]:
                 both = sorted(set(found[split]) & set(found[other]))
@@ -91,7 +94,7 @@ class TextFiles:
         if not absent:
             # Each file's format before hours of tokenization, not when its split's turn comes:
             # a parquet file's columns, a .jsonl file's first document.
-            for path in self.source_files():
+            for path in (f for split in SPLITS for f in found[split]):
                 if path.suffix == ".jsonl":
                     with contextlib.closing(self._read_jsonl(path)) as documents:
                         next(documents, None)
@@ -117,14 +120,12 @@ class TextFiles:
         )
 
     def source_files(self) -> list[Path]:
-        return [f for split in SPLITS for f in self.files(split)]
+        found = self._by_split()
+        return [f for split in SPLITS for f in found[split]]
 
     def fingerprint(self) -> list[list[Any]]:
         """`[path, size, mtime_ns]` of every file (paths relative to the folder)."""
-        return [
-            [f.relative_to(self.local_dir).as_posix(), f.stat().st_size, f.stat().st_mtime_ns]
-            for f in self.source_files()
-        ]
+        return file_fingerprint(self.source_files(), self.local_dir)
 
     def num_rows(self, split: str) -> int:
         """The number of documents of `split` (without reading their text)."""

@@ -583,11 +583,6 @@ class LMStreamDataModule(SequenceDataModule):
         """Text <-> ids with this dataset's vocabulary (`megalab.data.lm.codec`), for prompts."""
         raise NotImplementedError(f"{type(self).__name__} has no text codec")
 
-    def text_spec(self) -> dict[str, Any] | None:
-        """What `text_codec()` is, without reading any data (`codec_from_spec` builds it again
-        from the vocabulary files): what an export records. None: no text codec."""
-        return None
-
     # -- setup ----------------------------------------------------------------------------------
     def build_datasets(self) -> dict[str, TokenStream]:
         streams = self.load_streams()
