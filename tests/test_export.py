@@ -198,6 +198,24 @@ def test_an_export_without_text_says_so(compose_cfg, tmp_path: Path) -> None:
     assert "text_codec" not in (out / "README.md").read_text()
 
 
+def test_a_strangers_text_codec_reads_only_its_own_tokenizer_files(
+    compose_cfg, tmp_path: Path
+) -> None:
+    """config.json is data: a codec naming a file outside `tokenizer/` is refused."""
+    out, _, _ = _export(compose_cfg, tmp_path)
+    record = json.loads((out / "config.json").read_text())
+    record["text"] = {"kind": "tokenizer", "file": "../config.json", "eos_token": None}
+    refusals = [
+        ([], "exported with --without-tokenizer"),
+        (["../config.json"], "which is not one of its tokenizer files"),
+    ]
+    for listed, message in refusals:
+        record["tokenizer"] = listed
+        (out / "config.json").write_text(json.dumps(record))
+        with pytest.raises(ExportError, match=message):
+            megalab.text_codec(str(out))
+
+
 def _export(compose_cfg, tmp_path: Path) -> tuple[Path, Any, Any]:
     cfg = compose_cfg("model=mega", *SMALL)
     task = _fake_run(cfg, tmp_path / "run")

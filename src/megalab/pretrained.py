@@ -407,11 +407,20 @@ def text_codec(
             f"{folder} records no text codec: its data is not text, or it was exported before "
             "exports recorded one (export the run again)"
         )
-    name = spec.get("file")
-    if name is not None and not (folder / TOKENIZER_DIR / str(name)).is_file():
+    name, listed = spec.get("file"), list(record.get("tokenizer") or [])
+    if name is not None and not listed:
         raise ExportError(
             f"{folder} has no {TOKENIZER_DIR}/{name}: it was exported with --without-tokenizer"
         )
+    if name is not None and (name not in listed or Path(str(name)).name != name):
+        # A folder from anyone is data: its codec reads only a file the export lists as its
+        # own, by a bare name inside tokenizer/ (`megalab-export` writes nothing else).
+        raise ExportError(
+            f"{folder / CONFIG}: its text codec names {name!r}, which is not one of its "
+            f"tokenizer files {listed}"
+        )
+    if name is not None and not (folder / TOKENIZER_DIR / str(name)).is_file():
+        raise ExportError(f"{folder / TOKENIZER_DIR / str(name)} is missing")
     return codec_from_spec(spec, folder / TOKENIZER_DIR)
 
 
